@@ -1,0 +1,80 @@
+"""Opening images and producing the exact model-input image, with errors that name the image."""
+
+from __future__ import annotations
+
+import os
+from io import BytesIO
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names it and says what is wrong."""
+
+
+def describe(source: Any) -> str:
+    """A short human name for an LF image input (path, bytes, dict or PIL image)."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    if isinstance(source, dict):
+        return str(source.get("path") or f"<{len(source.get('bytes') or b'')} bytes>")
+    if isinstance(source, bytes):
+        return f"<{len(source)} bytes>"
+    if isinstance(source, Image.Image):
+        return getattr(source, "filename", "") or f"<in-memory {source.mode} image {source.width}x{source.height}>"
+    return f"<{type(source).__name__}>"
+
+
+def open_image(source: Any) -> Image.Image:
+    """Open (lazily, header only) any image input LLaMA-Factory accepts."""
+    name = describe(source)
+    try:
+        if isinstance(source, Image.Image):
+            return source
+        if isinstance(source, dict):
+            source = source["bytes"] if source.get("bytes") is not None else source["path"]
+        if isinstance(source, bytes):
+            return Image.open(BytesIO(source))
+        if isinstance(source, str) and source.startswith("file://"):
+            source = source[len("file://"):]
+        return Image.open(source)
+    except FileNotFoundError:
+        raise ImageError(f"image {name}: file not found") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"image {name}: not a readable image file") from None
+    except (OSError, KeyError, TypeError) as exc:
+        raise ImageError(f"image {name}: cannot open ({exc})") from None
+
+
+def decode(image: Image.Image, name: str) -> Image.Image:
+    """Decode all pixels now, so a truncated or corrupt file fails here with its name, not deep in PIL later."""
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"image {name}: cannot decode pixels ({exc}); the file is truncated or corrupt") from None
+    return image
+
+
+def model_input_image(source: Any, policy: ResizePolicy) -> Image.Image:
+    """The RGB image the vision encoder sees: ``qwen_vl_utils.fetch_image`` with the policy's pinned bounds."""
+    from qwen_vl_utils import fetch_image
+
+    name = describe(source)
+    image = decode(open_image(source), name)
+    try:
+        expected = policy.model_size(image.height, image.width)
+    except PolicyError as exc:
+        raise ImageError(f"image {name}: {exc}") from None
+    out = fetch_image(
+        {"image": image, "min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
+        image_patch_size=policy.patch_size,
+    )
+    if (out.height, out.width) != expected:
+        raise RuntimeError(
+            f"qwen_vl_utils.fetch_image returned {out.width}x{out.height} for {name}, the policy says "
+            f"{expected[1]}x{expected[0]}: the installed qwen-vl-utils changed its resize rule"
+        )
+    return out

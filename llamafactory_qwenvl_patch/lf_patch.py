@@ -1,0 +1,168 @@
+"""The patches applied to LLaMA-Factory modules right after they load (see ``_hook``).
+
+Each patch is inert unless the run opts in with ``qwenvl_patch: true``; without it LLaMA-Factory behaves stock.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MethodType, ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch import __version__, lf_compat
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+
+POLICY_FILE = "qwenvl_policy.json"
+
+
+def _replace(module: ModuleType, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap ``module.name`` once, and rebind every LF module that already imported the original."""
+    original = getattr(module, name)
+    if getattr(original, "__qwenvl_wrapped__", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__qwenvl_wrapped__ = True
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and (mod_name == "llamafactory" or mod_name.startswith("llamafactory.")):
+            for attr, value in list(vars(mod).items()):
+                if value is original:
+                    setattr(mod, attr, wrapper)
+
+
+# --- arguments -----------------------------------------------------------------------------------------------------
+
+
+def patch_parser(parser: ModuleType) -> None:
+    """Accept ``qwenvl_patch`` in train, infer/export and eval YAMLs by widening ModelArguments."""
+    lf_compat.require(parser, ["ModelArguments", "_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS"])
+    base = parser.ModelArguments
+    if any(f.name == "qwenvl_patch" for f in fields(base)):
+        return
+
+    @dataclass
+    class QwenVLModelArguments(base):
+        qwenvl_patch: bool = field(
+            default=False,
+            metadata={
+                "help": "Resize still images with qwen_vl_utils.fetch_image under the pinned bounds "
+                "image_min_pixels/image_max_pixels, and carry those bounds into the processor and every export."
+            },
+        )
+
+    QwenVLModelArguments.__qualname__ = QwenVLModelArguments.__name__ = "ModelArguments"
+    for list_name in ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS"):
+        arg_list = getattr(parser, list_name, None) or []
+        for i, cls in enumerate(arg_list):
+            if cls is base:
+                arg_list[i] = QwenVLModelArguments
+
+
+# --- processor -----------------------------------------------------------------------------------------------------
+
+
+def set_image_processor_bounds(image_processor: Any, policy: ResizePolicy) -> None:
+    """Pin the HF image processor's bounds on the instance (5.x constructors write into a class-level default)."""
+    size = getattr(image_processor, "size", None)
+    values = {"shortest_edge": policy.min_pixels, "longest_edge": policy.max_pixels}
+    image_processor.size = type(size)(**values) if size is not None and not isinstance(size, dict) else values
+    for attr, value in (("min_pixels", policy.min_pixels), ("max_pixels", policy.max_pixels)):
+        if hasattr(image_processor, attr):
+            setattr(image_processor, attr, value)
+
+
+def write_policy_record(save_directory: str | Path, policy: ResizePolicy) -> None:
+    record = {**policy.to_dict(), "written_by": f"llamafactory-qwenvl-patch {__version__}"}
+    Path(save_directory, POLICY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
+    """Processor save that also writes ``preprocessor_config.json`` and the policy record beside it."""
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    self.image_processor.save_pretrained(save_directory)
+    write_policy_record(save_directory, self.qwenvl_policy)
+    return result
+
+
+def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
+    """Derive the run's policy, pin it on the processor, and make every save of that processor carry it."""
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        raise ValueError(
+            f"qwenvl_patch: true needs a Qwen-VL model with an image processor; "
+            f"{model_args.model_name_or_path} loaded none"
+        )
+    image_processor = processor.image_processor
+    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+    policy = ResizePolicy(int(model_args.image_min_pixels), int(model_args.image_max_pixels), factor)
+    set_image_processor_bounds(image_processor, policy)
+    processor.qwenvl_policy = policy
+    processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)
+    return policy
+
+
+def patch_model_loader(loader: ModuleType) -> None:
+    lf_compat.require(loader, ["load_tokenizer"])
+
+    def make(load_tokenizer: Callable) -> Callable:
+        def wrapper(model_args: Any, *args: Any, **kwargs: Any) -> Any:
+            module = load_tokenizer(model_args, *args, **kwargs)
+            if getattr(model_args, "qwenvl_patch", False):
+                policy = pin_processor(module.get("processor"), model_args)
+                module["tokenizer"].qwenvl_policy = policy
+            return module
+
+        return wrapper
+
+    _replace(loader, "load_tokenizer", make)
+
+
+# --- template ------------------------------------------------------------------------------------------------------
+
+
+def patch_template(template_module: ModuleType) -> None:
+    """Give a pinned run its own template copy whose plugin instance carries the bounds (shared TEMPLATES untouched)."""
+    lf_compat.require(template_module, ["get_template_and_fix_tokenizer", "TEMPLATES"])
+
+    def make(get_template: Callable) -> Callable:
+        def wrapper(tokenizer: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
+            template = get_template(tokenizer, data_args, *args, **kwargs)
+            policy = getattr(tokenizer, "qwenvl_policy", None)
+            if policy is None:
+                return template
+            from copy import copy
+
+            from llamafactory_qwenvl_patch.plugin import pinned_plugin
+
+            pinned = copy(template)
+            pinned.mm_plugin = pinned_plugin(template.mm_plugin, policy)
+            return pinned
+
+        return wrapper
+
+    _replace(template_module, "get_template_and_fix_tokenizer", make)
+
+
+# --- dataset -------------------------------------------------------------------------------------------------------
+
+
+def patch_data_loader(data_loader: ModuleType) -> None:
+    """Check every image of a pinned run up front, naming sample and file, before LF's workers touch them."""
+    lf_compat.require(data_loader, ["_get_preprocessed_dataset"])
+
+    def make(get_preprocessed: Callable) -> Callable:
+        def wrapper(dataset: Any, data_args: Any, training_args: Any, stage: Any, template: Any, *args, **kwargs):
+            from llamafactory_qwenvl_patch.plugin import _PinnedStills
+
+            plugin = getattr(template, "mm_plugin", None)
+            if dataset is not None and isinstance(plugin, _PinnedStills):
+                from llamafactory_qwenvl_patch.preflight import check_dataset_images
+
+                check_dataset_images(dataset, plugin.policy)
+            return get_preprocessed(dataset, data_args, training_args, stage, template, *args, **kwargs)
+
+        return wrapper
+
+    _replace(data_loader, "_get_preprocessed_dataset", make)

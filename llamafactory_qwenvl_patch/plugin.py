@@ -1,0 +1,65 @@
+"""LLaMA-Factory multimodal plugins whose still images follow the pinned resize policy.
+
+Subclasses, never class patches: patching ``Qwen2VLPlugin`` itself would leak into GLM4V, Omni and Qwen3 plugins and
+keep stale ``datasets`` cache fingerprints. The bounds are dataclass fields, so they are part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from llamafactory_qwenvl_patch import lf_compat
+from llamafactory_qwenvl_patch.images import model_input_image
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+
+_mm_plugin = lf_compat.require_module("llamafactory.data.mm_plugin", ["Qwen2VLPlugin", "Qwen3VLPlugin"])
+
+
+@dataclass
+class _PinnedStills:
+    """Mixin: still images go through ``fetch_image`` with pinned bounds; video frames keep LF's stock path."""
+
+    qwenvl_min_pixels: int = 0
+    qwenvl_max_pixels: int = 0
+    qwenvl_factor: int = 28
+
+    @property
+    def policy(self) -> ResizePolicy:
+        return ResizePolicy(self.qwenvl_min_pixels, self.qwenvl_max_pixels, self.qwenvl_factor)
+
+    def _regularize_images(self, images: list[Any], **kwargs: Any) -> dict[str, Any]:
+        if "video_fps" in kwargs:  # frames of a video: LF counts their tokens with its own formula
+            return super()._regularize_images(images, **kwargs)
+        policy = self.policy
+        return {"images": [model_input_image(image, policy) for image in images]}
+
+
+@dataclass
+class PinnedQwen2VLPlugin(_PinnedStills, _mm_plugin.Qwen2VLPlugin):
+    """Qwen2-VL / Qwen2.5-VL (factor 28)."""
+
+
+@dataclass
+class PinnedQwen3VLPlugin(_PinnedStills, _mm_plugin.Qwen3VLPlugin):
+    """Qwen3-VL (factor 32)."""
+
+
+_PINNED = {_mm_plugin.Qwen2VLPlugin: PinnedQwen2VLPlugin, _mm_plugin.Qwen3VLPlugin: PinnedQwen3VLPlugin}
+
+
+def pinned_plugin(plugin: Any, policy: ResizePolicy) -> Any:
+    """A new plugin instance equal to ``plugin`` but with pinned still-image bounds."""
+    base = type(plugin)
+    if isinstance(plugin, _PinnedStills):
+        base = next(cls for cls in base.__mro__[1:] if cls in _PINNED)
+    if base not in _PINNED:
+        raise ValueError(
+            f"qwenvl_patch: true supports templates whose plugin is Qwen2VLPlugin or Qwen3VLPlugin "
+            f"(qwen2_vl, qwen3_vl, ...); this template uses {base.__name__}"
+        )
+    state = {f.name: getattr(plugin, f.name) for f in fields(plugin) if f.init}
+    state.update(
+        qwenvl_min_pixels=policy.min_pixels, qwenvl_max_pixels=policy.max_pixels, qwenvl_factor=policy.factor
+    )
+    return _PINNED[base](**state)

@@ -1,0 +1,163 @@
+"""Offline builder for tiny random-weight Qwen-VL checkpoints (real architecture, real tokenizer and processor).
+
+No model hub is reachable from CI or from a user's air-gapped box, yet a CPU smoke test of the whole pipeline
+(convert -> ``llamafactory-cli train`` -> export -> predict) needs a model that LLaMA-Factory loads like the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen2-VL's own chat template (images and videos as content parts), so HF-side chat formatting works too.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    'Locate the red square and output its bbox coordinates in JSON format: [{"bbox_2d": [12, 34, 56, 78], '
+    '"label": "red square"}]',
+    '```json\n[{"point_2d": [100, 200], "label": "blue circle"}]\n```',
+    "Invoice number INV-2024-0017, date 2024-03-05, total amount 1,234.50 EUR.",
+    "Detect every object in the image: person, car, dog, cat, bicycle, traffic light, green triangle.",
+    "0123456789 ()[]{}<>,.:;'\"-_+=*/\\ abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+    "You are a helpful assistant. system user assistant",
+]
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """A byte-level BPE tokenizer trained on a small embedded corpus, with the Qwen special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=QWEN_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=QWEN_SPECIAL_TOKENS[1:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+def _model_and_processor(family: str, tokenizer):
+    """Random-weight model (2 text layers, hidden 64; vision depth 2, hidden 32) and its processor."""
+    import transformers
+
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True,
+    )
+    token_ids = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    if family == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      fullatt_block_indexes=[1], window_size=112, patch_size=14)
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+        image_processor = transformers.Qwen2VLImageProcessor()
+        video_processor = transformers.Qwen2VLVideoProcessor()
+        processor_cls = transformers.Qwen2_5_VLProcessor
+    elif family == "qwen3_vl":
+        if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
+            raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3-VL; install >= 4.57")
+        text["head_dim"] = 16
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                                   "mrope_interleaved": True}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
+        model = transformers.Qwen3VLForConditionalGeneration(config)
+        image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
+        video_processor = transformers.Qwen3VLVideoProcessor()
+        processor_cls = transformers.Qwen3VLProcessor
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def build_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2_5_vl", seed: int = 0) -> Path:
+    """Write a loadable tiny checkpoint to ``out_dir`` (atomically: built in a temp folder, then renamed)."""
+    import torch
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    model, processor = _model_and_processor(family, tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp") as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (Path(tmp) / "tiny_model.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+        os.makedirs(tmp)  # TemporaryDirectory cleanup expects its folder
+    return out
