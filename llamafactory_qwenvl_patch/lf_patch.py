@@ -100,7 +100,21 @@ def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
     set_image_processor_bounds(image_processor, policy)
     processor.qwenvl_policy = policy
     processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)
+    _log_active(policy)
     return policy
+
+
+def _log_active(policy: ResizePolicy) -> None:
+    """One line per process (every torchrun rank says it), so logs show where the patch is active."""
+    import os
+
+    from llamafactory.extras import logging as lf_logging
+
+    lf_logging.get_logger("llamafactory.qwenvl_patch").info(
+        f"qwenvl_patch active (rank {os.environ.get('RANK', '0')}): still images resized with "
+        f"qwen_vl_utils.fetch_image, min_pixels={policy.min_pixels}, max_pixels={policy.max_pixels}, "
+        f"factor={policy.factor}"
+    )
 
 
 def patch_model_loader(loader: ModuleType) -> None:

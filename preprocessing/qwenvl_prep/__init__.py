@@ -1,0 +1,1 @@
+"""``qwenvl-prep``: convert, check, draw and evaluate Qwen-VL grounding data in the frame the model sees."""

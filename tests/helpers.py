@@ -1,0 +1,105 @@
+"""Shared test helpers: synthetic images, LF datasets and ``llamafactory-cli`` runs in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from PIL import Image
+
+SHAREGPT_INFO = {
+    "formatting": "sharegpt",
+    "columns": {"messages": "messages", "images": "images"},
+    "tags": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+    },
+}
+BIN = Path(sys.executable).parent
+
+
+def save_image(path: Path, width: int, height: int, color: tuple[int, int, int] = (90, 140, 200)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (width, height), color).save(path, quality=60)
+    return path
+
+
+def write_sharegpt(data_dir: Path, name: str, records: list[dict[str, Any]]) -> None:
+    """Write ``name.json`` and merge its entry into ``dataset_info.json``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / f"{name}.json").write_text(json.dumps(records))
+    info_path = data_dir / "dataset_info.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info[name] = {"file_name": f"{name}.json", **SHAREGPT_INFO}
+    info_path.write_text(json.dumps(info, indent=2))
+
+
+def grounding_record(image: Path, answer: str = '[{"bbox_2d": [1, 2, 30, 40], "label": "box"}]') -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": "<image>Locate the box and output its bbox_2d in JSON."},
+            {"role": "assistant", "content": answer},
+        ],
+        "images": [str(image)],
+    }
+
+
+def train_config(model_dir: Path, data_dir: Path, output_dir: Path, **overrides: Any) -> dict[str, Any]:
+    config = {
+        "model_name_or_path": str(model_dir),
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_target": "all",
+        "qwenvl_patch": True,
+        "image_min_pixels": 128 * 28 * 28,
+        "image_max_pixels": 512 * 28 * 28,
+        "dataset": "toy",
+        "dataset_dir": str(data_dir),
+        "template": "qwen2_vl",
+        "cutoff_len": 2048,
+        "overwrite_cache": True,
+        "preprocessing_num_workers": 1,
+        "dataloader_num_workers": 0,
+        "output_dir": str(output_dir),
+        "logging_steps": 1,
+        "save_steps": 2,
+        "max_steps": 2,
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1.0e-4,
+        "report_to": "none",
+        "use_cpu": True,
+    }
+    config.update(overrides)
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def run_cli(
+    args: Iterable[str], config: dict[str, Any] | None, workdir: Path, env: dict[str, str] | None = None,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    """Run ``llamafactory-cli`` (or another console script of this venv) with a YAML written to ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    args = list(args)
+    if config is not None:
+        yaml_path = workdir / "run.yaml"
+        yaml_path.write_text(yaml.safe_dump(config))
+        args.append(str(yaml_path))
+    full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    return subprocess.run(
+        [str(BIN / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_log(output_dir: Path) -> list[dict[str, Any]]:
+    path = output_dir / "trainer_log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,90 @@
+"""The resize policy core: worked example, limits and property tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llamafactory_qwenvl_patch.policy import (
+    PolicyError,
+    ResizePolicy,
+    check_box,
+    convert_coords,
+    map_coords,
+)
+
+POLICY = ResizePolicy(512 * 28 * 28, 1024 * 28 * 28, 28)
+
+
+def test_worked_example():
+    orig = (1000, 2000)
+    model = POLICY.model_size(*orig)
+    assert model == (616, 1260)
+    assert convert_coords([100, 200, 300, 400], "orig", "model", orig, model) == [63, 123, 189, 246]
+
+
+def test_bounds_are_explicit_not_module_state():
+    small = ResizePolicy(4 * 28 * 28, 64 * 28 * 28)
+    assert small.model_size(1000, 2000) != POLICY.model_size(1000, 2000)
+    assert ResizePolicy(256 * 32 * 32, 1024 * 32 * 32, 32).model_size(1000, 2000) == (704, 1440)
+
+
+def test_aspect_ratio_over_200_names_the_size():
+    with pytest.raises(PolicyError, match=r"4020x20 \(WxH\) has aspect ratio 201\.0"):
+        POLICY.model_size(20, 4020)
+
+
+def test_ratio_crossing_200_after_rounding_is_rejected_up_front():
+    with pytest.raises(PolicyError, match=r"5771x29 \(WxH\) resizes to .* over the limit"):
+        ResizePolicy(4 * 28 * 28, 16384 * 28 * 28).model_size(29, 5771)
+
+
+def test_invalid_policy():
+    with pytest.raises(PolicyError):
+        ResizePolicy(1000, 10)
+    with pytest.raises(PolicyError):
+        ResizePolicy(10, 1000, 27)
+
+
+def test_check_box_errors():
+    for box, message in [([5, 5, 5, 9], "zero area"), ([9, 5, 2, 9], "inverted"), ([0, 0, 2001, 10], "outside"),
+                         ([0, float("nan"), 3, 4], "non-finite")]:
+        with pytest.raises(PolicyError, match=message):
+            check_box(box, "orig", (1000, 2000), (616, 1260))
+
+
+sizes = st.integers(min_value=28, max_value=6000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(h=sizes, w=sizes, data=st.data())
+def test_round_trip_within_one_model_pixel(h, w, data):
+    if max(h, w) / min(h, w) > 150:
+        return
+    model = POLICY.model_size(h, w)
+    assert model[0] % 28 == 0 and model[1] % 28 == 0
+    x = data.draw(st.floats(0, w))
+    y = data.draw(st.floats(0, h))
+    there = convert_coords([x, y], "orig", "model", (h, w), model)
+    back = map_coords(there, "model", "orig", (h, w), model)
+    assert abs(back[0] - x) <= 0.5 * w / model[1] + 1e-6
+    assert abs(back[1] - y) <= 0.5 * h / model[0] + 1e-6
+
+
+@settings(max_examples=300, deadline=None)
+@given(h=sizes, w=sizes, data=st.data())
+def test_absolute_and_relative_agree(h, w, data):
+    if max(h, w) / min(h, w) > 150:
+        return
+    model = POLICY.model_size(h, w)
+    box = sorted(data.draw(st.lists(st.floats(0, w), min_size=2, max_size=2)))
+    ys = sorted(data.draw(st.lists(st.floats(0, h), min_size=2, max_size=2)))
+    coords = [box[0], ys[0], box[1], ys[1]]
+    via_rel = map_coords(map_coords(coords, "orig", "rel1000", (h, w), model), "rel1000", "model", (h, w), model)
+    direct = map_coords(coords, "orig", "model", (h, w), model)
+    assert via_rel == pytest.approx(direct, rel=1e-9, abs=1e-9)
+    rel1 = map_coords(coords, "orig", "rel1", (h, w), model)
+    assert [v * 1000 for v in rel1] == pytest.approx(map_coords(coords, "orig", "rel1000", (h, w), model))
+    clamped = convert_coords(coords, "orig", "rel1000", (h, w), model)
+    assert all(0 <= v <= 1000 for v in clamped)
