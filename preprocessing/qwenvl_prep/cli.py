@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 
@@ -14,6 +16,63 @@ def _tiny_model(args: argparse.Namespace) -> int:
     out = build_tiny_model(args.out, family=args.family, seed=args.seed)
     print(json.dumps({"model_dir": str(out), "family": args.family}))
     return 0
+
+
+def _spec(args: argparse.Namespace):
+    """The run's policy: from the LF training YAML, or from explicit flags."""
+    from qwenvl_prep.policy_source import spec_from_flags, spec_from_yaml
+
+    if args.from_yaml:
+        spec = spec_from_yaml(args.from_yaml, family=args.family)
+        if not spec.patched:
+            print(f"warning: {args.from_yaml} does not set `qwenvl_patch: true`; stock LLaMA-Factory resizes "
+                  "differently and will not train in this frame", file=sys.stderr)
+        return spec
+    if args.min_pixels is None or args.max_pixels is None:
+        raise ValueError("give --from-yaml TRAIN.yaml, or both --min-pixels and --max-pixels")
+    return spec_from_flags(args.min_pixels, args.max_pixels, args.family or "qwen2_5_vl")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes i/n, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard i/n needs 0 <= i < n, got {text!r}")
+    return index, count
+
+
+def _print_summary(summary: dict, code: int) -> int:
+    print(json.dumps(summary, indent=2))
+    return code
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from qwenvl_prep.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(
+        input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
+        fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
+        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, coco_prompt=args.coco_prompt,
+        coco_group=args.coco_group, progress=not args.quiet,
+    )
+    summary, code = convert(opts)
+    if summary["dropped"]:
+        verb = "skipped" if code == 0 else "found; nothing was written"
+        print(f"{summary['dropped']} bad record(s) {verb}: see {summary['error_report']}", file=sys.stderr)
+    return _print_summary(summary, code)
+
+
+def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("resize policy (the run's frame)")
+    group.add_argument("--from-yaml", metavar="TRAIN.yaml", help="read image_min_pixels, image_max_pixels, template "
+                       "and the model family from the LLaMA-Factory training YAML (recommended)")
+    group.add_argument("--min-pixels", type=int, help="pinned image_min_pixels (without --from-yaml)")
+    group.add_argument("--max-pixels", type=int, help="pinned image_max_pixels (without --from-yaml)")
+    group.add_argument("--family", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
+                       help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL and Qwen3-VL on "
+                       "relative 0-1000 (default: from the YAML's model config or template, else qwen2_5_vl)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny_model)
+
+    conv = sub.add_parser(
+        "convert",
+        help="convert grounding data to LF sharegpt in the model's frame, stamped with the policy",
+        description="Read LF sharegpt/alpaca JSON or JSONL, COCO instances, or plain {image, question, answer} "
+        "JSONL; rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
+        "run's resize policy; write LF sharegpt and merge a stamped entry into dataset_info.json beside it.",
+    )
+    conv.add_argument("input", type=Path, help="input file (.json, .jsonl, or a COCO instances .json)")
+    conv.add_argument("-o", "--output", type=Path, required=True, help="output .json or .jsonl (in the dataset_dir)")
+    _add_policy_flags(conv)
+    conv.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
+                      help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
+                      "Required when records have coordinates; never guessed")
+    conv.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's folder)")
+    conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
+                      help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
+                      "coordinates on the displayed image, raw = coordinates are on the stored pixels")
+    conv.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel worker processes")
+    conv.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="convert records with index %% N == I")
+    conv.add_argument("--skip-bad", action="store_true", help="drop bad records (listed in the error report), exit 0")
+    conv.add_argument("--errors", type=Path, help="error report path (default: OUTPUT.errors.jsonl)")
+    conv.add_argument("--dataset-name", help="dataset_info.json entry name (default: the output's stem)")
+    conv.add_argument("--coco-prompt", help="COCO prompt template, {category} is replaced")
+    conv.add_argument("--coco-group", choices=["category", "image"], default="category",
+                      help="COCO: one conversation per (image, category) or per image")
+    conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_convert)
     return parser
 
 

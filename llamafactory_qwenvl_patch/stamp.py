@@ -1,0 +1,81 @@
+"""The policy stamp that ``qwenvl-prep convert`` writes into a ``dataset_info.json`` entry, and its comparison.
+
+The stamp says which frame a dataset's coordinates are in; training refuses a dataset stamped for another frame.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, ResizePolicy
+
+STAMP_KEY = "qwenvl_policy"
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """Resize policy plus coordinate convention (``model`` or ``rel1000``) and model family of a dataset."""
+
+    policy: ResizePolicy
+    coords: str
+    family: str
+    written_by: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.policy.to_dict(), "coords": self.coords, "family": self.family, "written_by": self.written_by}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Stamp":
+        policy = ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
+        return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")))
+
+    def describe(self) -> str:
+        p = self.policy
+        return (f"min_pixels={p.min_pixels}, max_pixels={p.max_pixels}, factor={p.factor}, "
+                f"coords={self.coords} ({self.family or 'unknown family'})")
+
+
+def run_stamp(policy: ResizePolicy, family: str) -> Stamp:
+    """What a dataset must be stamped with to train under ``policy`` for this model family."""
+    return Stamp(policy, FAMILY_CONVENTION[family], family)
+
+
+def differences(data: Stamp, run: Stamp) -> list[str]:
+    """Human-readable list of the fields in which a dataset stamp disagrees with the run."""
+    out = []
+    for name in ("min_pixels", "max_pixels", "factor"):
+        a, b = getattr(data.policy, name), getattr(run.policy, name)
+        if a != b:
+            out.append(f"{name}: dataset {a} vs run {b}")
+    if data.coords != run.coords:
+        out.append(f"coords: dataset {data.coords} vs run {run.coords} (model family {run.family})")
+    return out
+
+
+def read_dataset_info(dataset_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(dataset_dir, "dataset_info.json")
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def stamp_of(entry: dict[str, Any]) -> Stamp | None:
+    data = entry.get(STAMP_KEY)
+    return Stamp.from_dict(data) if isinstance(data, dict) else None
+
+
+def family_of_model(model_dir: str | os.PathLike) -> str | None:
+    """Model family from a local checkpoint's ``config.json`` (None for hub names or unknown types)."""
+    path = Path(model_dir, "config.json")
+    if not path.is_file():
+        return None
+    model_type = json.loads(path.read_text()).get("model_type", "")
+    for family in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl"):
+        if model_type.startswith(family):
+            return family
+    return None

@@ -1,0 +1,345 @@
+"""``qwenvl-prep convert``: grounding data in original-image coordinates -> LF sharegpt in the model's frame.
+
+Streams the input, reads image headers only, converts in parallel workers and writes atomically; bad records become
+rows of a JSONL error report. The output's ``dataset_info.json`` entry carries the policy stamp.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items, rewrite_items
+from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point, convert_coords, map_coords
+from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
+from qwenvl_prep import __version__
+from qwenvl_prep.atomic import atomic_writer, write_json
+from qwenvl_prep.imageinfo import ImageInfo, ImageInfoError, bake_exif, read_info
+from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_records
+
+INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
+EXIF_MODES = ("error", "bake", "raw")
+SHAREGPT_ENTRY = {
+    "formatting": "sharegpt",
+    "columns": {"messages": "messages", "images": "images"},
+    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+             "system_tag": "system"},
+}
+CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Source:
+    """Coordinate convention of the input; ``policy`` is set when the input is a stamped model-frame dataset."""
+
+    coords: str | None
+    policy: ResizePolicy | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a worker needs, shipped once per worker."""
+
+    target: Stamp
+    source: Source
+    exif: str
+    image_root: Path
+    out_dir: Path
+    source_file: str
+
+
+@dataclass
+class Result:
+    index: int
+    line: str | None = None
+    error: dict | None = None
+    stats: Counter = field(default_factory=Counter)
+
+
+class ConvertError(ValueError):
+    """A problem with the whole run (arguments, paths), as opposed to one record."""
+
+
+_job: Job | None = None
+_info_cache: dict[str, ImageInfo] = {}
+
+
+def _init_worker(job: Job) -> None:
+    global _job
+    _job = job
+    _info_cache.clear()
+
+
+def _info(path: str) -> ImageInfo:
+    info = _info_cache.get(path)
+    if info is None:
+        if len(_info_cache) > 8192:
+            _info_cache.clear()
+        info = _info_cache[path] = read_info(path)
+    return info
+
+
+def _resolve(path: str, job: Job) -> str:
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return path if os.path.isabs(path) else str(job.image_root / path)
+
+
+def _output_path(path: str, job: Job) -> str:
+    """Relative to the output folder when the image lies under it (LF resolves against dataset_dir)."""
+    try:
+        return str(Path(path).resolve().relative_to(job.out_dir.resolve()))
+    except ValueError:
+        return str(Path(path).resolve())
+
+
+def _transformer(job: Job, hw: tuple[int, int]):
+    """Item -> target coordinates, checking each item in its source frame first."""
+    target_hw = job.target.policy.model_size(*hw)
+    source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
+    src = job.source.coords
+
+    def transform(item: Item) -> list[int]:
+        (check_box if item.kind == "bbox_2d" else check_point)(item.coords, src, hw, source_hw)
+        in_orig = map_coords(item.coords, src, "orig", hw, source_hw)
+        return convert_coords(in_orig, "orig", job.target.coords, hw, target_hw)
+
+    return transform
+
+
+def convert_record(index: int, record: dict | RecordError, job: Job) -> Result:
+    """Convert one canonical record; every failure becomes an error row naming record, file and image."""
+    result = Result(index)
+    image = None
+    try:
+        if isinstance(record, RecordError):
+            raise record
+        images = [_resolve(p, job) for p in record["images"]]
+        image = images[0] if images else None
+        answers = [m for m in record["messages"] if m["role"] == "assistant"]
+        items = [item for m in answers for item in parse_items(m["content"])]
+        infos = [_info(p) for p in images]
+        if not items:
+            result.stats["passthrough"] += 1
+            for path, info in zip(images, infos):
+                job.target.policy.model_size(*info.hw)
+        else:
+            if job.source.coords is None:
+                raise ConvertError("the record has coordinates: declare their convention with --input-coords")
+            if len(images) != 1:
+                raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
+            info = infos[0]
+            hw = info.hw
+            if info.orientation != 1:
+                if job.exif == "error":
+                    raise RecordError(
+                        f"image {image} has EXIF orientation {info.orientation}: training sees the raw pixels, "
+                        "annotation tools usually show the rotated image. Pass --exif bake (write a rotated copy, "
+                        "coordinates are on the displayed image) or --exif raw (coordinates are on the raw pixels)"
+                    )
+                if job.exif == "bake":
+                    images[0] = str(bake_exif(image, job.out_dir / "exif_baked"))
+                    hw = info.displayed_hw
+                    result.stats["exif_baked"] += 1
+            transform = _transformer(job, hw)
+            for message in answers:
+                message["content"] = rewrite_items(message["content"], transform)
+            result.stats["boxes"] += sum(item.kind == "bbox_2d" for item in items)
+            result.stats["points"] += sum(item.kind == "point_2d" for item in items)
+        out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
+        result.line = json.dumps(out, ensure_ascii=False)
+    except (RecordError, AnswerError, PolicyError, ImageInfoError, ConvertError, KeyError, TypeError) as exc:
+        message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
+        result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
+    return result
+
+
+def _convert_chunk(chunk: list[tuple[int, Any]]) -> list[Result]:
+    return [convert_record(index, record, _job) for index, record in chunk]
+
+
+@dataclass
+class ConvertOptions:
+    input: Path
+    output: Path
+    target: Stamp
+    input_coords: str | None = None
+    fmt: str = "auto"
+    image_dir: Path | None = None
+    exif: str = "error"
+    workers: int = 1
+    shard: tuple[int, int] = (0, 1)
+    skip_bad: bool = False
+    errors: Path | None = None
+    dataset_name: str | None = None
+    coco_prompt: str | None = None
+    coco_group: str = "category"
+    progress: bool = True
+
+
+def _input_stamp(path: Path) -> Stamp | None:
+    """The stamp of the ``dataset_info.json`` entry that registers this very file, if any."""
+    try:
+        info = read_dataset_info(path.parent)
+    except (OSError, json.JSONDecodeError):
+        return None
+    for entry in info.values():
+        if isinstance(entry, dict) and entry.get("file_name") == path.name:
+            return stamp_of(entry)
+    return None
+
+
+def _source(opts: ConvertOptions) -> Source:
+    stamp = _input_stamp(opts.input)
+    if stamp is not None:
+        if opts.input_coords is not None:
+            raise ConvertError(
+                f"{opts.input} is the output of qwenvl-prep convert ({stamp.describe()}); its coordinates are "
+                "already in that frame, so drop --input-coords (converting it again re-targets it, never rescales twice)"
+            )
+        return Source(stamp.coords, stamp.policy if stamp.coords == "model" else None)
+    if opts.input_coords is None:
+        return Source(None)
+    if opts.input_coords not in INPUT_COORDS:
+        raise ConvertError(f"--input-coords must be one of {', '.join(INPUT_COORDS)}")
+    return Source(INPUT_COORDS[opts.input_coords])
+
+
+def _records(opts: ConvertOptions) -> Iterator[tuple[int, Any]]:
+    fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
+    if fmt == "coco":
+        from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
+
+        stream: Iterable = iter_coco(opts.input, opts.coco_prompt or DEFAULT_COCO_PROMPT, opts.coco_group)
+    else:
+        stream = iter_records(opts.input, fmt)
+    shard, count = opts.shard
+    for index, record in enumerate(stream):
+        if index % count == shard:
+            yield index, record
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
+    chunks = _chunks(_records(opts), CHUNK)
+    if opts.workers <= 1:
+        _init_worker(job)
+        for chunk in chunks:
+            yield from _convert_chunk(chunk)
+        return
+    with get_context("fork").Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
+        for results in pool.imap(_convert_chunk, chunks):
+            yield from results
+
+
+def run_convert(opts: ConvertOptions) -> dict[str, Any]:
+    """Convert; returns the summary. Output and dataset_info are written only if nothing was dropped or skip_bad."""
+    from tqdm import tqdm
+
+    opts.input, opts.output = Path(opts.input), Path(opts.output)
+    if not opts.input.is_file():
+        raise ConvertError(f"input {opts.input} not found")
+    if opts.output.resolve() == opts.input.resolve():
+        raise ConvertError("output must differ from input: input files are never modified")
+    if opts.output.suffix not in (".json", ".jsonl"):
+        raise ConvertError(f"output {opts.output} must end in .json or .jsonl")
+    if opts.exif not in EXIF_MODES:
+        raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
+    out_dir = opts.output.parent.resolve()
+    job = Job(opts.target, _source(opts), opts.exif, (opts.image_dir or opts.input.parent).resolve(), out_dir,
+              str(opts.input))
+    errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
+    stats: Counter = Counter()
+    error_rows: list[dict] = []
+    as_array = opts.output.suffix == ".json"
+    with atomic_writer(opts.output) as out:
+        out.write("[\n" if as_array else "")
+        first = True
+        bar = tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True)
+        for result in bar:
+            stats["records"] += 1
+            stats.update(result.stats)
+            if result.error is not None:
+                error_rows.append(result.error)
+                continue
+            stats["written"] += 1
+            if as_array:
+                out.write(("" if first else ",\n") + result.line)
+            else:
+                out.write(result.line + "\n")
+            first = False
+        out.write("\n]\n" if as_array else "")
+        if error_rows and not opts.skip_bad:
+            stats["dropped"] = len(error_rows)
+            _write_errors(errors_path, error_rows)
+            raise _Abort(_summary(opts, stats, errors_path, written=False))
+    stats["dropped"] = len(error_rows)
+    if error_rows:
+        _write_errors(errors_path, error_rows)
+    elif errors_path.exists():
+        errors_path.unlink()
+    _register(opts)
+    return _summary(opts, stats, errors_path if error_rows else None, written=True)
+
+
+class _Abort(Exception):
+    """Raised inside the atomic writer so that the partial output is discarded; carries the summary."""
+
+    def __init__(self, summary: dict[str, Any]) -> None:
+        super().__init__("records were dropped")
+        self.summary = summary
+
+
+def _write_errors(path: Path, rows: list[dict]) -> None:
+    with atomic_writer(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _register(opts: ConvertOptions) -> None:
+    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched."""
+    info_path = opts.output.parent / "dataset_info.json"
+    info = read_dataset_info(opts.output.parent)
+    name = opts.dataset_name or opts.output.stem
+    info[name] = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
+    write_json(info_path, info)
+
+
+def _written_stamp(opts: ConvertOptions) -> Stamp:
+    return Stamp(opts.target.policy, opts.target.coords, opts.target.family, f"qwenvl-prep {__version__}")
+
+
+def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool) -> dict[str, Any]:
+    return {
+        "input": str(opts.input),
+        "output": str(opts.output) if written else None,
+        "dataset_name": (opts.dataset_name or opts.output.stem) if written else None,
+        "records": stats["records"],
+        "written": stats["written"] if written else 0,
+        "dropped": stats["dropped"],
+        "passthrough": stats["passthrough"],
+        "boxes": stats["boxes"],
+        "points": stats["points"],
+        "exif_baked": stats["exif_baked"],
+        "error_report": str(errors_path) if errors_path else None,
+        "stamp": _written_stamp(opts).to_dict(),
+    }
+
+
+def convert(opts: ConvertOptions) -> tuple[dict[str, Any], int]:
+    """Run and map to an exit code: 0 when nothing was dropped (or --skip-bad), 1 otherwise."""
+    try:
+        summary = run_convert(opts)
+    except _Abort as abort:
+        return abort.summary, 1
+    return summary, 0

@@ -1,0 +1,79 @@
+"""Where a run's resize policy comes from: the LF training YAML itself, or explicit flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, FAMILY_FACTOR, ResizePolicy, family_for_template
+from llamafactory_qwenvl_patch.stamp import Stamp, family_of_model
+
+# LLaMA-Factory 0.9.5 defaults for the keys a YAML may omit (hparams/model_args.py).
+LF_DEFAULT_MIN_PIXELS = 32 * 32
+LF_DEFAULT_MAX_PIXELS = 768 * 768
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a training run expects of its data: policy, model family, and the YAML facts that checks need."""
+
+    stamp: Stamp
+    template: str | None = None
+    cutoff_len: int | None = None
+    patched: bool = True
+    datasets: tuple[str, ...] = ()
+    dataset_dir: str | None = None
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ValueError(f"training YAML {path} not found") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"training YAML {path} does not parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"training YAML {path} is not a mapping of keys")
+    return data
+
+
+def _split(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else str(value).split(",")
+    return tuple(str(v).strip() for v in items if str(v).strip())
+
+
+def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpec:
+    """Read ``image_min_pixels``, ``image_max_pixels``, ``template`` (and model family) from an LF YAML."""
+    config = load_yaml(path)
+    template = config.get("template")
+    model = config.get("model_name_or_path")
+    family = family or (family_of_model(model) if model else None) or family_for_template(template or "")
+    policy = ResizePolicy(
+        int(config.get("image_min_pixels", LF_DEFAULT_MIN_PIXELS)),
+        int(config.get("image_max_pixels", LF_DEFAULT_MAX_PIXELS)),
+        FAMILY_FACTOR[family],
+    )
+    dataset_dir = config.get("dataset_dir", "data")
+    if dataset_dir and not os.path.isabs(dataset_dir):
+        dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir
+    return RunSpec(
+        stamp=Stamp(policy, FAMILY_CONVENTION[family], family),
+        template=template,
+        cutoff_len=int(config["cutoff_len"]) if "cutoff_len" in config else 2048,
+        patched=bool(config.get("qwenvl_patch", False)),
+        datasets=_split(config.get("dataset")) + _split(config.get("eval_dataset")),
+        dataset_dir=dataset_dir,
+    )
+
+
+def spec_from_flags(min_pixels: int, max_pixels: int, family: str) -> RunSpec:
+    if family not in FAMILY_FACTOR:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILY_FACTOR)}")
+    policy = ResizePolicy(min_pixels, max_pixels, FAMILY_FACTOR[family])
+    return RunSpec(stamp=Stamp(policy, FAMILY_CONVENTION[family], family))

@@ -1,0 +1,156 @@
+"""Streaming readers: every input format becomes canonical records ``{"messages": [...], "images": [...]}``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+FORMATS = ("auto", "sharegpt", "alpaca", "jsonl", "coco")
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+            "observation": "observation", "function_call": "function_call"}
+DEFAULT_COCO_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
+
+
+class RecordError(ValueError):
+    """A record whose structure cannot be understood (message says what is missing)."""
+
+
+def _iter_json_values(path: Path) -> Iterator[Any]:
+    """JSONL line by line, or the items of a top-level JSON array, streamed (memory flat in file size)."""
+    with open(path, "rb") as f:
+        head = f.read(1)
+        while head and head.isspace():
+            head = f.read(1)
+        f.seek(0)
+        if head == b"[":
+            import ijson
+
+            yield from ijson.items(f, "item", use_float=True)
+            return
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield RecordError(f"line {number} is not valid JSON: {exc.msg}")
+
+
+def detect_format(path: Path) -> str:
+    """Guess the format from the first record (COCO from its top-level keys)."""
+    with open(path, "rb") as f:
+        start = f.read(4096).lstrip()
+    if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
+        if not path.suffix == ".jsonl":
+            return "coco"
+    for value in _iter_json_values(path):
+        if isinstance(value, dict):
+            if "messages" in value or "conversations" in value:
+                return "sharegpt"
+            if "instruction" in value or "output" in value:
+                return "alpaca"
+            if "question" in value or "answer" in value:
+                return "jsonl"
+        break
+    raise RecordError(f"{path}: cannot tell the format from the first record; pass --format")
+
+
+def _sharegpt(record: dict) -> dict:
+    turns = record.get("messages", record.get("conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise RecordError("record has no 'messages' or 'conversations' list")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise RecordError("a turn is not an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role not in ROLE_MAP or not isinstance(content, str):
+            raise RecordError(f"turn with role {role!r} and content of type {type(content).__name__} is not usable")
+        messages.append({"role": ROLE_MAP[role], "content": content})
+    return {"messages": messages, "images": _images(record)}
+
+
+def _images(record: dict) -> list[str]:
+    images = record.get("images", record.get("image", []))
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise RecordError("'images' must be a list of paths")
+    return images
+
+
+def _with_image_tags(text: str, count: int) -> str:
+    missing = count - text.count("<image>")
+    return "<image>" * max(missing, 0) + text
+
+
+def _alpaca(record: dict) -> dict:
+    if not isinstance(record.get("instruction"), str) or not isinstance(record.get("output"), str):
+        raise RecordError("alpaca record needs string 'instruction' and 'output'")
+    images = _images(record)
+    prompt = record["instruction"] + (("\n" + record["input"]) if record.get("input") else "")
+    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    for old_prompt, old_answer in record.get("history") or []:
+        messages += [{"role": "user", "content": old_prompt}, {"role": "assistant", "content": old_answer}]
+    messages += [{"role": "user", "content": _with_image_tags(prompt, len(images))},
+                 {"role": "assistant", "content": record["output"]}]
+    return {"messages": messages, "images": images}
+
+
+def _plain(record: dict) -> dict:
+    if not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
+        raise RecordError("record needs string 'image', 'question' and 'answer'")
+    images = _images(record)
+    if not images:
+        raise RecordError("record needs an 'image'")
+    return {"messages": [{"role": "user", "content": _with_image_tags(record["question"], len(images))},
+                         {"role": "assistant", "content": record["answer"]}], "images": images}
+
+
+_NORMALIZE = {"sharegpt": _sharegpt, "alpaca": _alpaca, "jsonl": _plain}
+
+
+def iter_records(path: Path, fmt: str) -> Iterator[dict | RecordError]:
+    """Canonical records in file order; a malformed one is yielded as its RecordError (it keeps its index)."""
+    for value in _iter_json_values(path):
+        if isinstance(value, RecordError):
+            yield value
+        elif not isinstance(value, dict):
+            yield RecordError(f"record is a {type(value).__name__}, not an object")
+        else:
+            try:
+                yield _NORMALIZE[fmt](value)
+            except RecordError as exc:
+                yield exc
+
+
+def iter_coco(path: Path, prompt: str = DEFAULT_COCO_PROMPT, group: str = "category",
+              include_crowd: bool = False) -> Iterator[dict]:
+    """COCO instances -> grounding conversations; one per (image, category) or one per image listing all objects.
+
+    Boxes come out as ``bbox_2d`` JSON in original pixels (COCO's [x, y, w, h] turned into corners).
+    """
+    with open(path, encoding="utf-8") as f:
+        coco = json.load(f)
+    categories = {c["id"]: c["name"] for c in coco.get("categories", [])}
+    by_image: dict[Any, list[dict]] = {}
+    for ann in coco.get("annotations", []):
+        if ann.get("iscrowd") and not include_crowd:
+            continue
+        by_image.setdefault(ann["image_id"], []).append(ann)
+    for image in coco.get("images", []):
+        anns = by_image.get(image["id"], [])
+        groups: dict[str, list[dict]] = {}
+        for ann in anns:
+            name = categories.get(ann["category_id"], str(ann["category_id"]))
+            groups.setdefault(name if group == "category" else "", []).append({**ann, "_label": name})
+        for key, members in groups.items():
+            items = []
+            for ann in members:
+                x, y, w, h = ann["bbox"]
+                items.append({"bbox_2d": [x, y, x + w, y + h], "label": ann["_label"]})
+            names = key or ", ".join(sorted({m["_label"] for m in members}))
+            yield {"messages": [{"role": "user", "content": "<image>" + prompt.format(category=names)},
+                                {"role": "assistant", "content": json.dumps(items)}],
+                   "images": [image["file_name"]]}
