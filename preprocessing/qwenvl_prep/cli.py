@@ -64,6 +64,42 @@ def _convert(args: argparse.Namespace) -> int:
     return _print_summary(summary, code)
 
 
+def _check(args: argparse.Namespace) -> int:
+    from qwenvl_prep.check import check_dataset, format_report
+    from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.policy_source import load_yaml, spec_from_yaml
+
+    spec = spec_from_yaml(args.yaml)
+    names = args.datasets or list(spec.datasets)
+    if not names:
+        raise ValueError(f"{args.yaml} names no dataset; pass dataset names or files")
+    model = load_yaml(args.yaml).get("model_name_or_path")
+    reports = [check_dataset(resolve_dataset(name, spec.dataset_dir), spec, model, args.decode, args.workers)
+               for name in names]
+    if not spec.patched:
+        print(f"warning: {args.yaml} does not set `qwenvl_patch: true`", file=sys.stderr)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(format_report(r) for r in reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def _draw(args: argparse.Namespace) -> int:
+    from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.draw import draw
+
+    ref = resolve_dataset(args.dataset, args.dataset_dir)
+    stamp = ref.stamp
+    if stamp is None:
+        if not args.from_yaml and args.min_pixels is None:
+            raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
+        stamp = _spec(args).stamp
+    result = draw(ref, stamp, args.out, args.frame, args.sample, args.seed, args.predictions)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("resize policy (the run's frame)")
     group.add_argument("--from-yaml", metavar="TRAIN.yaml", help="read image_min_pixels, image_max_pixels, template "
@@ -122,6 +158,38 @@ def build_parser() -> argparse.ArgumentParser:
                       help="COCO: one conversation per (image, category) or per image")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
+
+    chk = sub.add_parser(
+        "check",
+        help="check datasets against a training YAML (stamp, images, boxes, tokens, drift audit)",
+        description="Check that each dataset's stamp matches the YAML's bounds, factor and model family, that "
+        "every image is readable, that boxes lie inside the frame, that image tokens fit cutoff_len, and audit how "
+        "far stock LLaMA-Factory (without the plugin) would put the labels from what the model sees. Exit 1 on "
+        "any problem.",
+    )
+    chk.add_argument("datasets", nargs="*", help="dataset_info names or files (default: the YAML's dataset list)")
+    chk.add_argument("--yaml", required=True, metavar="TRAIN.yaml", help="the LLaMA-Factory training YAML")
+    chk.add_argument("--decode", action="store_true", help="fully decode every image (parallel), not just headers")
+    chk.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    chk.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    chk.set_defaults(func=_check)
+
+    drw = sub.add_parser(
+        "draw",
+        help="draw ground truth (and predictions) on original or model-input images, plus a contact sheet",
+        description="Draw boxes and points of a converted dataset with OpenCV: on the original image (coordinates "
+        "mapped back) or on the exact image the model sees. Green: ground truth; red: predictions.",
+    )
+    drw.add_argument("dataset", help="dataset file or dataset_info name")
+    drw.add_argument("-o", "--out", type=Path, required=True, help="output folder")
+    drw.add_argument("--dataset-dir", default=".", help="folder of dataset_info.json when DATASET is a name")
+    drw.add_argument("--frame", choices=["original", "model"], default="original")
+    drw.add_argument("--sample", type=int, default=16, help="number of records to draw (0 = all)")
+    drw.add_argument("--seed", type=int, default=0)
+    drw.add_argument("--predictions", type=Path,
+                     help="JSONL aligned with the dataset by order, with a 'predict' field (LF generated_predictions)")
+    _add_policy_flags(drw)
+    drw.set_defaults(func=_draw)
     return parser
 
 

@@ -1,0 +1,195 @@
+"""``qwenvl-prep check``: a dataset against the training YAML, before any GPU hour is spent.
+
+Stamp vs run, images readable, boxes inside the frame, image tokens vs ``cutoff_len``, and a drift audit of what
+stock LLaMA-Factory (without the plugin) would do to these labels.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from llamafactory_qwenvl_patch.images import ImageError
+from llamafactory_qwenvl_patch.policy import (
+    HUB_PROCESSOR_MAX_PIXELS,
+    HUB_PROCESSOR_MIN_PIXELS,
+    PolicyError,
+    check_box,
+    check_point,
+    map_coords,
+    stock_llamafactory_size,
+)
+from llamafactory_qwenvl_patch.stamp import differences
+from qwenvl_prep.dataset import DatasetRef, iter_samples
+from qwenvl_prep.imageinfo import read_info
+from qwenvl_prep.policy_source import RunSpec
+
+MAX_LISTED = 20
+
+
+@dataclass
+class Report:
+    dataset: str
+    file: str
+    stamp: dict | None
+    stamp_problems: list[str] = field(default_factory=list)
+    samples: int = 0
+    images: int = 0
+    problems: list[dict] = field(default_factory=list)
+    token_overflows: int = 0
+    max_sequence_tokens: int = 0
+    drift: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.stamp_problems and not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "file": self.file, "ok": self.ok, "stamp": self.stamp,
+                "stamp_problems": self.stamp_problems, "samples": self.samples, "images": self.images,
+                "problems": self.problems, "token_overflows": self.token_overflows,
+                "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift}
+
+
+def processor_bounds(model: str | None) -> tuple[int, int]:
+    """The base model's own processor bounds (what stock LF's second resize uses), hub defaults otherwise."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = Path(model or "", name)
+        if model and path.is_file():
+            data = json.loads(path.read_text())
+            data = data.get("image_processor", data)
+            size = data.get("size") or {}
+            low = data.get("min_pixels", size.get("shortest_edge"))
+            high = data.get("max_pixels", size.get("longest_edge"))
+            if low and high:
+                return int(low), int(high)
+    return HUB_PROCESSOR_MIN_PIXELS, HUB_PROCESSOR_MAX_PIXELS
+
+
+def _text_counter(model: str | None):
+    """Token counter from the model's tokenizer.json (no torch); a chars/3 estimate if there is none."""
+    path = Path(model or "", "tokenizer.json")
+    if model and path.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path))
+        return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+    return lambda text: len(text) // 3 + 1
+
+
+def _decode(path: str) -> str | None:
+    from llamafactory_qwenvl_patch.images import decode, open_image
+
+    try:
+        decode(open_image(path), path)
+    except ImageError as exc:
+        return str(exc)
+    return None
+
+
+def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full_decode: bool = False,
+                  workers: int = 1) -> Report:
+    policy = spec.stamp.policy
+    report = Report(ref.name, str(ref.path), ref.stamp.to_dict() if ref.stamp else None)
+    if ref.stamp is None:
+        report.stamp_problems.append("unstamped: coordinates cannot be checked against the run's frame "
+                                     "(convert with `qwenvl-prep convert --from-yaml`)")
+    else:
+        report.stamp_problems += differences(ref.stamp, spec.stamp)
+    data_stamp = ref.stamp or spec.stamp
+    proc_min, proc_max = processor_bounds(model)
+    count_text = _text_counter(model)
+    cutoff = spec.cutoff_len or 2048
+    frames_changed, frame_px, label_model_px, label_orig_px = 0, [], [], []
+    to_decode: list[tuple[int, str]] = []
+
+    def problem(sample: int, image: str | None, message: str) -> None:
+        report.problems.append({"sample": sample, "image": image, "error": message})
+
+    for sample in iter_samples(ref):
+        report.samples += 1
+        if sample.error:
+            problem(sample.index, sample.images[0] if sample.images else None, sample.error)
+            continue
+        tokens = count_text(sample.prompt + sample.answer) + 16
+        for image in sample.images:
+            report.images += 1
+            try:
+                info = read_info(image)
+                model_hw = policy.model_size(*info.hw)
+            except (ImageError, PolicyError) as exc:
+                problem(sample.index, image, str(exc))
+                continue
+            if full_decode:
+                to_decode.append((sample.index, image))
+            tokens += policy.image_tokens(*info.hw) + 2
+            stock_hw = stock_llamafactory_size(*info.hw, policy.min_pixels, policy.max_pixels, proc_min, proc_max,
+                                               policy.factor)
+            if stock_hw != model_hw:
+                frames_changed += 1
+                frame_px.append(max(abs(stock_hw[0] - model_hw[0]), abs(stock_hw[1] - model_hw[1])))
+            if len(sample.images) != 1:
+                continue
+            data_hw = data_stamp.policy.model_size(*info.hw)
+            for item in sample.items:
+                try:
+                    (check_box if item.kind == "bbox_2d" else check_point)(item.coords, data_stamp.coords, info.hw,
+                                                                           data_hw)
+                except PolicyError as exc:
+                    problem(sample.index, image, str(exc))
+                    continue
+                if data_stamp.coords == "model" and stock_hw != model_hw:
+                    # Stock LF shows the model a stock_hw image while the label speaks of model_hw pixels.
+                    sx, sy = stock_hw[1] / model_hw[1], stock_hw[0] / model_hw[0]
+                    err = [abs(v * ((sx if i % 2 == 0 else sy) - 1)) for i, v in enumerate(item.coords)]
+                    label_model_px.append(max(err))
+                    orig = map_coords(err, "model", "orig", info.hw, stock_hw)
+                    label_orig_px.append(max(orig))
+        report.max_sequence_tokens = max(report.max_sequence_tokens, tokens)
+        if tokens > cutoff:
+            report.token_overflows += 1
+            problem(sample.index, sample.images[0] if sample.images else None,
+                    f"about {tokens} tokens (images included) > cutoff_len {cutoff}: LF truncates inside the image "
+                    "tokens and fails with 'image features and image tokens do not match'")
+    if to_decode:
+        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+            for (index, image), error in zip(to_decode, pool.map(_decode, [p for _, p in to_decode], chunksize=16)):
+                if error:
+                    problem(index, image, error)
+    report.drift = {
+        "images": report.images,
+        "frames_changed": frames_changed,
+        "frames_changed_share": round(frames_changed / report.images, 4) if report.images else 0.0,
+        "frame_mean_px": round(mean(frame_px), 2) if frame_px else 0.0,
+        "frame_max_px": max(frame_px, default=0),
+        "label_mean_model_px": round(mean(label_model_px), 2) if label_model_px else 0.0,
+        "label_max_model_px": round(max(label_model_px, default=0.0), 2),
+        "label_mean_orig_px": round(mean(label_orig_px), 2) if label_orig_px else 0.0,
+        "label_max_orig_px": round(max(label_orig_px, default=0.0), 2),
+        "stock_processor_bounds": [proc_min, proc_max],
+    }
+    return report
+
+
+def format_report(report: Report) -> str:
+    d = report.drift
+    lines = [
+        f"dataset {report.dataset} ({report.file}): {'OK' if report.ok else 'PROBLEMS'}",
+        f"  samples {report.samples}, images {report.images}, longest sequence ~{report.max_sequence_tokens} tokens",
+    ]
+    lines += [f"  stamp: {p}" for p in report.stamp_problems]
+    for row in report.problems[:MAX_LISTED]:
+        lines.append(f"  sample {row['sample']}: {row['error']}")
+    if len(report.problems) > MAX_LISTED:
+        lines.append(f"  ... and {len(report.problems) - MAX_LISTED} more (see --json)")
+    lines.append(
+        f"  drift audit (stock LF without the plugin): {d['frames_changed']}/{d['images']} images "
+        f"({100 * d['frames_changed_share']:.1f}%) get another frame, by up to {d['frame_max_px']} model px; "
+        f"labels off by {d['label_mean_model_px']} model px on average (max {d['label_max_model_px']}), "
+        f"{d['label_mean_orig_px']} original px (max {d['label_max_orig_px']})"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""``qwenvl-prep draw``: boxes and points on the original image (mapped back) or on the exact model-input image."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import cv2
+import numpy as np
+
+from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items
+from llamafactory_qwenvl_patch.images import decode, model_input_image, open_image
+from llamafactory_qwenvl_patch.policy import convert_coords
+from llamafactory_qwenvl_patch.stamp import Stamp
+from qwenvl_prep.atomic import atomic_writer
+from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples, load_jsonl
+
+GT_COLOR = (60, 200, 60)  # BGR green
+PRED_COLOR = (40, 40, 230)  # BGR red
+THUMB_HEIGHT = 256
+
+
+def _draw_items(canvas: np.ndarray, items: Sequence[Item], coords: list[list[float]], color: tuple[int, int, int],
+                thickness: int) -> None:
+    for item, values in zip(items, coords):
+        pts = [int(round(v)) for v in values]
+        if item.kind == "bbox_2d":
+            cv2.rectangle(canvas, (pts[0], pts[1]), (pts[2], pts[3]), color, thickness)
+            anchor = (pts[0], max(pts[1] - 4, 12))
+        else:
+            cv2.circle(canvas, (pts[0], pts[1]), 3 * thickness, color, -1)
+            anchor = (pts[0] + 4, pts[1])
+        if item.label:
+            cv2.putText(canvas, item.label, anchor, cv2.FONT_HERSHEY_SIMPLEX, 0.4 * thickness, color, thickness)
+
+
+def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = None) -> np.ndarray:
+    """BGR image of one sample with ground truth (green) and an optional prediction (red)."""
+    path = sample.images[0]
+    image = decode(open_image(path), path).convert("RGB")
+    hw = (image.height, image.width)
+    model_hw = stamp.policy.model_size(*hw)
+    if frame == "model":
+        image, target, target_hw = model_input_image(path, stamp.policy), "model", model_hw
+    else:
+        target, target_hw = "orig", hw
+    canvas = cv2.cvtColor(np.asarray(image), cv2.COLOR_RGB2BGR)
+    thickness = max(1, round(max(target_hw) / 500))
+
+    def mapped(items: list[Item]) -> list[list[float]]:
+        return [convert_coords(it.coords, stamp.coords, target, hw, model_hw, ndigits=None) for it in items]
+
+    _draw_items(canvas, sample.items, mapped(sample.items), GT_COLOR, thickness)
+    if prediction is not None:
+        try:
+            predicted = parse_items(prediction)
+        except AnswerError:
+            predicted = []
+        _draw_items(canvas, predicted, mapped(predicted), PRED_COLOR, thickness)
+    return canvas
+
+
+def contact_sheet(images: list[np.ndarray], columns: int = 4) -> np.ndarray:
+    thumbs = [cv2.resize(im, (max(1, round(im.shape[1] * THUMB_HEIGHT / im.shape[0])), THUMB_HEIGHT)) for im in images]
+    rows = [thumbs[i:i + columns] for i in range(0, len(thumbs), columns)]
+    width = max(sum(t.shape[1] for t in row) for row in rows)
+    sheet = np.full((THUMB_HEIGHT * len(rows), width, 3), 255, np.uint8)
+    for r, row in enumerate(rows):
+        x = 0
+        for thumb in row:
+            sheet[r * THUMB_HEIGHT:(r + 1) * THUMB_HEIGHT, x:x + thumb.shape[1]] = thumb
+            x += thumb.shape[1]
+    return sheet
+
+
+def _write_image(path: Path, image: np.ndarray) -> None:
+    ok, data = cv2.imencode(path.suffix, image)
+    if not ok:
+        raise ValueError(f"cannot encode {path}")
+    with atomic_writer(path, "wb") as f:
+        f.write(data.tobytes())
+
+
+def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", sample: int = 16, seed: int = 0,
+         predictions: Path | None = None) -> dict[str, Any]:
+    """Draw a random sample of N records (all if N <= 0) and a contact sheet; returns the written paths."""
+    samples = [s for s in iter_samples(ref) if not s.error and len(s.images) == 1]
+    preds = [row.get("predict", row.get("prediction", "")) for row in load_jsonl(predictions)] if predictions else None
+    chosen = samples if sample <= 0 or sample >= len(samples) else random.Random(seed).sample(samples, sample)
+    chosen.sort(key=lambda s: s.index)
+    written, drawn = [], []
+    for s in chosen:
+        canvas = render(s, stamp, frame, preds[s.index] if preds and s.index < len(preds) else None)
+        path = out_dir / f"{ref.name}-{s.index:06d}-{frame}.jpg"
+        _write_image(path, canvas)
+        written.append(str(path))
+        drawn.append(canvas)
+    sheet = None
+    if drawn:
+        sheet = out_dir / f"{ref.name}-contact-sheet-{frame}.jpg"
+        _write_image(sheet, contact_sheet(drawn))
+    return {"images": written, "contact_sheet": str(sheet) if sheet else None}

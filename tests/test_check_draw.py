@@ -1,0 +1,87 @@
+"""``qwenvl-prep check`` and ``draw`` on converted data."""
+
+from __future__ import annotations
+
+import json
+
+import cv2
+import pytest
+from helpers import save_image
+
+from llamafactory_qwenvl_patch.policy import ResizePolicy, stock_llamafactory_size
+from qwenvl_prep.cli import main
+
+MIN, MAX = 256 * 28 * 28, 1024 * 28 * 28
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    raw = tmp_path / "raw"
+    save_image(raw / "phone.jpg", 4032, 3024)
+    save_image(raw / "coco.jpg", 640, 480)
+    lines = [{"image": "phone.jpg", "question": "Where?", "answer": '[{"bbox_2d": [2000, 1500, 4032, 3024]}]'},
+             {"image": "coco.jpg", "question": "Where?", "answer": '[{"bbox_2d": [10, 10, 100, 100], "label": "a"}]'}]
+    (raw / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data"
+    assert main(["convert", str(raw / "in.jsonl"), "-o", str(data / "grounding.json"), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    return data
+
+
+def write_yaml(tmp_path, data, **extra):
+    config = {"template": "qwen2_vl", "image_min_pixels": MIN, "image_max_pixels": MAX, "qwenvl_patch": True,
+              "dataset": "grounding", "dataset_dir": str(data), "cutoff_len": 4096, **extra}
+    path = tmp_path / "train.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in config.items()))
+    return path
+
+
+def check_json(capsys, *args) -> tuple[int, dict]:
+    code = main(["check", *map(str, args), "--json"])
+    return code, json.loads(capsys.readouterr().out)[0]
+
+
+def test_check_passes_and_audits_drift(tmp_path, dataset, capsys):
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset), "--decode", "--workers", "1")
+    assert code == 0 and report["ok"] and report["samples"] == 2
+    drift = report["drift"]
+    policy = ResizePolicy(MIN, MAX)
+    stock = stock_llamafactory_size(3024, 4032, MIN, MAX)
+    assert drift["frames_changed"] == 1 and stock != policy.model_size(3024, 4032)
+    assert drift["frame_max_px"] == max(abs(a - b) for a, b in zip(stock, policy.model_size(3024, 4032)))
+    assert drift["label_max_model_px"] > 0 and drift["label_max_orig_px"] > drift["label_max_model_px"]
+
+
+def test_check_finds_mismatch_tokens_and_outside_boxes(tmp_path, dataset, capsys):
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset, image_max_pixels=MAX * 2,
+                                                           cutoff_len=300))
+    assert code == 1
+    assert report["stamp_problems"] == [f"max_pixels: dataset {MAX} vs run {MAX * 2}"]
+    assert report["token_overflows"] == 2
+    records = json.loads((dataset / "grounding.json").read_text())
+    records[1]["messages"][1]["content"] = '[{"bbox_2d": [10, 10, 5000, 100]}]'
+    (dataset / "grounding.json").write_text(json.dumps(records))
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset))
+    assert code == 1 and "outside the model frame" in report["problems"][0]["error"]
+    (dataset / "grounding.json").write_text(json.dumps(records[:1]))
+    (tmp_path / "raw" / "phone.jpg").write_bytes((tmp_path / "raw" / "phone.jpg").read_bytes()[:2000])
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset), "--decode", "--workers", "1")
+    assert code == 1 and "truncated" in report["problems"][0]["error"]
+
+
+@pytest.mark.parametrize("frame", ["original", "model"])
+def test_draw_puts_boxes_where_the_labels_say(tmp_path, dataset, capsys, frame):
+    assert main(["draw", str(dataset / "grounding.json"), "-o", str(tmp_path / "drawn"), "--frame", frame,
+                 "--sample", "0"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["images"]) == 2 and result["contact_sheet"]
+    image = cv2.imread(result["images"][0])
+    if frame == "original":
+        assert image.shape[:2] == (3024, 4032)
+        x, y = 2000, 1500
+    else:
+        h, w = ResizePolicy(MIN, MAX).model_size(3024, 4032)
+        assert image.shape[:2] == (h, w)
+        x, y = round(2000 * w / 4032), round(1500 * h / 3024)
+    b, g, r = (int(v) for v in image[y + 1, x + 30])
+    assert g > 150 and r < 120, (b, g, r)  # the green ground-truth edge runs along the box's top
