@@ -77,20 +77,53 @@ def _item(entry: dict) -> Item:
     return Item(kind, tuple(_number(v) for v in values), None if label is None else str(label))
 
 
-def parse_items(text: str) -> list[Item]:
-    """All boxes and points in an answer; [] when it has none; AnswerError when they are malformed."""
+@dataclass
+class ParsedAnswer:
+    """An answer parsed once: its items, and what is needed to rewrite their coordinates in its own syntax."""
+
+    text: str
+    items: list[Item]
+    payload: Any = None
+    span: tuple[int, int] | None = None
+
+    def rewrite(self, transform: Callable[[Item], Sequence[float]]) -> str:
+        """The answer with every item's coordinates replaced by ``transform(item)``; unchanged if it has none."""
+        if not self.items:
+            return self.text
+        if self.span is not None:
+            for entry, item in zip(_entries(self.payload), self.items):
+                entry[item.kind] = [_format_number(v) for v in transform(item)]
+            start, end = self.span
+            return self.text[:start] + json.dumps(self.payload, ensure_ascii=False) + self.text[end:]
+        coords = iter([[_format_number(v) for v in transform(item)] for item in self.items])
+
+        def replace(match: re.Match) -> str:
+            x1, y1, x2, y2 = next(coords)
+            return f"<|box_start|>({x1},{y1}),({x2},{y2})<|box_end|>"
+
+        return _BOX_TOKENS.sub(replace, self.text)
+
+
+def parse_answer(text: str) -> ParsedAnswer:
+    """Parse boxes and points; AnswerError when they are malformed."""
     found = _json_payload(text)
     if found is not None:
-        return [_item(entry) for entry in _entries(found[0])]
+        payload, span = found
+        return ParsedAnswer(text, [_item(entry) for entry in _entries(payload)], payload, span)
     items = []
     for match in _BOX_TOKENS.finditer(text):
         try:
-            coords = tuple(float(v) for v in match.groups())
+            coords = tuple(_number(float(v)) for v in match.groups())
         except ValueError:
             raise AnswerError(f"box {match.group(0)!r} has a non-number") from None
         ref = _REF.search(text[: match.start()])
         items.append(Item("bbox_2d", coords, ref.group(1).strip() if ref else None))
-    return items
+    return ParsedAnswer(text, items)
+
+
+def parse_items(text: str) -> list[Item]:
+    """All boxes and points in an answer; [] when it has none; AnswerError when they are malformed."""
+    return parse_answer(text).items
 
 
 def _format_number(value: float) -> int | float:
@@ -99,21 +132,7 @@ def _format_number(value: float) -> int | float:
 
 def rewrite_items(text: str, transform: Callable[[Item], Sequence[float]]) -> str:
     """Replace every item's coordinates with ``transform(item)``, keeping the answer's own syntax."""
-    found = _json_payload(text)
-    if found is not None:
-        payload, (start, end) = found
-        entries = payload if isinstance(payload, list) else [payload]
-        for entry in _entries(entries):
-            item = _item(entry)
-            entry[item.kind] = [_format_number(v) for v in transform(item)]
-        return text[:start] + json.dumps(payload, ensure_ascii=False) + text[end:]
-
-    def replace(match: re.Match) -> str:
-        coords = transform(Item("bbox_2d", tuple(float(v) for v in match.groups())))
-        x1, y1, x2, y2 = (_format_number(v) for v in coords)
-        return f"<|box_start|>({x1},{y1}),({x2},{y2})<|box_end|>"
-
-    return _BOX_TOKENS.sub(replace, text)
+    return parse_answer(text).rewrite(transform)
 
 
 def format_items(items: Sequence[Item]) -> str:

@@ -15,13 +15,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items, rewrite_items
+from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_answer
 from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point, convert_coords, map_coords
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, write_json
 from qwenvl_prep.imageinfo import ImageInfo, ImageInfoError, bake_exif, read_info
-from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_records
+from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -49,9 +49,10 @@ class Job:
     target: Stamp
     source: Source
     exif: str
-    image_root: Path
-    out_dir: Path
+    image_root: str
+    out_dir: str
     source_file: str
+    fmt: str
 
 
 @dataclass
@@ -88,15 +89,13 @@ def _info(path: str) -> ImageInfo:
 def _resolve(path: str, job: Job) -> str:
     if path.startswith("file://"):
         path = path[len("file://"):]
-    return path if os.path.isabs(path) else str(job.image_root / path)
+    return os.path.normpath(os.path.join(job.image_root, path))
 
 
 def _output_path(path: str, job: Job) -> str:
     """Relative to the output folder when the image lies under it (LF resolves against dataset_dir)."""
-    try:
-        return str(Path(path).resolve().relative_to(job.out_dir.resolve()))
-    except ValueError:
-        return str(Path(path).resolve())
+    prefix = str(job.out_dir) + os.sep
+    return path[len(prefix):] if path.startswith(prefix) else path
 
 
 def _transformer(job: Job, hw: tuple[int, int]):
@@ -113,17 +112,19 @@ def _transformer(job: Job, hw: tuple[int, int]):
     return transform
 
 
-def convert_record(index: int, record: dict | RecordError, job: Job) -> Result:
-    """Convert one canonical record; every failure becomes an error row naming record, file and image."""
+def convert_record(index: int, raw: Any, job: Job) -> Result:
+    """Convert one raw input record; every failure becomes an error row naming record, file and image."""
     result = Result(index)
     image = None
     try:
+        record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
             raise record
         images = [_resolve(p, job) for p in record["images"]]
         image = images[0] if images else None
         answers = [m for m in record["messages"] if m["role"] == "assistant"]
-        items = [item for m in answers for item in parse_items(m["content"])]
+        parsed = [parse_answer(m["content"]) for m in answers]
+        items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         if not items:
             result.stats["passthrough"] += 1
@@ -144,12 +145,12 @@ def convert_record(index: int, record: dict | RecordError, job: Job) -> Result:
                         "coordinates are on the displayed image) or --exif raw (coordinates are on the raw pixels)"
                     )
                 if job.exif == "bake":
-                    images[0] = str(bake_exif(image, job.out_dir / "exif_baked"))
+                    images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
                     hw = info.displayed_hw
                     result.stats["exif_baked"] += 1
             transform = _transformer(job, hw)
-            for message in answers:
-                message["content"] = rewrite_items(message["content"], transform)
+            for message, answer in zip(answers, parsed):
+                message["content"] = answer.rewrite(transform)
             result.stats["boxes"] += sum(item.kind == "bbox_2d" for item in items)
             result.stats["points"] += sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
@@ -211,14 +212,13 @@ def _source(opts: ConvertOptions) -> Source:
     return Source(INPUT_COORDS[opts.input_coords])
 
 
-def _records(opts: ConvertOptions) -> Iterator[tuple[int, Any]]:
-    fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
+def _records(opts: ConvertOptions, fmt: str) -> Iterator[tuple[int, Any]]:
     if fmt == "coco":
         from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
 
         stream: Iterable = iter_coco(opts.input, opts.coco_prompt or DEFAULT_COCO_PROMPT, opts.coco_group)
     else:
-        stream = iter_records(opts.input, fmt)
+        stream = iter_raw(opts.input)
     shard, count = opts.shard
     for index, record in enumerate(stream):
         if index % count == shard:
@@ -231,7 +231,7 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
 
 
 def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
-    chunks = _chunks(_records(opts), CHUNK)
+    chunks = _chunks(_records(opts, "coco" if job.fmt == "canonical" else job.fmt), CHUNK)
     if opts.workers <= 1:
         _init_worker(job)
         for chunk in chunks:
@@ -255,9 +255,9 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"output {opts.output} must end in .json or .jsonl")
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
-    out_dir = opts.output.parent.resolve()
-    job = Job(opts.target, _source(opts), opts.exif, (opts.image_dir or opts.input.parent).resolve(), out_dir,
-              str(opts.input))
+    fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
+    job = Job(opts.target, _source(opts), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
+              str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
     error_rows: list[dict] = []

@@ -32,8 +32,56 @@ class ImageInfo:
         return (self.width, self.height) if self.orientation in (5, 6, 7, 8) else (self.height, self.width)
 
 
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01, 0xD8}
+_JPEG_SCAN_BYTES = 1 << 16
+
+
+def _jpeg_info(data: bytes) -> ImageInfo | None:
+    """Size and EXIF orientation from a JPEG's leading bytes, walking markers up to the frame header.
+
+    PIL's JPEG open parses every table before it reports a size, which dominates ``convert``'s time; this reads
+    only the SOF and APP1 segments (the EXIF payload itself is parsed by PIL). None: not a plain case, use PIL.
+    """
+    if data[:2] != b"\xff\xd8":
+        return None
+    orientation, i, end = 1, 2, len(data)
+    while i + 4 <= end:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker in _STANDALONE:
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+            if i + 2 + length > end:
+                return None
+            exif = Image.Exif()
+            exif.load(data[i + 4:i + 2 + length])
+            orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+        elif marker in _SOF:
+            if i + 9 > end:
+                return None
+            height = int.from_bytes(data[i + 5:i + 7], "big")
+            width = int.from_bytes(data[i + 7:i + 9], "big")
+            return ImageInfo(width, height, orientation) if width and height else None
+        i += 2 + length
+    return None
+
+
 def read_info(path: str | os.PathLike) -> ImageInfo:
-    """Header-only read: PIL parses the header lazily and reads EXIF without touching pixel data."""
+    """Header-only read of size and EXIF orientation, never decoding pixels (JPEG fast path, PIL otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            info = _jpeg_info(f.read(_JPEG_SCAN_BYTES))
+    except OSError:
+        info = None  # open_image below reports it with the image's name
+    if info is not None:
+        return info
     with open_image(str(path)) as image:
         try:
             orientation = int(image.getexif().get(EXIF_ORIENTATION, 1) or 1)

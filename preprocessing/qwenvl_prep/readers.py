@@ -16,8 +16,8 @@ class RecordError(ValueError):
     """A record whose structure cannot be understood (message says what is missing)."""
 
 
-def _iter_json_values(path: Path) -> Iterator[Any]:
-    """JSONL line by line, or the items of a top-level JSON array, streamed (memory flat in file size)."""
+def iter_raw(path: Path) -> Iterator[Any]:
+    """JSONL lines (unparsed ``str``, so workers parse them), or the items of a top-level JSON array, streamed."""
     with open(path, "rb") as f:
         head = f.read(1)
         while head and head.isspace():
@@ -28,12 +28,18 @@ def _iter_json_values(path: Path) -> Iterator[Any]:
 
             yield from ijson.items(f, "item", use_float=True)
             return
-        for number, line in enumerate(f, 1):
+        for line in f:
             if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield RecordError(f"line {number} is not valid JSON: {exc.msg}")
+                yield line.decode("utf-8", errors="replace")
+
+
+def _value(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return RecordError(f"record is not valid JSON: {exc.msg} at column {exc.colno}")
 
 
 def detect_format(path: Path) -> str:
@@ -43,7 +49,7 @@ def detect_format(path: Path) -> str:
     if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
         if not path.suffix == ".jsonl":
             return "coco"
-    for value in _iter_json_values(path):
+    for value in map(_value, iter_raw(path)):
         if isinstance(value, dict):
             if "messages" in value or "conversations" in value:
                 return "sharegpt"
@@ -111,18 +117,24 @@ def _plain(record: dict) -> dict:
 _NORMALIZE = {"sharegpt": _sharegpt, "alpaca": _alpaca, "jsonl": _plain}
 
 
+def to_record(raw: Any, fmt: str) -> dict | RecordError:
+    """A canonical record from one raw input value; a malformed one becomes its RecordError."""
+    value = _value(raw)
+    if isinstance(value, RecordError):
+        return value
+    if not isinstance(value, dict):
+        return RecordError(f"record is a {type(value).__name__}, not an object")
+    if fmt == "canonical":
+        return value
+    try:
+        return _NORMALIZE[fmt](value)
+    except RecordError as exc:
+        return exc
+
+
 def iter_records(path: Path, fmt: str) -> Iterator[dict | RecordError]:
-    """Canonical records in file order; a malformed one is yielded as its RecordError (it keeps its index)."""
-    for value in _iter_json_values(path):
-        if isinstance(value, RecordError):
-            yield value
-        elif not isinstance(value, dict):
-            yield RecordError(f"record is a {type(value).__name__}, not an object")
-        else:
-            try:
-                yield _NORMALIZE[fmt](value)
-            except RecordError as exc:
-                yield exc
+    """Canonical records in file order (a malformed one is yielded as its RecordError, keeping its index)."""
+    return (to_record(raw, fmt) for raw in iter_raw(path))
 
 
 def iter_coco(path: Path, prompt: str = DEFAULT_COCO_PROMPT, group: str = "category",
