@@ -100,6 +100,99 @@ def _draw(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fix_config(args: argparse.Namespace) -> int:
+    from qwenvl_prep.fixconfig import inspect, rewrite_flat
+
+    bounds = None
+    if args.yaml:
+        stamp = _spec(argparse.Namespace(from_yaml=args.yaml, family=None)).stamp
+        bounds = (stamp.policy.min_pixels, stamp.policy.max_pixels)
+    report = inspect(args.model_dir, bounds)
+    if args.flatten:
+        report["rewrite"] = rewrite_flat(args.model_dir)
+        report = {**inspect(args.model_dir, bounds), "rewrite": report["rewrite"]}
+    print(json.dumps(report, indent=2))
+    return 1 if report["problems"] else 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from qwenvl_prep.atomic import atomic_writer
+    from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.predict import Predictor
+
+    if args.dataset:
+        ref = resolve_dataset(str(args.dataset))
+        from qwenvl_prep.dataset import iter_samples
+
+        jobs = [(s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+    elif args.images and args.prompt:
+        jobs = [(image, args.prompt, None) for image in args.images]
+    else:
+        raise ValueError("give --dataset FILE, or images with --prompt")
+    predictor = Predictor(args.model_dir, args.max_new_tokens)
+    from tqdm import tqdm
+
+    rows = []
+    for image, prompt, label in tqdm(jobs, desc="predict", unit=" img", disable=None):
+        row = predictor(image, prompt)
+        if label is not None:
+            row["label"] = label
+        rows.append(row)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if args.output:
+        with atomic_writer(args.output) as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if args.draw:
+        _draw_predictions(rows, args.draw)
+    return 0
+
+
+def _draw_predictions(rows: list[dict], out_dir: Path) -> None:
+    import cv2
+
+    from qwenvl_prep.draw import PRED_COLOR, _write_image
+
+    for i, row in enumerate(rows):
+        canvas = cv2.imread(row["image"])
+        for item in row["items"]:
+            pts = [int(round(v)) for v in item["orig"]]
+            if item["kind"] == "bbox_2d":
+                cv2.rectangle(canvas, (pts[0], pts[1]), (pts[2], pts[3]), PRED_COLOR, 3)
+            else:
+                cv2.circle(canvas, (pts[0], pts[1]), 8, PRED_COLOR, -1)
+        _write_image(Path(out_dir) / f"prediction-{i:04d}.jpg", canvas)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from qwenvl_prep.atomic import write_json
+    from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.evaluate import evaluate, format_table, plot
+
+    ref = resolve_dataset(args.dataset, args.dataset_dir)
+    stamp = ref.stamp
+    if stamp is None:
+        if not args.from_yaml and args.min_pixels is None:
+            raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
+        stamp = _spec(args).stamp
+    result = evaluate(ref, stamp, args.predictions)
+    if args.json_out:
+        write_json(args.json_out, result)
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from qwenvl_prep.demo import run_demo
+
+    summary = run_demo(args.out, steps=args.steps)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("resize policy (the run's frame)")
     group.add_argument("--from-yaml", metavar="TRAIN.yaml", help="read image_min_pixels, image_max_pixels, template "
@@ -190,6 +283,59 @@ def build_parser() -> argparse.ArgumentParser:
                      help="JSONL aligned with the dataset by order, with a 'predict' field (LF generated_predictions)")
     _add_policy_flags(drw)
     drw.set_defaults(func=_draw)
+
+    fix = sub.add_parser(
+        "fix-config",
+        help="check a model folder; optionally rewrite config.json for transformers <= 4.51",
+        description="Report the config layout, sub-config types, transformers version written vs installed, and "
+        "processor bounds vs a training YAML. --flatten rewrites a nested config.json in the flat layout that "
+        "transformers <= 4.51 reads (fixing \"'dict' object has no attribute 'to_dict'\"), keeping a backup.",
+    )
+    fix.add_argument("model_dir", type=Path)
+    fix.add_argument("--yaml", metavar="TRAIN.yaml", help="compare the processor bounds with this training YAML")
+    fix.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
+    fix.set_defaults(func=_fix_config)
+
+    pred = sub.add_parser(
+        "predict",
+        help="generate with transformers and map boxes back to original pixels (JSON lines)",
+        description="Resize each image with the model folder's pinned policy (the training frame), generate, parse "
+        "bbox_2d / point_2d / <|box_start|> answers and map them back to original-image pixels.",
+    )
+    pred.add_argument("model_dir", type=Path, help="exported model folder (or a full checkpoint)")
+    pred.add_argument("images", nargs="*", help="image files (with --prompt)")
+    pred.add_argument("--prompt", help="prompt for every image")
+    pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
+    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
+    pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
+    pred.add_argument("--max-new-tokens", type=int, default=128)
+    pred.set_defaults(func=_predict)
+
+    ev = sub.add_parser(
+        "eval",
+        help="metrics in the original frame: Acc@0.5, mean IoU, parse failures, centre offset, by image size",
+        description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
+        "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
+        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5.",
+    )
+    ev.add_argument("dataset", help="converted dataset file or dataset_info name")
+    ev.add_argument("--predictions", type=Path, required=True)
+    ev.add_argument("--dataset-dir", default=".", help="folder of dataset_info.json when DATASET is a name")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
+    ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    _add_policy_flags(ev)
+    ev.set_defaults(func=_eval)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the whole pipeline on CPU in minutes: data, convert, check, train, export, predict, eval, draw",
+        description="Synthesise a grounding dataset (drawn shapes, mixed sizes incl. 4032x3024), build a tiny model, "
+        "and run convert, check, llamafactory-cli train (SFT LoRA), export, predict, eval and draw into OUT.",
+    )
+    demo.add_argument("out", type=Path, help="new output folder")
+    demo.add_argument("--steps", type=int, default=4, help="training steps")
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -1,0 +1,133 @@
+"""``qwenvl-prep fix-config``: check a model folder, and rewrite a nested Qwen-VL ``config.json`` in the flat layout
+that transformers <= 4.51 reads.
+
+transformers >= 4.52 writes ``text_config`` as a nested dict (5.x also ``rope_parameters`` and ``dtype``); <= 4.51
+loads that nested dict as a plain dict and fails in ``GenerationConfig.from_model_config`` with
+``'dict' object has no attribute 'to_dict'``. The flat layout (text keys at the top level, ``rope_scaling`` /
+``rope_theta``, ``torch_dtype``) loads in both.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from qwenvl_prep.atomic import write_json
+
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Keys that stay inside text_config for Qwen3-VL, whose readers have always used the nested layout.
+NESTED_ONLY_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+def layout(config: dict[str, Any]) -> str:
+    return "nested" if isinstance(config.get("text_config"), dict) else "flat"
+
+
+def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The flat layout of a nested config and the list of changes made."""
+    out = {k: v for k, v in config.items() if k != "text_config"}
+    changes = []
+    text = dict(config.get("text_config") or {})
+    text.pop("model_type", None)
+    for key in ("architectures", "transformers_version"):
+        text.pop(key, None)
+    rope = text.pop("rope_parameters", None)
+    if isinstance(rope, dict):
+        rope = dict(rope)
+        theta = rope.pop("rope_theta", None)
+        if theta is not None:
+            text.setdefault("rope_theta", theta)
+            changes.append(f"rope_parameters.rope_theta -> rope_theta ({theta})")
+        rope_type = rope.get("rope_type", "default")
+        if "mrope_section" in rope:
+            rope.setdefault("type", "mrope" if rope_type == "default" else rope_type)
+            rope["rope_type"] = "mrope" if rope_type == "default" else rope_type
+        text.setdefault("rope_scaling", rope)
+        changes.append(f"rope_parameters -> rope_scaling ({json.dumps(rope)})")
+    for key, value in text.items():
+        if key in out and out[key] != value and key != "dtype":
+            changes.append(f"kept top-level {key}={out[key]!r} over text_config.{key}={value!r}")
+        out.setdefault(key, value)
+    dtype = out.pop("dtype", None)
+    if dtype is not None:
+        out.setdefault("torch_dtype", dtype)
+        changes.append(f"dtype -> torch_dtype ({dtype})")
+    changes.insert(0, f"moved {len(text)} text_config keys to the top level and removed text_config")
+    return out, changes
+
+
+def _processor_bounds(model_dir: Path) -> tuple[int, int] | None:
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            data = data.get("image_processor", data)
+            size = data.get("size") or {}
+            low, high = data.get("min_pixels", size.get("shortest_edge")), data.get("max_pixels", size.get("longest_edge"))
+            if low and high:
+                return int(low), int(high)
+    return None
+
+
+def inspect(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Report on a model folder: layout, sub-config types, transformers versions, processor bounds vs the YAML."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json")
+    config = json.loads(path.read_text())
+    problems = []
+    model_type = config.get("model_type")
+    if model_type not in QWEN_VL_TYPES:
+        problems.append(f"model_type {model_type!r} is not a Qwen-VL type ({', '.join(QWEN_VL_TYPES)})")
+    sub_types = {}
+    for key in ("text_config", "vision_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and sub.get("model_type"):
+            sub_types[key] = sub["model_type"]
+            if sub["model_type"] not in CONFIG_MAPPING:
+                problems.append(f"{key}.model_type {sub['model_type']!r} is unknown to the installed transformers "
+                                f"{transformers.__version__}")
+    bounds = _processor_bounds(model_dir)
+    if yaml_bounds is not None and bounds is not None and tuple(bounds) != tuple(yaml_bounds):
+        problems.append(f"processor bounds {bounds[0]}..{bounds[1]} differ from the training YAML's "
+                        f"{yaml_bounds[0]}..{yaml_bounds[1]}: inference would see another frame than training")
+    if bounds is None:
+        problems.append("no processor config with image bounds (preprocessor_config.json / processor_config.json)")
+    return {
+        "model_dir": str(model_dir),
+        "model_type": model_type,
+        "layout": layout(config),
+        "sub_config_types": sub_types,
+        "transformers_written": config.get("transformers_version"),
+        "transformers_installed": transformers.__version__,
+        "processor_bounds": list(bounds) if bounds else None,
+        "yaml_bounds": list(yaml_bounds) if yaml_bounds else None,
+        "readable_by_transformers_le_4_51": layout(config) == "flat" or model_type in NESTED_ONLY_TYPES,
+        "problems": problems,
+    }
+
+
+def rewrite_flat(model_dir: Path) -> dict[str, Any]:
+    """Rewrite config.json in the flat layout, keeping a timestamped backup; no-op if already flat."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("model_type") in NESTED_ONLY_TYPES:
+        raise ValueError(f"{config['model_type']} configs are nested in every transformers that supports them; "
+                         "there is no flat layout to write")
+    if layout(config) == "flat":
+        return {"changed": False, "backup": None, "changes": ["already flat: nothing to do"]}
+    flat, changes = flatten(config)
+    backup = model_dir / f"config.json.bak-{time.strftime('%Y%m%d-%H%M%S')}"
+    counter = 1
+    while backup.exists():
+        backup = model_dir / f"config.json.bak-{time.strftime('%Y%m%d-%H%M%S')}-{counter}"
+        counter += 1
+    shutil.copy2(path, backup)
+    write_json(path, flat)
+    return {"changed": True, "backup": str(backup), "changes": changes}

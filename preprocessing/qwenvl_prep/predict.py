@@ -1,0 +1,79 @@
+"""``qwenvl-prep predict``: generate with transformers under the model folder's pinned policy, then map the answer's
+boxes back to original-image pixels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.images import model_input_image
+from llamafactory_qwenvl_patch.lf_patch import POLICY_FILE
+from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.stamp import family_of_model
+
+
+def model_policy(model_dir: str | Path, processor: Any) -> ResizePolicy:
+    """The frame the model was trained in: its policy record, else its (pinned) processor bounds."""
+    record = Path(model_dir, POLICY_FILE)
+    if record.is_file():
+        data = json.loads(record.read_text())
+        return ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
+    ip = processor.image_processor
+    return ResizePolicy(int(ip.size["shortest_edge"]), int(ip.size["longest_edge"]), int(ip.patch_size) * ip.merge_size)
+
+
+class Predictor:
+    """Loads a model folder once; ``__call__`` answers one image and returns boxes in original pixels."""
+
+    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128) -> None:
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.model_dir = Path(model_dir)
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.policy = model_policy(model_dir, self.processor)
+        family = family_of_model(model_dir)
+        if family is None:
+            raise ValueError(f"{model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
+        self.convention = FAMILY_CONVENTION[family]
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, image_path: str, prompt: str) -> dict[str, Any]:
+        import torch
+        from PIL import Image
+
+        image = model_input_image(image_path, self.policy)
+        with Image.open(image_path) as original:
+            orig_hw = (original.height, original.width)
+        model_hw = (image.height, image.width)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = self.processor(text=[text], images=[image], return_tensors="pt")
+        grid = inputs["image_grid_thw"][0].tolist()
+        patch = self.policy.patch_size
+        if (grid[1] * patch, grid[2] * patch) != model_hw:
+            raise RuntimeError(f"processor resized {image_path} again ({grid[2] * patch}x{grid[1] * patch} instead of "
+                               f"{model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
+        with torch.no_grad():
+            output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
+        answer = self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+        row: dict[str, Any] = {"image": str(image_path), "prompt": prompt, "predict": answer,
+                               "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
+                               "coords": self.convention, "items": [], "parse_error": None}
+        try:
+            for item in parse_items(answer):
+                orig = convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
+                row["items"].append({"kind": item.kind, "label": item.label, "model": list(item.coords),
+                                     "orig": orig})
+        except AnswerError as exc:
+            row["parse_error"] = str(exc)
+        return row
+
+
+def predict(model_dir: str | Path, images: list[str], prompt: str, max_new_tokens: int = 128) -> Iterator[dict]:
+    predictor = Predictor(model_dir, max_new_tokens)
+    for image in images:
+        yield predictor(image, prompt)
