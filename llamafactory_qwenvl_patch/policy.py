@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Literal, Sequence
 
 MAX_ASPECT_RATIO = 200
@@ -60,30 +61,36 @@ class ResizePolicy:
         Raises PolicyError for sizes the HF processor would reject, including ratios that cross 200 only after
         rounding (29x5771 -> 28x5768), so the failure happens up front with the image size in the message.
         """
-        from qwen_vl_utils import smart_resize
-
-        if height <= 0 or width <= 0:
-            raise PolicyError(f"image size {width}x{height} (WxH) is empty")
-        ratio = max(height, width) / min(height, width)
-        if ratio > MAX_ASPECT_RATIO:
-            raise PolicyError(
-                f"image size {width}x{height} (WxH) has aspect ratio {ratio:.1f}, over the limit of {MAX_ASPECT_RATIO}"
-            )
-        out_h, out_w = smart_resize(
-            height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
-        )
-        out_ratio = max(out_h, out_w) / min(out_h, out_w)
-        if out_ratio > MAX_ASPECT_RATIO:
-            raise PolicyError(
-                f"image size {width}x{height} (WxH) resizes to {out_w}x{out_h} with aspect ratio {out_ratio:.1f}, "
-                f"over the limit of {MAX_ASPECT_RATIO} that the HF processor enforces"
-            )
-        return out_h, out_w
+        return _model_size(self, height, width)
 
     def image_tokens(self, height: int, width: int) -> int:
         """Number of ``<|image_pad|>`` tokens for one image of this original size."""
         out_h, out_w = self.model_size(height, width)
         return (out_h // self.factor) * (out_w // self.factor)
+
+
+@lru_cache(maxsize=65536)
+def _model_size(policy: ResizePolicy, height: int, width: int) -> tuple[int, int]:
+    """Cached: datasets repeat a few camera and screen sizes, and convert asks once per record."""
+    from qwen_vl_utils import smart_resize
+
+    if height <= 0 or width <= 0:
+        raise PolicyError(f"image size {width}x{height} (WxH) is empty")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise PolicyError(
+            f"image size {width}x{height} (WxH) has aspect ratio {ratio:.1f}, over the limit of {MAX_ASPECT_RATIO}"
+        )
+    out_h, out_w = smart_resize(
+        height, width, factor=policy.factor, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels
+    )
+    out_ratio = max(out_h, out_w) / min(out_h, out_w)
+    if out_ratio > MAX_ASPECT_RATIO:
+        raise PolicyError(
+            f"image size {width}x{height} (WxH) resizes to {out_w}x{out_h} with aspect ratio {out_ratio:.1f}, "
+            f"over the limit of {MAX_ASPECT_RATIO} that the HF processor enforces"
+        )
+    return out_h, out_w
 
 
 def family_for_template(template: str) -> str:
@@ -114,13 +121,15 @@ def map_coords(
     """Map flat x, y coordinates between conventions in float (no rounding; see ``finalize_coords``)."""
     if len(coords) % 2:
         raise PolicyError(f"coordinates must come in x, y pairs, got {len(coords)} values")
-    for value in coords:
-        if not math.isfinite(value):
-            raise PolicyError(f"coordinate {value!r} is not a finite number")
+    if not all(map(math.isfinite, coords)):
+        raise PolicyError(f"coordinates {list(coords)} are not all finite numbers")
     src_x, src_y = _frame_scale(src, orig_hw, model_hw)
     dst_x, dst_y = _frame_scale(dst, orig_hw, model_hw)
     fx, fy = dst_x / src_x, dst_y / src_y
-    return [value * (fx if i % 2 == 0 else fy) for i, value in enumerate(coords)]
+    out: list[float] = []
+    for i in range(0, len(coords), 2):
+        out += (coords[i] * fx, coords[i + 1] * fy)
+    return out
 
 
 def finalize_coords(

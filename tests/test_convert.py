@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from helpers import save_image
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from llamafactory_qwenvl_patch.answers import parse_items
@@ -223,3 +225,29 @@ def test_from_yaml_drives_the_policy(tmp_path, wide, capsys):
     assert (summary["stamp"]["factor"], summary["stamp"]["coords"], summary["stamp"]["family"]) == (
         32, "rel1000", "qwen3_vl")
     assert answers(tmp_path / "q3.jsonl") == ['[{"bbox_2d": [50, 200, 150, 400]}]']
+
+
+@settings(max_examples=40, deadline=None)
+@given(w=st.integers(1, 3000), h=st.integers(1, 3000), orientation=st.sampled_from([None, 1, 3, 6, 8]),
+       progressive=st.booleans(), icc=st.booleans())
+def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientation, progressive, icc):
+    from qwenvl_prep.imageinfo import _jpeg_info
+
+    path = tmp_path_factory.mktemp("jpeg") / "x.jpg"
+    image = Image.new("RGB", (w, h), (10, 20, 30))
+    kwargs = {"progressive": progressive}
+    if orientation is not None:
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        kwargs["exif"] = exif
+    if icc:
+        kwargs["icc_profile"] = bytes(range(256)) * 300  # a large APP2 segment before the frame header
+    image.save(path, **kwargs)
+    fast = _jpeg_info(path.read_bytes()[:1 << 16])
+    with Image.open(path) as pil:
+        expected = (pil.width, pil.height, int(pil.getexif().get(0x0112, 1)))
+    assert fast is None or (fast.width, fast.height, fast.orientation) == expected
+    from qwenvl_prep.imageinfo import read_info
+
+    info = read_info(path)
+    assert (info.width, info.height, info.orientation) == expected

@@ -85,16 +85,22 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-def _draw(args: argparse.Namespace) -> int:
+def _stamped_dataset(args: argparse.Namespace):
+    """The dataset and the frame of its coordinates: its stamp, or the policy flags for an unstamped file."""
     from qwenvl_prep.dataset import resolve_dataset
-    from qwenvl_prep.draw import draw
 
     ref = resolve_dataset(args.dataset, args.dataset_dir)
-    stamp = ref.stamp
-    if stamp is None:
-        if not args.from_yaml and args.min_pixels is None:
-            raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
-        stamp = _spec(args).stamp
+    if ref.stamp is not None:
+        return ref, ref.stamp
+    if not args.from_yaml and args.min_pixels is None:
+        raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
+    return ref, _spec(args).stamp
+
+
+def _draw(args: argparse.Namespace) -> int:
+    from qwenvl_prep.draw import draw
+
+    ref, stamp = _stamped_dataset(args)
     result = draw(ref, stamp, args.out, args.frame, args.sample, args.seed, args.predictions)
     print(json.dumps(result, indent=2))
     return 0
@@ -145,37 +151,17 @@ def _predict(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     if args.draw:
-        _draw_predictions(rows, args.draw)
+        from qwenvl_prep.draw import draw_predictions
+
+        draw_predictions(rows, args.draw)
     return 0
-
-
-def _draw_predictions(rows: list[dict], out_dir: Path) -> None:
-    import cv2
-
-    from qwenvl_prep.draw import PRED_COLOR, _write_image
-
-    for i, row in enumerate(rows):
-        canvas = cv2.imread(row["image"])
-        for item in row["items"]:
-            pts = [int(round(v)) for v in item["orig"]]
-            if item["kind"] == "bbox_2d":
-                cv2.rectangle(canvas, (pts[0], pts[1]), (pts[2], pts[3]), PRED_COLOR, 3)
-            else:
-                cv2.circle(canvas, (pts[0], pts[1]), 8, PRED_COLOR, -1)
-        _write_image(Path(out_dir) / f"prediction-{i:04d}.jpg", canvas)
 
 
 def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.atomic import write_json
-    from qwenvl_prep.dataset import resolve_dataset
     from qwenvl_prep.evaluate import evaluate, format_table, plot
 
-    ref = resolve_dataset(args.dataset, args.dataset_dir)
-    stamp = ref.stamp
-    if stamp is None:
-        if not args.from_yaml and args.min_pixels is None:
-            raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
-        stamp = _spec(args).stamp
+    ref, stamp = _stamped_dataset(args)
     result = evaluate(ref, stamp, args.predictions)
     if args.json_out:
         write_json(args.json_out, result)

@@ -10,10 +10,12 @@ import itertools
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+import orjson
 
 from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_answer
 from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point, convert_coords, map_coords
@@ -31,7 +33,7 @@ SHAREGPT_ENTRY = {
     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
              "system_tag": "system"},
 }
-CHUNK = 256
+CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,17 @@ class Job:
     fmt: str
 
 
-@dataclass
+@dataclass(slots=True)
 class Result:
+    """One record's outcome; plain fields keep the pickling between worker and writer cheap."""
+
     index: int
     line: str | None = None
     error: dict | None = None
-    stats: Counter = field(default_factory=Counter)
+    passthrough: int = 0
+    boxes: int = 0
+    points: int = 0
+    exif_baked: int = 0
 
 
 class ConvertError(ValueError):
@@ -104,10 +111,13 @@ def _transformer(job: Job, hw: tuple[int, int]):
     source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
     src = job.source.coords
 
+    dst = job.target.coords
+
     def transform(item: Item) -> list[int]:
         (check_box if item.kind == "bbox_2d" else check_point)(item.coords, src, hw, source_hw)
-        in_orig = map_coords(item.coords, src, "orig", hw, source_hw)
-        return convert_coords(in_orig, "orig", job.target.coords, hw, target_hw)
+        if source_hw == target_hw:
+            return convert_coords(item.coords, src, dst, hw, target_hw)
+        return convert_coords(map_coords(item.coords, src, "orig", hw, source_hw), "orig", dst, hw, target_hw)
 
     return transform
 
@@ -127,7 +137,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         if not items:
-            result.stats["passthrough"] += 1
+            result.passthrough = 1
             for path, info in zip(images, infos):
                 job.target.policy.model_size(*info.hw)
         else:
@@ -147,14 +157,14 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 if job.exif == "bake":
                     images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
                     hw = info.displayed_hw
-                    result.stats["exif_baked"] += 1
+                    result.exif_baked = 1
             transform = _transformer(job, hw)
             for message, answer in zip(answers, parsed):
                 message["content"] = answer.rewrite(transform)
-            result.stats["boxes"] += sum(item.kind == "bbox_2d" for item in items)
-            result.stats["points"] += sum(item.kind == "point_2d" for item in items)
+            result.boxes = sum(item.kind == "bbox_2d" for item in items)
+            result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
-        result.line = json.dumps(out, ensure_ascii=False)
+        result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageInfoError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
         result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
@@ -268,7 +278,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         bar = tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True)
         for result in bar:
             stats["records"] += 1
-            stats.update(result.stats)
+            for key in ("passthrough", "boxes", "points", "exif_baked"):
+                stats[key] += getattr(result, key)
             if result.error is not None:
                 error_rows.append(result.error)
                 continue

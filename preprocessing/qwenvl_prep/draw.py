@@ -101,3 +101,17 @@ def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", 
         sheet = out_dir / f"{ref.name}-contact-sheet-{frame}.jpg"
         _write_image(sheet, contact_sheet(drawn))
     return {"images": written, "contact_sheet": str(sheet) if sheet else None}
+
+
+def draw_predictions(rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
+    """Draw ``qwenvl-prep predict`` rows (boxes already in original pixels) on their original images."""
+    written = []
+    for i, row in enumerate(rows):
+        image = row["image"]
+        canvas = cv2.cvtColor(np.asarray(decode(open_image(image), image).convert("RGB")), cv2.COLOR_RGB2BGR)
+        items = [Item(it["kind"], tuple(it["orig"]), it.get("label")) for it in row["items"]]
+        _draw_items(canvas, items, [list(it.coords) for it in items], PRED_COLOR, max(1, round(max(canvas.shape) / 500)))
+        path = Path(out_dir) / f"prediction-{i:04d}.jpg"
+        _write_image(path, canvas)
+        written.append(str(path))
+    return written

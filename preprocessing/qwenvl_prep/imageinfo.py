@@ -34,6 +34,7 @@ class ImageInfo:
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01, 0xD8}
+_JPEG_FIRST_READ = 1 << 12
 _JPEG_SCAN_BYTES = 1 << 16
 
 
@@ -77,7 +78,10 @@ def read_info(path: str | os.PathLike) -> ImageInfo:
     """Header-only read of size and EXIF orientation, never decoding pixels (JPEG fast path, PIL otherwise)."""
     try:
         with open(path, "rb") as f:
-            info = _jpeg_info(f.read(_JPEG_SCAN_BYTES))
+            head = f.read(_JPEG_FIRST_READ)
+            info = _jpeg_info(head)
+            if info is None and head[:2] == b"\xff\xd8" and len(head) == _JPEG_FIRST_READ:
+                info = _jpeg_info(head + f.read(_JPEG_SCAN_BYTES - _JPEG_FIRST_READ))
     except OSError:
         info = None  # open_image below reports it with the image's name
     if info is not None:

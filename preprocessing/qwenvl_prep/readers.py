@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import orjson
 from typing import Any, Iterator
 
 FORMATS = ("auto", "sharegpt", "alpaca", "jsonl", "coco")
@@ -37,8 +39,8 @@ def _value(raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         return RecordError(f"record is not valid JSON: {exc.msg} at column {exc.colno}")
 
 

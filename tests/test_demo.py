@@ -1,0 +1,45 @@
+"""``qwenvl-prep demo``, the main job, end to end; the export it makes reloads with the pinned frame."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+
+from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    result = run_cli(["qwenvl-prep", "demo", str(out)], None, out.parent)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(demo):
+    out, summary = demo
+    assert len(summary["sft_loss"]) == 4 and all(loss > 0 for loss in summary["sft_loss"])
+    assert summary["metrics"]["samples"] == 6
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(row["model_size"][0] % 28 == 0 for row in rows)
+    assert (out / "drawn" / "demo_eval-contact-sheet-original.jpg").stat().st_size > 0
+    assert (out / "eval.png").stat().st_size > 0
+    assert "OK" in (out / "logs" / "check.log").read_text()
+
+
+@pytest.mark.slow
+def test_export_reloads_with_the_pinned_bounds(demo):
+    out, _ = demo
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(out / "exported")
+    assert processor.image_processor.size["shortest_edge"] == MIN_PIXELS
+    assert processor.image_processor.size["longest_edge"] == MAX_PIXELS
+    AutoModelForImageTextToText.from_pretrained(out / "exported")
+    preprocessor = json.loads((out / "exported" / "preprocessor_config.json").read_text())
+    assert preprocessor["size"] == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    record = json.loads((out / "exported" / "qwenvl_policy.json").read_text())
+    assert (record["min_pixels"], record["max_pixels"], record["factor"]) == (MIN_PIXELS, MAX_PIXELS, 28)

@@ -1,0 +1,82 @@
+"""``qwenvl-prep eval``: known IoUs in the original frame, alignment checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import save_image
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llamafactory_qwenvl_patch.metrics import iou, match_boxes
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+from qwenvl_prep.cli import main
+
+MIN, MAX = 512 * 28 * 28, 1024 * 28 * 28
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    save_image(tmp_path / "raw" / "wide.jpg", 2000, 1000)
+    save_image(tmp_path / "raw" / "phone.jpg", 4032, 3024)
+    lines = [{"image": "wide.jpg", "question": "Where?", "answer": '[{"bbox_2d": [0, 0, 1000, 500]}]'},
+             {"image": "phone.jpg", "question": "Where?", "answer": '[{"bbox_2d": [0, 0, 2016, 1512]}]'}]
+    (tmp_path / "raw" / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "data" / "test.json"
+    assert main(["convert", str(tmp_path / "raw" / "in.jsonl"), "-o", str(out), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    return out
+
+
+def answer(path, index):
+    return json.loads(path.read_text())[index]["messages"][1]["content"]
+
+
+def test_known_ious_and_buckets(dataset, tmp_path, capsys):
+    policy = ResizePolicy(MIN, MAX)
+    h, w = policy.model_size(1000, 2000)
+    # Record 0: predicted box is the left half of the truth (IoU 0.5, centre 250 px off in original pixels).
+    half = [0, 0, round(500 * w / 2000), round(500 * h / 1000)]
+    rows = [{"prompt": "p", "predict": json.dumps([{"bbox_2d": half}]), "label": answer(dataset, 0)},
+            {"prompt": "p", "predict": "I cannot see it", "label": answer(dataset, 1)}]
+    preds = tmp_path / "generated_predictions.jsonl"
+    preds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["eval", str(dataset), "--predictions", str(preds), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    overall = result["overall"]
+    assert overall["mean_iou"] == pytest.approx(0.25, abs=0.01)
+    assert overall["acc@0.5"] == pytest.approx(0.5, abs=1e-9)
+    assert overall["parse_failure_rate"] == 0.5
+    assert overall["mean_centre_offset_orig_px"] == pytest.approx(250, abs=2)
+    assert set(result["by_size"]) == {"2-8 MP", ">=8 MP"}
+    assert main(["eval", str(dataset), "--predictions", str(preds), "--plot", str(tmp_path / "p.png")]) == 0
+    table = capsys.readouterr().out
+    assert "IoU >= 0.5" in table and "overall" in table and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_misaligned_predictions_are_an_error(dataset, tmp_path, capsys):
+    rows = [{"prompt": "p", "predict": "x", "label": answer(dataset, 1)},
+            {"prompt": "p", "predict": "x", "label": answer(dataset, 0)}]
+    preds = tmp_path / "generated_predictions.jsonl"
+    preds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", str(dataset), "--predictions", str(preds)]) == 2
+    assert "predictions row 0" in capsys.readouterr().err
+    preds.write_text(json.dumps(rows[0]) + "\n")
+    assert main(["eval", str(dataset), "--predictions", str(preds)]) == 2
+    assert "has 1 rows but" in capsys.readouterr().err
+
+
+boxes = st.tuples(st.floats(0, 500), st.floats(0, 500), st.floats(1, 300), st.floats(1, 300)).map(
+    lambda b: (b[0], b[1], b[0] + b[2], b[1] + b[3]))
+
+
+@given(st.lists(boxes, min_size=1, max_size=5), st.randoms())
+def test_matching_is_order_independent(truth, rnd):
+    predicted = [(x1 + 3, y1 - 2, x2 + 1, y2) for x1, y1, x2, y2 in truth]
+    shuffled = list(predicted)
+    rnd.shuffle(shuffled)
+    total = sum(score for _, _, score in match_boxes(truth, predicted))
+    assert sum(score for _, _, score in match_boxes(truth, shuffled)) == pytest.approx(total)
+    assert iou(truth[0], truth[0]) == 1.0
