@@ -19,6 +19,7 @@ TARGETS = {
     "llamafactory.model.loader": "patch_model_loader",
     "llamafactory.data.template": "patch_template",
     "llamafactory.data.loader": "patch_data_loader",
+    "llamafactory.train.tuner": "patch_tuner",
 }
 
 

@@ -37,8 +37,8 @@ def _replace(module: ModuleType, name: str, make: Callable[[Callable], Callable]
 
 
 def patch_parser(parser: ModuleType) -> None:
-    """Accept ``qwenvl_patch`` in train, infer/export and eval YAMLs by widening ModelArguments."""
-    lf_compat.require(parser, ["ModelArguments", "_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS"])
+    """Accept ``qwenvl_patch`` (ModelArguments) and ``stage: grpo`` with its keys (FinetuningArguments)."""
+    lf_compat.require(parser, ["ModelArguments", "FinetuningArguments", "_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS"])
     base = parser.ModelArguments
     if any(f.name == "qwenvl_patch" for f in fields(base)):
         return
@@ -54,11 +54,14 @@ def patch_parser(parser: ModuleType) -> None:
         )
 
     QwenVLModelArguments.__qualname__ = QwenVLModelArguments.__name__ = "ModelArguments"
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+
+    replacements = {base: QwenVLModelArguments,
+                    parser.FinetuningArguments: extend_finetuning_arguments(parser.FinetuningArguments)}
     for list_name in ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS"):
         arg_list = getattr(parser, list_name, None) or []
         for i, cls in enumerate(arg_list):
-            if cls is base:
-                arg_list[i] = QwenVLModelArguments
+            arg_list[i] = replacements.get(cls, cls)
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
@@ -226,3 +229,35 @@ def patch_data_loader(data_loader: ModuleType) -> None:
         return wrapper
 
     _replace(data_loader, "_get_preprocessed_dataset", make)
+
+
+# --- stage: grpo ---------------------------------------------------------------------------------------------------
+
+
+def _stage_of(args: Any) -> str | None:
+    if isinstance(args, dict):
+        return args.get("stage")
+    if isinstance(args, (list, tuple)):
+        for i, arg in enumerate(args):
+            if arg == "--stage" and i + 1 < len(args):
+                return args[i + 1]
+            if isinstance(arg, str) and arg.startswith("--stage="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def patch_tuner(tuner: ModuleType) -> None:
+    """Route ``stage: grpo`` to our workflow; ``run_exp`` and the Ray worker look the function up at call time."""
+    lf_compat.require(tuner, ["_training_function"])
+
+    def make(training_function: Callable) -> Callable:
+        def wrapper(config: dict[str, Any]) -> None:
+            if _stage_of(config.get("args")) != "grpo":
+                return training_function(config)
+            from llamafactory_qwenvl_patch.grpo.workflow import grpo_training_function
+
+            return grpo_training_function(config)
+
+        return wrapper
+
+    _replace(tuner, "_training_function", make)

@@ -1,0 +1,56 @@
+"""The GRPO YAML keys, as a subclass of LLaMA-Factory's FinetuningArguments (LF unpacks exactly five dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llamafactory_qwenvl_patch.grpo.loss import LOSS_TYPES, SCALE_REWARDS
+
+STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
+
+
+def extend_finetuning_arguments(base: type) -> type:
+    """FinetuningArguments with ``stage: grpo`` and the ``reward_*`` / ``grpo_*`` keys."""
+
+    @dataclass
+    class FinetuningArguments(base):
+        stage: Literal[STAGES] = field(default="sft", metadata={"help": "Which stage will be performed in training."})
+        reward_funcs: str | None = field(
+            default=None,
+            metadata={"help": "GRPO rewards, comma separated: built-ins iou, format, json_fields, accuracy; "
+                      "`module:function` or `path/to/file.py:function`."},
+        )
+        reward_weights: str | None = field(
+            default=None, metadata={"help": "Comma-separated weights, one per reward function (default all 1)."}
+        )
+        grpo_num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})
+        grpo_beta: float = field(
+            default=0.04, metadata={"help": "KL coefficient (k3 estimator) to the reference; 0 loads no reference."}
+        )
+        grpo_epsilon: float = field(default=0.2, metadata={"help": "Lower clip epsilon of the policy ratio."})
+        grpo_epsilon_high: float | None = field(
+            default=None, metadata={"help": "Upper clip epsilon (default: grpo_epsilon)."}
+        )
+        grpo_loss_type: str = field(default="grpo", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
+        grpo_scale_rewards: str = field(default="group", metadata={"help": f"One of {', '.join(SCALE_REWARDS)}."})
+        grpo_log_completions: bool = field(
+            default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
+        )
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.grpo_epsilon_high is None:
+                self.grpo_epsilon_high = self.grpo_epsilon
+            if self.stage != "grpo":
+                return
+            if not self.reward_funcs:
+                raise ValueError("stage: grpo needs reward_funcs, e.g. `reward_funcs: iou,format`")
+            if self.grpo_loss_type not in LOSS_TYPES:
+                raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}")
+            if self.grpo_scale_rewards not in SCALE_REWARDS:
+                raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}")
+            if self.grpo_num_generations < 2:
+                raise ValueError("grpo_num_generations must be at least 2: advantages are relative within a group")
+
+    return FinetuningArguments

@@ -1,0 +1,111 @@
+"""``stage: grpo`` workflow: LF's tokenizer, template, dataset (``stage="ppo"``: prompt + reference answer), model
+loading and callbacks, with our GRPOTrainer."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from typing import Any
+
+from llamafactory_qwenvl_patch import lf_compat
+
+
+def _log_callback_class():
+    """LF's LogCallback writes a fixed set of keys to trainer_log.jsonl; this one adds the GRPO metrics."""
+    callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["LogCallback"])
+
+    class GRPOLogCallback(callbacks.LogCallback):
+        EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
+                          "parse_failures")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._extras: deque = deque()
+
+        def on_log(self, args, state, control, **kwargs):
+            if args.should_save:
+                last = state.log_history[-1] if state.log_history else {}
+                self._extras.append({k: v for k, v in last.items() if k.startswith(self.EXTRA_PREFIXES)})
+            return super().on_log(args, state, control, **kwargs)
+
+        def _write_log(self, output_dir: str, logs: dict[str, Any]) -> None:
+            extras = self._extras.popleft() if self._extras else {}
+            return super()._write_log(output_dir, {**logs, **extras})
+
+    return GRPOLogCallback
+
+
+def grpo_training_function(config: dict[str, Any]) -> None:
+    """LF's ``_training_function`` for ``stage: grpo``: same argument parsing, callbacks and teardown."""
+    import torch.distributed as dist
+    from transformers import EarlyStoppingCallback
+
+    hparams = lf_compat.require_module("llamafactory.hparams", ["get_train_args"])
+    cb = lf_compat.require_module("llamafactory.train.callbacks", ["ReporterCallback"])
+    model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(config.get("args"))
+    callbacks = list(config.get("callbacks") or [])
+    callbacks.append(_log_callback_class()())
+    if finetuning_args.early_stopping_steps is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=finetuning_args.early_stopping_steps))
+    callbacks.append(cb.ReporterCallback(model_args, data_args, finetuning_args, generating_args))
+    run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _family(model_args: Any, data_args: Any) -> str:
+    from llamafactory_qwenvl_patch.policy import family_for_template
+    from llamafactory_qwenvl_patch.stamp import family_of_model
+
+    return family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template or "")
+
+
+def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks) -> None:
+    data = lf_compat.require_module("llamafactory.data", ["MultiModalDataCollatorForSeq2Seq", "get_dataset",
+                                                          "get_template_and_fix_tokenizer"])
+    model_mod = lf_compat.require_module("llamafactory.model", ["load_model", "load_tokenizer"])
+    trainer_utils = lf_compat.require_module("llamafactory.train.trainer_utils", ["create_ref_model"])
+    lf_callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["SaveProcessorCallback"])
+    constants = lf_compat.require_module("llamafactory.extras.constants", ["IGNORE_INDEX"])
+
+    from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
+    from llamafactory_qwenvl_patch.grpo.trainer import GRPOCollator, GRPOTrainer
+    from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
+
+    rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights)
+    tokenizer_module = model_mod.load_tokenizer(model_args)
+    tokenizer, processor = tokenizer_module["tokenizer"], tokenizer_module["processor"]
+    template = data.get_template_and_fix_tokenizer(tokenizer, data_args)
+    dataset_module = data.get_dataset(template, model_args, data_args, training_args, stage="ppo", **tokenizer_module)
+    train_dataset = dataset_module["train_dataset"]
+    train_dataset = train_dataset.add_column("grpo_index", list(range(len(train_dataset))))
+    model = model_mod.load_model(tokenizer, model_args, finetuning_args, training_args.do_train)
+    tokenizer.padding_side = "left"
+    collator = GRPOCollator(data.MultiModalDataCollatorForSeq2Seq(
+        template=template, model=model, label_pad_token_id=constants.IGNORE_INDEX, **tokenizer_module), tokenizer)
+    ref_model = None
+    if finetuning_args.grpo_beta != 0 and finetuning_args.finetuning_type != "lora":
+        ref_model = trainer_utils.create_ref_model(model_args, finetuning_args)
+    training_args.remove_unused_columns = False
+    if processor is not None:
+        callbacks.append(lf_callbacks.SaveProcessorCallback(processor))
+    policy = getattr(processor, "qwenvl_policy", None)
+    trainer = GRPOTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, data_collator=collator, callbacks=callbacks,
+        finetuning_args=finetuning_args, generating_args=generating_args, reward_funcs=rewards, ref_model=ref_model,
+        policy=policy, coords=FAMILY_CONVENTION[_family(model_args, data_args)],
+        stop_token_ids=template.get_stop_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
+    )
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+        if trainer.is_world_process_zero() and finetuning_args.plot_loss:
+            from llamafactory.extras.ploting import plot_loss
+
+            plot_loss(training_args.output_dir, keys=["loss", "reward", "kl", "completion_length/mean"])
+    with open(f"{training_args.output_dir}/grpo_rewards.json", "w", encoding="utf-8") as f:
+        json.dump({"reward_funcs": [name for name, _, _ in rewards],
+                   "reward_weights": [weight for _, _, weight in rewards]}, f)
