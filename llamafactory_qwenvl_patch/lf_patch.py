@@ -26,11 +26,16 @@ def _replace(module: ModuleType, name: str, make: Callable[[Callable], Callable]
         return
     wrapper = functools.wraps(original)(make(original))
     wrapper.__qwenvl_wrapped__ = True
+    _rebind(original, wrapper)
+
+
+def _rebind(original: Any, new: Any) -> None:
+    """Point every already-loaded LF module name bound to ``original`` at ``new`` (later imports get ``new``)."""
     for mod_name, mod in list(sys.modules.items()):
         if mod is not None and (mod_name == "llamafactory" or mod_name.startswith("llamafactory.")):
             for attr, value in list(vars(mod).items()):
                 if value is original:
-                    setattr(mod, attr, wrapper)
+                    setattr(mod, attr, new)
 
 
 # --- arguments -----------------------------------------------------------------------------------------------------
@@ -62,6 +67,8 @@ def patch_parser(parser: ModuleType) -> None:
         arg_list = getattr(parser, list_name, None) or []
         for i, cls in enumerate(arg_list):
             arg_list[i] = replacements.get(cls, cls)
+    # LF copies arguments with ``ModelArguments.copyfrom`` (reference and reward models): it must be our class.
+    _rebind(base, QwenVLModelArguments)
 
 
 # --- processor -----------------------------------------------------------------------------------------------------

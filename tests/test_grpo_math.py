@@ -1,0 +1,141 @@
+"""GRPO loss math against a hand-computed example of 2 prompts x 3 completions, and rewards on garbage."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llamafactory_qwenvl_patch.grpo.loss import advantages, policy_loss
+from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, load_rewards
+
+REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0]
+EPS = 1e-4
+
+
+def test_group_advantages_by_hand():
+    # group 1: mean 0.5, sample std 0.5; group 2: mean 1/3, sample std sqrt(1/3)
+    s2 = math.sqrt(1 / 3)
+    expected = [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0, (-1 / 3) / (s2 + EPS), (-1 / 3) / (s2 + EPS),
+                (2 / 3) / (s2 + EPS)]
+    assert advantages(torch.tensor(REWARDS), 3, "group").tolist() == pytest.approx(expected, rel=1e-6)
+    assert advantages(torch.tensor(REWARDS), 3, "none").tolist() == pytest.approx(
+        [0.5, -0.5, 0.0, -1 / 3, -1 / 3, 2 / 3], rel=1e-6)
+    batch_std = torch.tensor(REWARDS).std().item()
+    assert advantages(torch.tensor(REWARDS), 3, "batch").tolist() == pytest.approx(
+        [v / (batch_std + EPS) for v in [0.5, -0.5, 0.0, -1 / 3, -1 / 3, 2 / 3]], rel=1e-6)
+
+
+# Per sequence two tokens. Sequence 0 token 0 has ratio 1.5 (A > 0: clipped to 1.2); sequence 1 token 0 has ratio
+# 0.5 (A < 0: clipped to 0.8); every other token has ratio 1. Sequence 2's second token is padding.
+ADV = [1.0, -1.0, 0.5, -0.25, -0.25, 0.5]
+LOGPS = [[math.log(1.5) - 1, -1.0], [math.log(0.5) - 1, -1.0]] + [[-1.0, -1.0]] * 4
+OLD = [[-1.0, -1.0]] * 6
+REF = [[-1.2, -1.0]] * 6
+MASK = [[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [1, 1]]
+BETA, CLIP = 0.1, 0.2
+
+
+def hand_per_token():
+    rows = []
+    for i in range(6):
+        row = []
+        for t in range(2):
+            ratio = math.exp(LOGPS[i][t] - OLD[i][t])
+            a = ADV[i]
+            surrogate = -min(ratio * a, min(max(ratio, 1 - CLIP), 1 + CLIP) * a)
+            delta = REF[i][t] - LOGPS[i][t]
+            row.append(surrogate + BETA * (math.exp(delta) - delta - 1))
+        rows.append(row)
+    return rows
+
+
+def run(loss_type, total_tokens=None):
+    t = torch.tensor
+    return policy_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK), BETA, CLIP, CLIP, loss_type, 2, total_tokens)
+
+
+def test_clipping_and_kl_by_hand():
+    per_token = hand_per_token()
+    assert per_token[0][0] == pytest.approx(-1.2 + BETA * (math.exp(-0.2 - math.log(1.5)) + 0.2 + math.log(1.5) - 1))
+    assert per_token[1][0] == pytest.approx(0.8 + BETA * (math.exp(-0.2 - math.log(0.5)) + 0.2 + math.log(0.5) - 1))
+    parts = run("grpo")
+    assert parts.clip_ratio == pytest.approx(2 / 11)
+    kl_tokens = [math.exp(REF[i][t] - LOGPS[i][t]) - (REF[i][t] - LOGPS[i][t]) - 1
+                 for i in range(6) for t in range(2) if MASK[i][t]]
+    assert parts.kl == pytest.approx(sum(kl_tokens) / 11)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_each_loss_type_by_hand(loss_type):
+    per_token = hand_per_token()
+    masked = [[v * m for v, m in zip(row, mrow)] for row, mrow in zip(per_token, MASK)]
+    if loss_type == "grpo":
+        expected = sum(sum(r) / sum(m) for r, m in zip(masked, MASK)) / 6
+    elif loss_type in ("bnpo", "dapo"):
+        expected = sum(map(sum, masked)) / 11
+    else:
+        expected = sum(map(sum, masked)) / (6 * 2)
+    assert run(loss_type).loss.item() == pytest.approx(expected, rel=1e-5)
+    if loss_type == "dapo":
+        assert run("dapo", total_tokens=22).loss.item() == pytest.approx(sum(map(sum, masked)) / 22, rel=1e-5)
+
+
+def test_gradient_flows_through_ratio():
+    logps = torch.tensor(LOGPS, requires_grad=True)
+    parts = policy_loss(logps, torch.tensor(OLD), None, torch.tensor(ADV), torch.tensor(MASK), 0.0, CLIP, CLIP, "bnpo", 2)
+    parts.loss.backward()
+    assert logps.grad[2, 0].item() == pytest.approx(-0.5 / 11)  # d(-ratio*A)/dlogp = -A at ratio 1
+    assert logps.grad[2, 1].item() == 0.0  # padding
+    assert logps.grad[0, 0].item() == 0.0  # clipped
+
+
+BOX = json.dumps([{"bbox_2d": [10, 20, 110, 220], "label": "cat"}, {"bbox_2d": [300, 300, 400, 380], "label": "dog"}])
+
+
+def test_iou_reward_exact_disjoint_and_order():
+    iou = BUILTIN["iou"]
+    swapped = json.dumps(list(reversed(json.loads(BOX))))
+    fenced = f"```json\n{BOX}\n```"
+    disjoint = json.dumps([{"bbox_2d": [500, 500, 600, 600]}])
+    one = json.dumps([{"bbox_2d": [10, 20, 110, 220]}])
+    assert iou([BOX, swapped, fenced, disjoint, one], references=[BOX] * 5) == [1.0, 1.0, 1.0, 0.0, 0.5]
+    floats = json.dumps([{"bbox_2d": [10.0, 20.0, 110.0, 220.0]}, {"bbox_2d": [300.0, 300, 400, 380]}])
+    assert iou([floats], references=[BOX]) == [1.0]
+    assert iou(["<|box_start|>(10,20),(110,220)<|box_end|>"], references=[one]) == [1.0]
+
+
+def test_format_json_fields_accuracy():
+    assert BUILTIN["format"]([BOX, "no boxes", '[{"point_2d": [1, 2]}]'], references=[BOX] * 3) == [1.0, 0.0, 0.0]
+    truth = '{"invoice_number": "INV-7", "date": "2024-03-05", "amount": "1,234.50"}'
+    answer = '```json\n{"invoice_number": "inv-7", "date": "2024-03-06", "amount": "1,234.50"}\n```'
+    assert BUILTIN["json_fields"]([answer], references=[truth]) == [pytest.approx(2 / 3)]
+    assert BUILTIN["accuracy"](["  Paris. ", "Lyon"], references=["paris", "Paris"]) == [1.0, 0.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=80) | st.sampled_from(["[", "```json\n[{\"bbox_2d\": [1, 2]}]```", '[{"bbox_2d": "x"}]',
+                                                         '{"a": NaN}', "<|box_start|>(1,2),(3,<|box_end|>"]),
+                min_size=1, max_size=5),
+       st.sampled_from([BOX, '{"a": 1}', "plain", ""]))
+def test_rewards_never_raise_on_garbage(completions, reference):
+    for name, func in BUILTIN.items():
+        values = func(completions, references=[reference] * len(completions), orig_sizes=[None] * len(completions),
+                      model_sizes=[None] * len(completions), policy=None, indices=list(range(len(completions))),
+                      coords="model")
+        assert len(values) == len(completions) and all(0.0 <= v <= 1.0 for v in values), name
+
+
+def test_reward_loading(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def length(completions, **kw):\n    return [len(c) / 100 for c in completions]\n")
+    loaded = load_rewards(f"iou,{path}:length", "2,0.5")
+    assert [(name, weight) for name, _, weight in loaded] == [("iou", 2.0), ("length", 0.5)]
+    with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
+        load_rewards("iou,format", "1")
+    with pytest.raises(ValueError, match="no function nope"):
+        load_rewards(f"{path}:nope", None)
