@@ -127,6 +127,24 @@ def _log_active(policy: ResizePolicy) -> None:
     )
 
 
+def _warn_unpinned(model_args: Any) -> None:
+    """A model or adapter trained with the patch, loaded without it: its frame would silently change."""
+    folders = [model_args.model_name_or_path, *(getattr(model_args, "adapter_name_or_path", None) or [])]
+    for folder in folders:
+        record = Path(str(folder), POLICY_FILE)
+        if record.is_file():
+            from llamafactory.extras import logging as lf_logging
+
+            data = json.loads(record.read_text())
+            lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+                f"{folder} was trained with qwenvl_patch (min_pixels={data.get('min_pixels')}, "
+                f"max_pixels={data.get('max_pixels')}) but this run does not set `qwenvl_patch: true`: images will "
+                "be resized differently from training. Add `qwenvl_patch: true` and those image_min_pixels / "
+                "image_max_pixels to the YAML."
+            )
+            return
+
+
 def patch_model_loader(loader: ModuleType) -> None:
     lf_compat.require(loader, ["load_tokenizer"])
 
@@ -136,6 +154,8 @@ def patch_model_loader(loader: ModuleType) -> None:
             if getattr(model_args, "qwenvl_patch", False):
                 policy = pin_processor(module.get("processor"), model_args)
                 module["tokenizer"].qwenvl_policy = policy
+            else:
+                _warn_unpinned(model_args)
             return module
 
         return wrapper

@@ -23,6 +23,7 @@ def test_demo_runs_end_to_end(demo):
     out, summary = demo
     assert len(summary["sft_loss"]) == 4 and all(loss > 0 for loss in summary["sft_loss"])
     assert summary["metrics"]["samples"] == 6
+    assert len(summary["grpo_reward"]) == 2 and (out / "grpo" / "adapter_model.safetensors").exists()
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(row["model_size"][0] % 28 == 0 for row in rows)
     assert (out / "drawn" / "demo_eval-contact-sheet-original.jpg").stat().st_size > 0

@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the whole pipeline on CPU in minutes: data, convert, check, train, export, predict, eval, draw",
         description="Synthesise a grounding dataset (drawn shapes, mixed sizes incl. 4032x3024), build a tiny model, "
-        "and run convert, check, llamafactory-cli train (SFT LoRA), export, predict, eval and draw into OUT.",
+        "and run convert, check, llamafactory-cli train (SFT LoRA, then GRPO), export, predict, eval and draw "
+        "into OUT.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--steps", type=int, default=4, help="training steps")

@@ -1,7 +1,8 @@
 """``qwenvl-prep demo OUT``: the whole pipeline on CPU in a few minutes, on data and a model it makes itself.
 
 Synthesise drawn shapes with known boxes (mixed sizes, 4032x3024 included) -> convert -> check -> tiny model ->
-``llamafactory-cli train`` (SFT, LoRA) -> ``llamafactory-cli export`` -> predict -> eval -> draw.
+``llamafactory-cli train`` (SFT, LoRA; and GRPO with iou + format rewards) -> ``llamafactory-cli export`` ->
+predict -> eval -> draw.
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def run_demo(out: Path, steps: int = 4) -> dict[str, Any]:
                                   "abs", "-q"], logs)
     _run("check", ["qwenvl-prep", "check", "--yaml", str(sft_yaml), "--decode"], logs)
     _run("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
+    grpo_yaml = _yaml(out / "grpo.yaml", {
+        **common, "stage": "grpo", "do_train": True, "finetuning_type": "lora", "lora_target": "all",
+        "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 24,
+        "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 1024, "preprocessing_num_workers": 1,
+        "output_dir": str(out / "grpo"), "logging_steps": 1, "save_steps": 2, "max_steps": 2,
+        "per_device_train_batch_size": 1, "learning_rate": 1.0e-4, "report_to": "none", "use_cpu": True,
+        "grpo_log_completions": True,
+    })
+    _run("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
     export_yaml = _yaml(out / "export.yaml", {
         **common, "adapter_name_or_path": str(out / "sft"), "finetuning_type": "lora",
         "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
@@ -117,5 +127,7 @@ def run_demo(out: Path, steps: int = 4) -> dict[str, Any]:
         "drawn": str(out / "drawn"), "logs": str(logs),
         "metrics": json.loads((out / "eval.json").read_text())["overall"],
         "sft_loss": [row["loss"] for row in load_jsonl(out / "sft" / "trainer_log.jsonl") if "loss" in row],
+        "grpo_checkpoint": str(out / "grpo"),
+        "grpo_reward": [row["reward"] for row in load_jsonl(out / "grpo" / "trainer_log.jsonl") if "loss" in row],
     }
     return summary
