@@ -138,7 +138,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         infos = [_info(p) for p in images]
         if not items:
             result.passthrough = 1
-            for path, info in zip(images, infos):
+            for info in infos:
                 job.target.policy.model_size(*info.hw)
         else:
             if job.source.coords is None:

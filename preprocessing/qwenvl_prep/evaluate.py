@@ -55,6 +55,10 @@ def _bucket(width: int, height: int) -> str:
     return next(name for limit, name in BUCKETS if width * height < limit)
 
 
+def _to_orig(coords, stamp: Stamp, hw: tuple[int, int], model_hw: tuple[int, int]) -> list[float]:
+    return convert_coords(coords, stamp.coords, "orig", hw, model_hw, ndigits=None)
+
+
 def _prediction_text(row: dict, index: int) -> str:
     for key in ("predict", "prediction"):
         if isinstance(row.get(key), str):
@@ -83,16 +87,13 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
         hw = info.hw
         model_hw = stamp.policy.model_size(*hw)
 
-        def to_orig(coords):
-            return convert_coords(coords, stamp.coords, "orig", hw, model_hw, ndigits=None)
-
-        truth = [to_orig(item.coords) for item in sample.items if item.kind == "bbox_2d"]
+        truth = [_to_orig(item.coords, stamp, hw, model_hw) for item in sample.items if item.kind == "bbox_2d"]
         try:
             predicted_items = parse_items(_prediction_text(row, index))
             failed = bool(truth) and not predicted_items
         except AnswerError:
             predicted_items, failed = [], True
-        predicted = [to_orig(item.coords) for item in predicted_items if item.kind == "bbox_2d"]
+        predicted = [_to_orig(item.coords, stamp, hw, model_hw) for item in predicted_items if item.kind == "bbox_2d"]
         pairs = match_boxes(truth, predicted)
         matched = {t: (p, score) for t, p, score in pairs}
         for tally in (overall, buckets.setdefault(_bucket(info.width, info.height), Tally())):
