@@ -79,8 +79,11 @@ def run_convert(src: Path, out: Path, workers: int) -> tuple[float, float]:
 
 def in_process_rate(src: Path, out: Path, workers: int) -> float:
     """records/s of ``run_convert`` after imports: reading, converting and writing, without interpreter start-up."""
+    from llamafactory_qwenvl_patch.policy import load_backend
     from qwenvl_prep.convert import ConvertOptions, run_convert
     from qwenvl_prep.policy_source import spec_from_flags
+
+    load_backend()
 
     opts = ConvertOptions(input=src, output=out, target=spec_from_flags(256 * 28 * 28, 1280 * 28 * 28,
                           "qwen2_5_vl").stamp, input_coords="abs", workers=workers, progress=False)

@@ -69,6 +69,12 @@ class ResizePolicy:
         return (out_h // self.factor) * (out_w // self.factor)
 
 
+def load_backend() -> None:
+    """Import ``qwen_vl_utils`` (and the torch it pulls in) now: forked workers then inherit it instead of each
+    paying the import."""
+    import qwen_vl_utils  # noqa: F401
+
+
 @lru_cache(maxsize=65536)
 def _model_size(policy: ResizePolicy, height: int, width: int) -> tuple[int, int]:
     """Cached: datasets repeat a few camera and screen sizes, and convert asks once per record."""

@@ -18,7 +18,15 @@ from typing import Any, Iterable, Iterator
 import orjson
 
 from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_answer
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point, convert_coords, map_coords
+from llamafactory_qwenvl_patch.policy import (
+    PolicyError,
+    ResizePolicy,
+    check_box,
+    check_point,
+    convert_coords,
+    load_backend,
+    map_coords,
+)
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, write_json
@@ -247,6 +255,7 @@ def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
         for chunk in chunks:
             yield from _convert_chunk(chunk)
         return
+    load_backend()
     with get_context("fork").Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
         for results in pool.imap(_convert_chunk, chunks):
             yield from results
