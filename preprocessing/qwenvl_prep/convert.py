@@ -117,9 +117,7 @@ def _transformer(job: Job, hw: tuple[int, int]):
     """Item -> target coordinates, checking each item in its source frame first."""
     target_hw = job.target.policy.model_size(*hw)
     source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
-    src = job.source.coords
-
-    dst = job.target.coords
+    src, dst = job.source.coords, job.target.coords
 
     def transform(item: Item) -> list[int]:
         (check_box if item.kind == "bbox_2d" else check_point)(item.coords, src, hw, source_hw)
