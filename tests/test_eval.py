@@ -80,3 +80,21 @@ def test_matching_is_order_independent(truth, rnd):
     total = sum(score for _, _, score in match_boxes(truth, predicted))
     assert sum(score for _, _, score in match_boxes(truth, shuffled)) == pytest.approx(total)
     assert iou(truth[0], truth[0]) == 1.0
+
+
+@pytest.mark.slow
+def test_real_lf_generated_predictions_join(dataset, tiny_model, tmp_path, capsys):
+    """LF's own do_predict output (labels decoded by LF) lines up with the converted dataset, record by record."""
+    from helpers import run_cli, train_config
+
+    config = train_config(tiny_model, dataset.parent, tmp_path / "pred", do_train=None, do_predict=True,
+                          predict_with_generate=True, dataset=None, eval_dataset="test", image_min_pixels=MIN,
+                          image_max_pixels=MAX, max_new_tokens=8, per_device_eval_batch_size=2, finetuning_type=None,
+                          lora_target=None)
+    result = run_cli(["llamafactory-cli", "train"], config, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    preds = tmp_path / "pred" / "generated_predictions.jsonl"
+    capsys.readouterr()
+    assert main(["eval", str(dataset), "--predictions", str(preds), "--json"]) == 0
+    overall = json.loads(capsys.readouterr().out)["overall"]
+    assert overall["samples"] == 2 and overall["truth_boxes"] == 2

@@ -76,7 +76,8 @@ def test_lora_grpo_logs_metrics_weights_and_errors(lora_run):
     assert json.loads((out / "checkpoint-3" / "preprocessor_config.json").read_text())["size"]["longest_edge"] == \
         256 * 28 * 28
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 12 and {"completion", "reward", "reference", "index"} <= set(rows[0])
+    assert len(rows) == 12 and {"prompt", "completion", "reward", "reference", "index"} <= set(rows[0])
+    assert "Locate the box" in rows[0]["prompt"] and "bbox_2d" in rows[0]["reference"]
     assert (out / "training_reward.png").exists()
 
 

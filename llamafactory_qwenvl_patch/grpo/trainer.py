@@ -32,6 +32,7 @@ class SampleMeta:
     """What rewards need about one prompt, captured before LF's collator turns paths into tensors."""
 
     index: int
+    prompt: str
     reference: str
     orig_hw: tuple[int, int] | None
 
@@ -54,7 +55,8 @@ class GRPOCollator:
             if images:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
-            meta.append(SampleMeta(index, self.tokenizer.decode(labels, skip_special_tokens=True), orig_hw))
+            prompt = self.tokenizer.decode(feature["input_ids"], skip_special_tokens=True)
+            meta.append(SampleMeta(index, prompt, self.tokenizer.decode(labels, skip_special_tokens=True), orig_hw))
             stripped.append(feature)
         batch = self.collator(stripped)
         batch["grpo_meta"] = meta
@@ -247,8 +249,9 @@ class GRPOTrainer(Trainer):
         from accelerate.utils import gather_object
 
         G = self.num_generations
-        rows = [{"step": self.state.global_step, "index": meta[i // G].index, "reference": meta[i // G].reference,
-                 "completion": text, "reward": reward} for i, (text, reward) in enumerate(zip(texts, rewards))]
+        rows = [{"step": self.state.global_step, "index": meta[i // G].index, "prompt": meta[i // G].prompt,
+                 "reference": meta[i // G].reference, "completion": text, "reward": reward}
+                for i, (text, reward) in enumerate(zip(texts, rewards))]
         rows = gather_object(rows)
         if self.accelerator.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)
