@@ -2,8 +2,8 @@
 
 Images: a pool of distinct JPEGs of mixed sizes (COCO-like, phone, screenshot, scan, random); each record gets its
 own path (a hard link), so no cache keyed on paths helps convert. Peak memory: max RSS of the convert process for
-10k and 100k records. "cli" times the whole ``qwenvl-prep convert`` process (about 2 s of it is importing torch,
-which ``qwen_vl_utils`` pulls in); "steady" times ``run_convert`` in-process after imports. The header-only
+10k and 100k records. "cli" times the whole ``qwenvl-prep convert`` process; "steady" times ``run_convert``
+in-process after imports. The header-only
 baseline is measured before and after, and averaged.
 
     .venv/bin/python benchmarks/bench_convert.py --records 100000 --workers 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 MAX_ASPECT_RATIO = 200
 MERGE_SIZE = 2
@@ -69,17 +69,18 @@ class ResizePolicy:
         return (out_h // self.factor) * (out_w // self.factor)
 
 
-def load_backend() -> None:
-    """Import ``qwen_vl_utils`` (and the torch it pulls in) now: forked workers then inherit it instead of each
-    paying the import."""
-    import qwen_vl_utils  # noqa: F401
+@lru_cache(maxsize=1)
+def load_backend() -> Callable:
+    """qwen-vl-utils' ``smart_resize``, loaded once (forked workers inherit it), without torch when possible."""
+    from llamafactory_qwenvl_patch.smart_resize_source import load_smart_resize
+
+    return load_smart_resize()
 
 
 @lru_cache(maxsize=65536)
 def _model_size(policy: ResizePolicy, height: int, width: int) -> tuple[int, int]:
     """Cached: datasets repeat a few camera and screen sizes, and convert asks once per record."""
-    from qwen_vl_utils import smart_resize
-
+    smart_resize = load_backend()
     if height <= 0 or width <= 0:
         raise PolicyError(f"image size {width}x{height} (WxH) is empty")
     ratio = max(height, width) / min(height, width)

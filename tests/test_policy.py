@@ -88,3 +88,38 @@ def test_absolute_and_relative_agree(h, w, data):
     assert [v * 1000 for v in rel1] == pytest.approx(map_coords(coords, "orig", "rel1000", (h, w), model))
     clamped = convert_coords(coords, "orig", "rel1000", (h, w), model)
     assert all(0 <= v <= 1000 for v in clamped)
+
+
+def test_torch_free_smart_resize_is_qwen_vl_utils_own(tmp_path):
+    """The source-compiled smart_resize (no torch import) equals the real qwen_vl_utils one on many inputs."""
+    import random
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json, random\n"
+        "from llamafactory_qwenvl_patch.smart_resize_source import load_smart_resize\n"
+        "fast = load_smart_resize()\n"
+        "assert 'torch' not in sys.modules and 'qwen_vl_utils' not in sys.modules\n"
+        "rng = random.Random(7); out = []\n"
+        "for _ in range(5000):\n"
+        "    h, w, f = rng.randint(1, 9000), rng.randint(1, 9000), rng.choice([28, 32])\n"
+        "    lo = rng.randint(1, 2000) * f * f // 4; hi = lo + rng.randint(0, 20000) * f\n"
+        "    try: out.append([h, w, f, lo, hi, list(fast(h, w, f, min_pixels=lo, max_pixels=hi))])\n"
+        "    except ValueError as e: out.append([h, w, f, lo, hi, str(e)])\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    from qwen_vl_utils import smart_resize
+
+    rows = json.loads(result.stdout)
+    for h, w, f, lo, hi, fast in rows:
+        try:
+            real = list(smart_resize(h, w, f, min_pixels=lo, max_pixels=hi))
+        except ValueError as exc:
+            real = str(exc)
+        assert fast == real, (h, w, f, lo, hi)
+    assert sum(isinstance(r[-1], str) for r in rows) > 0  # the aspect-ratio error path is covered too
