@@ -3,7 +3,6 @@ loading and callbacks, with our GRPOTrainer."""
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from typing import Any
 
@@ -13,6 +12,7 @@ from llamafactory_qwenvl_patch import lf_compat
 def _log_callback_class():
     """LF's LogCallback writes a fixed set of keys to trainer_log.jsonl; this one adds the GRPO metrics."""
     callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["LogCallback"])
+    lf_compat.require(callbacks.LogCallback, ["_write_log", "on_log"])
 
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
@@ -106,6 +106,3 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
             from llamafactory.extras.ploting import plot_loss
 
             plot_loss(training_args.output_dir, keys=["loss", "reward", "kl", "completion_length/mean"])
-    with open(f"{training_args.output_dir}/grpo_rewards.json", "w", encoding="utf-8") as f:
-        json.dump({"reward_funcs": [name for name, _, _ in rewards],
-                   "reward_weights": [weight for _, _, weight in rewards]}, f)
