@@ -25,6 +25,11 @@ def spread(completions, *, references, orig_sizes, model_sizes, policy, indices,
     assert len(references) == len(orig_sizes) == len(model_sizes) == len(indices) == len(completions)
     assert all(m[0] % policy.factor == 0 for m in model_sizes) and coords == "model"
     return [(zlib.crc32(c.encode()) % 100) / 100 for c in completions]
+
+
+def spread_rel1000(completions, *, model_sizes, policy, coords, **kw):
+    assert coords == "rel1000" and policy.factor == 32 and all(m[0] % 32 == 0 for m in model_sizes)
+    return [(zlib.crc32(c.encode()) % 100) / 100 for c in completions]
 '''
 CONFIG = Path(__file__).resolve().parents[1] / "configs"
 
@@ -125,3 +130,17 @@ def test_zero3_two_ranks(setup, tiny_model):
     steps = [row for row in read_log(out) if "loss" in row]
     assert len(steps) == 3 and steps[-1]["kl"] > 0
     assert (out / "checkpoint-3" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_qwen3_vl_grpo(setup, tiny_model_qwen3):
+    """Qwen3-VL: factor 32, 0-1000 coordinates, and the token types its M-RoPE needs in transformers 5.x."""
+    root, data_dir = setup
+    out = root / "qwen3"
+    config = grpo_config(tiny_model_qwen3, data_dir, out, root / "my_rewards.py", template="qwen3_vl_nothink",
+                         image_min_pixels=64 * 32 * 32, image_max_pixels=256 * 32 * 32, max_steps=2, save_steps=2,
+                         reward_funcs=f"format,{root / 'my_rewards.py'}:spread_rel1000")
+    result = run_cli(["llamafactory-cli", "train"], config, root / "qwen3-run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    steps = [row for row in read_log(out) if "loss" in row]
+    assert len(steps) == 2 and steps[0]["rewards/spread_rel1000/errors"] == 0 and steps[0]["reward_std"] > 0

@@ -6,6 +6,7 @@ the reward functions, and optimises the clipped group-relative policy-gradient l
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -113,6 +114,10 @@ class GRPOTrainer(Trainer):
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
+        self.video_id = getattr(config, "video_token_id", None)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        # transformers 5.x Qwen3-VL needs the token types to place M-RoPE positions; LF's collator does not emit them.
+        self.pass_token_types = "mm_token_type_ids" in inspect.signature(type(base).forward).parameters
         self.patch = int(getattr(getattr(config, "vision_config", None), "patch_size", 14))
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self.ref_model = ref_model
@@ -130,6 +135,8 @@ class GRPOTrainer(Trainer):
         from trl.models import unwrap_model_for_generation
 
         gen_inputs = {k: inputs[k] for k in GENERATION_KEYS if k in inputs}
+        if self.pass_token_types:
+            gen_inputs["mm_token_type_ids"] = self._token_types(inputs["input_ids"])
         with torch.no_grad(), unwrap_model_for_generation(
             model, self.accelerator, gather_deepspeed3_params=True
         ) as unwrapped:
@@ -140,6 +147,14 @@ class GRPOTrainer(Trainer):
             finally:
                 unwrapped.train(was_training)
         return out[:, inputs["input_ids"].shape[1]:]
+
+    def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """0 for text, 1 for image tokens, 2 for video tokens (what the HF processor returns)."""
+        types = torch.zeros_like(input_ids)
+        types[input_ids == self.image_id] = 1
+        if self.video_id is not None:
+            types[input_ids == self.video_id] = 2
+        return types
 
     def _completion_mask(self, completion_ids: torch.Tensor) -> torch.Tensor:
         is_stop = torch.isin(completion_ids, torch.tensor(self.stop_token_ids, device=completion_ids.device))
@@ -194,6 +209,8 @@ class GRPOTrainer(Trainer):
             "input_ids": torch.cat([inputs["input_ids"].repeat_interleave(G, 0), completion_ids], dim=1),
             "attention_mask": torch.cat([inputs["attention_mask"].repeat_interleave(G, 0), completion_mask], dim=1),
         }
+        if self.pass_token_types:
+            batch["mm_token_type_ids"] = self._token_types(batch["input_ids"])
         model_hws: list[tuple[int, int] | None] = [None] * len(meta)
         if "pixel_values" in inputs:
             per_sample = _images_per_sample(inputs["input_ids"], self.vision_start_id, self.image_id)
