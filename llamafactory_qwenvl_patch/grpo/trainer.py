@@ -159,16 +159,21 @@ class GRPOTrainer(Trainer):
     def _completion_mask(self, completion_ids: torch.Tensor) -> torch.Tensor:
         is_stop = torch.isin(completion_ids, torch.tensor(self.stop_token_ids, device=completion_ids.device))
         length = completion_ids.size(1)
-        first_stop = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1), torch.full_like(is_stop[:, 0], length, dtype=torch.long))
+        no_stop = torch.full_like(is_stop[:, 0], length, dtype=torch.long)
+        first_stop = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1), no_stop)
         positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
         return (positions <= first_stop.unsqueeze(1)).long()
 
     def _token_logps(self, model: Any, batch: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
         length = completion_ids.size(1)
         logits = model(**batch, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
-        logits = logits.float() / self.temperature
-        logps = torch.gather(logits.log_softmax(dim=-1), 2, completion_ids.unsqueeze(-1)).squeeze(-1)
-        return logps
+        # Row by row in float32: a full-vocabulary log_softmax of every completion at once costs G x T x V floats.
+        rows = []
+        for row_logits, row_ids in zip(logits, completion_ids):
+            row_logits = row_logits.float() / self.temperature
+            chosen = torch.gather(row_logits, 1, row_ids.unsqueeze(-1)).squeeze(-1)
+            rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
+        return torch.stack(rows)
 
     def _score(self, texts: list[str], meta: list[SampleMeta], model_hws: list[tuple[int, int] | None]) -> torch.Tensor:
         G = self.num_generations
