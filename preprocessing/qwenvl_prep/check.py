@@ -93,6 +93,7 @@ def _decode(path: str) -> str | None:
 
 def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full_decode: bool = False,
                   workers: int = 1) -> Report:
+    """One pass over the dataset (headers only unless ``full_decode``): every problem, token overflow and drift."""
     policy = spec.stamp.policy
     report = Report(ref.name, str(ref.path), ref.stamp.to_dict() if ref.stamp else None)
     if ref.stamp is None:
