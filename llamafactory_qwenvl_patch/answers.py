@@ -128,17 +128,3 @@ def parse_items(text: str) -> list[Item]:
 
 def _format_number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
-
-
-def rewrite_items(text: str, transform: Callable[[Item], Sequence[float]]) -> str:
-    """Replace every item's coordinates with ``transform(item)``, keeping the answer's own syntax."""
-    return parse_answer(text).rewrite(transform)
-
-
-def format_items(items: Sequence[Item]) -> str:
-    """Qwen2.5-VL style JSON answer for items (used when building answers from COCO)."""
-    return json.dumps(
-        [{item.kind: [_format_number(v) for v in item.coords], **({"label": item.label} if item.label else {})}
-         for item in items],
-        ensure_ascii=False,
-    )
