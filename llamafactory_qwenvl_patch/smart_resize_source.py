@@ -1,7 +1,7 @@
 """``qwen_vl_utils.smart_resize`` without importing torch.
 
 ``qwen_vl_utils`` imports torch and torchvision at module level (about 3 s and 850 MB here) although ``smart_resize``
-is plain integer math. Data tools that only need sizes (``qwenvl-prep convert``, ``check``) compile the installed
+is plain integer math. Tools that only need sizes (``qwenvl-prep convert``) compile the installed
 qwen-vl-utils' *own* source of ``smart_resize`` and its helpers, unchanged, into a namespace of their own. If the
 module's layout is not the one expected, or qwen_vl_utils is already imported, the real function is used.
 ``tests/test_policy.py`` checks both give identical results.

@@ -123,7 +123,7 @@ def test_zero3_two_ranks(setup, tiny_model):
     root, data_dir = setup
     out = root / "z3"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", deepspeed=str(CONFIG / "ds_z3_cpu_test.json"),
-                         ddp_backend="gloo", use_cpu=None)
+                         ddp_backend="gloo", use_cpu=None, grpo_scale_rewards="batch")
     result = run_cli(["llamafactory-cli", "train"], config, root / "z3-run",
                      env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "29541"}, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

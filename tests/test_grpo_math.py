@@ -139,3 +139,8 @@ def test_reward_loading(tmp_path):
         load_rewards("iou,format", "1")
     with pytest.raises(ValueError, match="no function nope"):
         load_rewards(f"{path}:nope", None)
+
+
+def test_batch_scaling_takes_the_global_std():
+    local = advantages(torch.tensor(REWARDS), 3, "batch", batch_std=0.25)
+    assert local.tolist() == pytest.approx([v / (0.25 + EPS) for v in [0.5, -0.5, 0.0, -1 / 3, -1 / 3, 2 / 3]])

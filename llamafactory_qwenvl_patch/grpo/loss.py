@@ -10,10 +10,12 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+               batch_std: float | None = None) -> torch.Tensor:
     """(r - group mean), divided by the group std (``group``), the batch std (``batch``) or nothing (``none``).
 
-    ``rewards`` holds consecutive groups of ``group_size`` completions of the same prompt.
+    ``rewards`` holds consecutive groups of ``group_size`` completions of the same prompt. ``batch_std`` is the std
+    over the global batch (all ranks); by default the std of ``rewards``.
     """
     if scale not in SCALE_REWARDS:
         raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}")
@@ -23,7 +25,9 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps
         std = grouped.std(dim=1, unbiased=True).repeat_interleave(group_size) if group_size > 1 else torch.ones_like(rewards)
         return centred / (std + eps)
     if scale == "batch":
-        return centred / (rewards.std(unbiased=True) + eps if rewards.numel() > 1 else 1.0)
+        if batch_std is None:
+            batch_std = float(rewards.std(unbiased=True)) if rewards.numel() > 1 else 0.0
+        return centred / (batch_std + eps)
     return centred
 
 

@@ -227,7 +227,10 @@ class GRPOTrainer(Trainer):
                     model_hws[i] = (grid[first][1] * self.patch, grid[first][2] * self.patch)
                 first += count
         rewards = self._score(texts, meta, model_hws).to(completion_ids.device)
-        adv = advantages(rewards, G, self.fa.grpo_scale_rewards)
+        batch_std = None
+        if self.fa.grpo_scale_rewards == "batch" and self.accelerator.num_processes > 1:
+            batch_std = float(self.accelerator.gather(rewards).std())
+        adv = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
         logps = self._token_logps(model, batch, completion_ids)
         ref_logps = None
         if self.fa.grpo_beta != 0:
