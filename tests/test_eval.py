@@ -6,7 +6,7 @@ import json
 
 import pytest
 from helpers import save_image
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamafactory_qwenvl_patch.metrics import iou, match_boxes
@@ -72,6 +72,7 @@ boxes = st.tuples(st.floats(0, 500), st.floats(0, 500), st.floats(1, 300), st.fl
     lambda b: (b[0], b[1], b[0] + b[2], b[1] + b[3]))
 
 
+@settings(deadline=None)
 @given(st.lists(boxes, min_size=1, max_size=5), st.randoms())
 def test_matching_is_order_independent(truth, rnd):
     predicted = [(x1 + 3, y1 - 2, x2 + 1, y2) for x1, y1, x2, y2 in truth]
