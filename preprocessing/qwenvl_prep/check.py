@@ -6,7 +6,6 @@ stock LLaMA-Factory (without the plugin) would do to these labels.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from llamafactory_qwenvl_patch.policy import (
 )
 from llamafactory_qwenvl_patch.stamp import differences
 from qwenvl_prep.dataset import DatasetRef, iter_samples
+from qwenvl_prep.fixconfig import read_processor_bounds
 from qwenvl_prep.imageinfo import read_info
 from qwenvl_prep.policy_source import RunSpec
 
@@ -57,17 +57,7 @@ class Report:
 
 def processor_bounds(model: str | None) -> tuple[int, int]:
     """The base model's own processor bounds (what stock LF's second resize uses), hub defaults otherwise."""
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        path = Path(model or "", name)
-        if model and path.is_file():
-            data = json.loads(path.read_text())
-            data = data.get("image_processor", data)
-            size = data.get("size") or {}
-            low = data.get("min_pixels", size.get("shortest_edge"))
-            high = data.get("max_pixels", size.get("longest_edge"))
-            if low and high:
-                return int(low), int(high)
-    return HUB_PROCESSOR_MIN_PIXELS, HUB_PROCESSOR_MAX_PIXELS
+    return (read_processor_bounds(model) if model else None) or (HUB_PROCESSOR_MIN_PIXELS, HUB_PROCESSOR_MAX_PIXELS)
 
 
 def _text_counter(model: str | None):

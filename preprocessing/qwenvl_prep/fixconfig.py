@@ -59,9 +59,10 @@ def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, changes
 
 
-def _processor_bounds(model_dir: Path) -> tuple[int, int] | None:
+def read_processor_bounds(model_dir: str | Path) -> tuple[int, int] | None:
+    """(min_pixels, max_pixels) from a model folder's processor config (either layout), None if it has none."""
     for name in ("preprocessor_config.json", "processor_config.json"):
-        path = model_dir / name
+        path = Path(model_dir, name)
         if path.is_file():
             data = json.loads(path.read_text())
             data = data.get("image_processor", data)
@@ -93,7 +94,7 @@ def inspect(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict
             if sub["model_type"] not in CONFIG_MAPPING:
                 problems.append(f"{key}.model_type {sub['model_type']!r} is unknown to the installed transformers "
                                 f"{transformers.__version__}")
-    bounds = _processor_bounds(model_dir)
+    bounds = read_processor_bounds(model_dir)
     if yaml_bounds is not None and bounds is not None and tuple(bounds) != tuple(yaml_bounds):
         problems.append(f"processor bounds {bounds[0]}..{bounds[1]} differ from the training YAML's "
                         f"{yaml_bounds[0]}..{yaml_bounds[1]}: inference would see another frame than training")
