@@ -265,8 +265,8 @@ class GRPOTrainer(Trainer):
         m["clip_ratio"].append(parts.clip_ratio)
         m["completion_length/mean"].append(float(lengths.mean()))
         m["completion_length/max"].append(float(lengths.max()))
-        m["parse_failures"].append(float(sum(
-            _unparsed(text) for i, text in enumerate(texts) if not _unparsed(meta[i // G].reference))))
+        grounded = [not _unparsed(sample.reference) for sample in meta]  # once per prompt, not per completion
+        m["parse_failures"].append(float(sum(_unparsed(text) for i, text in enumerate(texts) if grounded[i // G])))
         if self.fa.grpo_log_completions:
             self._log_completions(texts, rewards.tolist(), meta)
 
