@@ -1,11 +1,17 @@
-"""Box geometry for evaluation and rewards (pure): IoU, one-to-one matching, centre offsets."""
+"""Box geometry and grounding scores for evaluation and rewards (pure): IoU, one-to-one matching, centre offsets,
+and the Acc@0.5 / mean-IoU tally shared by ``qwenvl-prep eval`` and GRPO's evaluation."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass, field
+from statistics import mean
+from typing import Any, Callable, Sequence
+
+from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
 
 Box = Sequence[float]
+IOU_THRESHOLD = 0.5
 
 
 def iou(a: Box, b: Box) -> float:
@@ -34,3 +40,63 @@ def match_boxes(truth: Sequence[Box], predicted: Sequence[Box]) -> list[tuple[in
 def centre_offset(a: Box, b: Box) -> float:
     """Euclidean distance between box centres."""
     return math.hypot((a[0] + a[2] - b[0] - b[2]) / 2, (a[1] + a[3] - b[1] - b[3]) / 2)
+
+
+@dataclass
+class GroundingScore:
+    """One answer against its truth boxes: parse failure, the IoU of each truth box's match (0 if unmatched) and
+    the centre offsets of the matched pairs."""
+
+    failed: bool
+    ious: list[float]
+    offsets: list[float]
+
+
+def score_grounding(truth: Sequence[Box], prediction: str, to_frame: Callable[[Sequence[float]], list[float]]
+                    ) -> GroundingScore:
+    """Score ``prediction`` against ``truth`` (already in the frame of the metric, e.g. original pixels);
+    ``to_frame`` maps the prediction's coordinates into that frame."""
+    try:
+        items = parse_items(prediction)
+        failed = bool(truth) and not items
+    except AnswerError:
+        items, failed = [], True
+    predicted = [to_frame(item.coords) for item in items if item.kind == "bbox_2d"]
+    matched = {t: (p, score) for t, p, score in match_boxes(truth, predicted)}
+    ious, offsets = [], []
+    for t, box in enumerate(truth):
+        p, score = matched.get(t, (None, 0.0))
+        ious.append(score)
+        if p is not None:
+            offsets.append(centre_offset(box, predicted[p]))
+    return GroundingScore(failed, ious, offsets)
+
+
+@dataclass
+class Tally:
+    """Running totals behind Acc@0.5 (IoU >= 0.5 after one-to-one matching), mean IoU and parse failures."""
+
+    samples: int = 0
+    parse_failures: int = 0
+    truth_boxes: int = 0
+    hits: int = 0
+    ious: list[float] = field(default_factory=list)
+    offsets: list[float] = field(default_factory=list)
+
+    def add(self, score: GroundingScore) -> None:
+        self.samples += 1
+        self.parse_failures += score.failed
+        self.truth_boxes += len(score.ious)
+        self.hits += sum(value >= IOU_THRESHOLD for value in score.ious)
+        self.ious += score.ious
+        self.offsets += score.offsets
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "truth_boxes": self.truth_boxes,
+            f"acc@{IOU_THRESHOLD}": round(self.hits / self.truth_boxes, 4) if self.truth_boxes else None,
+            "mean_iou": round(mean(self.ious), 4) if self.ious else None,
+            "parse_failure_rate": round(self.parse_failures / self.samples, 4) if self.samples else None,
+            "mean_centre_offset_orig_px": round(mean(self.offsets), 2) if self.offsets else None,
+        }

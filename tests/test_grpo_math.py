@@ -134,7 +134,7 @@ def test_reward_loading(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text("def length(completions, **kw):\n    return [len(c) / 100 for c in completions]\n")
     loaded = load_rewards(f"iou,{path}:length", "2,0.5")
-    assert [(name, weight) for name, _, weight in loaded] == [("iou", 2.0), ("length", 0.5)]
+    assert [(r.name, r.weight) for r in loaded] == [("iou", 2.0), ("length", 0.5)]
     with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
         load_rewards("iou,format", "1")
     with pytest.raises(ValueError, match="no function nope"):

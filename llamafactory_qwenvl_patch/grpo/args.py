@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llamafactory_qwenvl_patch.grpo.loss import LOSS_TYPES, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
 
@@ -34,6 +34,23 @@ def extend_finetuning_arguments(base: type) -> type:
         )
         grpo_loss_type: str = field(default="grpo", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
         grpo_scale_rewards: str = field(default="group", metadata={"help": f"One of {', '.join(SCALE_REWARDS)}."})
+        grpo_num_iterations: int = field(
+            default=1, metadata={"help": "Optimisation passes over each rollout batch (mu); clipping acts when > 1."}
+        )
+        grpo_steps_per_generation: int | None = field(
+            default=None,
+            metadata={"help": "Micro-batches generated at once and then optimised, a multiple of "
+                      "gradient_accumulation_steps (default: gradient_accumulation_steps)."},
+        )
+        grpo_importance_sampling: str = field(
+            default="token", metadata={"help": f"Importance ratio per {' or '.join(IMPORTANCE_LEVELS)} (GSPO)."}
+        )
+        grpo_mask_truncated: bool = field(
+            default=False, metadata={"help": "Completions that hit max_new_tokens without a stop token get no loss."}
+        )
+        grpo_skip_zero_std_groups: bool = field(
+            default=False, metadata={"help": "Groups whose rewards are all equal get no loss (DAPO dynamic sampling)."}
+        )
         grpo_log_completions: bool = field(
             default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
         )
@@ -46,11 +63,17 @@ def extend_finetuning_arguments(base: type) -> type:
                 return
             if not self.reward_funcs:
                 raise ValueError("stage: grpo needs reward_funcs, e.g. `reward_funcs: iou,format`")
-            if self.grpo_loss_type not in LOSS_TYPES:
-                raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}")
-            if self.grpo_scale_rewards not in SCALE_REWARDS:
-                raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}")
+            for key, value, allowed in (("grpo_loss_type", self.grpo_loss_type, LOSS_TYPES),
+                                        ("grpo_scale_rewards", self.grpo_scale_rewards, SCALE_REWARDS),
+                                        ("grpo_importance_sampling", self.grpo_importance_sampling,
+                                         IMPORTANCE_LEVELS)):
+                if value not in allowed:
+                    raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
             if self.grpo_num_generations < 2:
                 raise ValueError("grpo_num_generations must be at least 2: advantages are relative within a group")
+            if self.grpo_num_iterations < 1:
+                raise ValueError("grpo_num_iterations must be at least 1")
+            if self.grpo_steps_per_generation is not None and self.grpo_steps_per_generation < 1:
+                raise ValueError("grpo_steps_per_generation must be at least 1")
 
     return FinetuningArguments

@@ -1,4 +1,4 @@
-"""GRPO math as pure tensor functions: group-relative advantages and the clipped policy-gradient loss."""
+"""GRPO math as pure tensor functions: group-relative advantages, step normalisers and the clipped loss."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
@@ -31,6 +32,28 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps
     return centred
 
 
+def zero_std_groups(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
+    """(N,) bool: the completion belongs to a group whose rewards are all equal (no learning signal)."""
+    grouped = rewards.view(-1, group_size)
+    flat = (grouped.max(dim=1).values - grouped.min(dim=1).values) <= tol
+    return flat.repeat_interleave(group_size)
+
+
+def step_normalizers(counts: torch.Tensor, grad_accum: int, world_size: int) -> torch.Tensor:
+    """Per micro-batch (tokens, sequences) normalisers that make a token or sequence mean over the optimiser step.
+
+    ``counts`` is (micro-batches, 2): completion tokens and sequences entering the loss of each micro-batch of one
+    rollout, summed over all ranks; consecutive runs of ``grad_accum`` micro-batches form one optimiser step.
+    transformers' Trainer divides each micro-batch loss by ``grad_accum`` and DDP / DeepSpeed average gradients over
+    ranks, so a micro-batch that divides its sum by ``step total / (world_size * grad_accum)`` contributes exactly its
+    share of the step's mean, whatever the sizes of the other micro-batches.
+    """
+    if counts.size(0) % grad_accum:
+        raise ValueError(f"{counts.size(0)} micro-batches do not split into steps of {grad_accum}")
+    per_step = counts.view(-1, grad_accum, 2).sum(dim=1).clamp(min=1.0)
+    return (per_step / (world_size * grad_accum)).repeat_interleave(grad_accum, dim=0)
+
+
 @dataclass
 class LossParts:
     loss: torch.Tensor
@@ -49,38 +72,50 @@ def policy_loss(
     eps_high: float,
     loss_type: str,
     max_completion_length: int,
-    total_tokens: float | None = None,
+    token_normalizer: float | None = None,
+    seq_normalizer: float | None = None,
+    importance: str = "token",
 ) -> LossParts:
     """Clipped surrogate with an optional k3 KL term, aggregated per ``loss_type``.
 
-    Shapes: (N, T) for log-probs and ``mask`` (1 for completion tokens), (N,) for ``adv``. ``grpo``: mean over each
-    sequence's tokens, then over sequences; ``bnpo``: token mean over this batch; ``dapo``: token sum over
-    ``total_tokens`` (the global count of completion tokens, for equal token weight across ranks and micro-batches);
-    ``dr_grpo``: token sum over N * max_completion_length.
+    Shapes: (N, T) for log-probs and ``mask`` (1 for completion tokens that enter the loss), (N,) for ``adv``.
+    ``importance``: ``token`` ratios (GRPO) or one ratio per sequence from its mean log-ratio (GSPO).
+    ``grpo``: mean over each sequence's tokens, summed over sequences and divided by ``seq_normalizer`` (default:
+    the sequences of this batch that enter the loss); ``bnpo``: token mean over this batch; ``dapo``: token sum over
+    ``token_normalizer`` (default: this batch's tokens); ``dr_grpo``: token sum over N * max_completion_length.
+    ``step_normalizers`` gives the normalisers that make ``grpo`` and ``dapo`` means over a whole optimiser step.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if importance not in IMPORTANCE_LEVELS:
+        raise ValueError(f"grpo_importance_sampling must be one of {', '.join(IMPORTANCE_LEVELS)}, got {importance!r}")
     mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
+    seq_tokens = mask.sum(dim=1)
+    log_ratio = logps - old_logps
+    if importance == "sequence":
+        log_ratio = ((log_ratio * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     a = adv.unsqueeze(1)
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
-    per_token = -torch.min(unclipped, clipped)
+    per_token = -torch.min(unclipped, clipped).expand_as(logps)
     kl = torch.zeros_like(logps)
     if ref_logps is not None and beta != 0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
     tokens = mask.sum().clamp(min=1.0)
+    summed = (per_token * mask).sum()
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+        kept = float((seq_tokens > 0).sum().clamp(min=1))
+        loss = ((per_token * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).sum() / (seq_normalizer or kept)
     elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / tokens
+        loss = summed / tokens
     elif loss_type == "dapo":
-        loss = (per_token * mask).sum() / (total_tokens if total_tokens else tokens)
+        loss = summed / (token_normalizer or tokens)
     else:
-        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
-    is_clipped = ((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))
+        loss = summed / (per_token.size(0) * max_completion_length)
+    is_clipped = (((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))).expand_as(logps)
     return LossParts(
         loss=loss,
         kl=float((kl * mask).sum() / tokens),

@@ -1,20 +1,26 @@
 """Verifiable rewards (pure functions) and the loader for ``reward_funcs``.
 
-The reward API: ``fn(completions, *, references, orig_sizes, model_sizes, policy, indices, coords) -> list[float]``
-with one entry per completion. ``references`` is the dataset's last assistant turn; ``orig_sizes`` and
+The reward API: ``fn(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, coords)
+-> list[float]`` with one entry per completion. ``references`` is the dataset's last assistant turn and ``prompts``
+the prompt as the model read it (special tokens kept, each image's pads shown once); ``orig_sizes`` and
 ``model_sizes`` are (height, width) of the first image, the latter read from ``image_grid_thw`` (what the model
-really saw); ``policy`` is the run's ResizePolicy; ``indices`` are dataset indices; ``coords`` is the convention the
-model answers in (``model`` for Qwen2.5-VL, ``rel1000`` for Qwen2-VL and Qwen3-VL). Built-ins never raise on
-garbage; the trainer also turns a raising or NaN custom reward into 0 for that sample and counts it.
+really saw); ``resize_policy`` is the run's ResizePolicy; ``indices`` are dataset indices; ``coords`` is the
+convention the model answers in (``model`` for Qwen2.5-VL, ``rel1000`` for Qwen2-VL and Qwen3-VL). Built-ins never
+raise on garbage; a custom reward that raises or returns NaN scores 0 for the completions concerned (the batch is
+scored again one completion at a time to find them), and each is counted.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
+import math
 import re
 import unicodedata
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -136,11 +142,62 @@ def load_reward(spec: str) -> tuple[str, RewardFunc]:
     return name, func
 
 
-def load_rewards(funcs: str, weights: str | None) -> list[tuple[str, RewardFunc, float]]:
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    func: RewardFunc
+    weight: float
+    legacy_policy: bool = False  # names the pre-0.2 keyword ``policy`` (now ``resize_policy``)
+
+
+def _names_legacy_policy(func: RewardFunc) -> bool:
+    try:
+        return "policy" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
     specs = [s for s in (funcs or "").split(",") if s.strip()]
     if not specs:
         raise ValueError("stage: grpo needs reward_funcs, e.g. `reward_funcs: iou,format`")
     values = [float(w) for w in weights.split(",")] if weights else [1.0] * len(specs)
     if len(values) != len(specs):
         raise ValueError(f"reward_weights has {len(values)} values for {len(specs)} reward_funcs")
-    return [(*load_reward(spec), weight) for spec, weight in zip(specs, values)]
+    rewards = []
+    for spec, weight in zip(specs, values):
+        name, func = load_reward(spec)
+        legacy = _names_legacy_policy(func)
+        if legacy:
+            warnings.warn(f"reward {name!r} takes the keyword `policy`, renamed `resize_policy` (in GRPO code "
+                          "'policy' means the model being trained); it still receives it for now", FutureWarning,
+                          stacklevel=2)
+        rewards.append(Reward(name, func, weight, legacy))
+    return rewards
+
+
+def _call(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]) -> list[float]:
+    kwargs = {**columns, **shared}
+    if reward.legacy_policy:
+        kwargs["policy"] = shared["resize_policy"]
+    values = [float(v) for v in reward.func(completions, **kwargs)]
+    if len(values) != len(completions):
+        raise ValueError(f"returned {len(values)} rewards for {len(completions)} completions")
+    return values
+
+
+def score(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]
+          ) -> tuple[list[float], list[bool]]:
+    """(values, error flags): a raising reward is called again per completion, so only the completions that make
+    it fail (or give NaN / inf) score 0 and are counted. ``columns`` hold one entry per completion."""
+    try:
+        values = _call(reward, completions, columns, shared)
+    except Exception:  # noqa: BLE001 - a user reward must never stop training
+        values = []
+        for i, completion in enumerate(completions):
+            try:
+                values += _call(reward, [completion], {k: v[i:i + 1] for k, v in columns.items()}, shared)
+            except Exception:  # noqa: BLE001
+                values.append(math.nan)
+    errors = [not math.isfinite(v) for v in values]
+    return [0.0 if bad else v for v, bad in zip(values, errors)], errors

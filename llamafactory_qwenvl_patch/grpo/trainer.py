@@ -1,51 +1,58 @@
 """GRPOTrainer: a transformers Trainer, so DeepSpeed, checkpointing, resume, logging and LF's callbacks keep working.
 
-Each training step takes a batch of prompts (with their images), samples G completions per prompt, scores them with
-the reward functions, and optimises the clipped group-relative policy-gradient loss (plus an optional KL term).
+Rollout and optimisation are two steps, as in trl, verl and EasyR1. Every ``grpo_steps_per_generation`` x
+``grpo_num_iterations`` micro-steps a rollout takes the rank's generation batch (``per_device_train_batch_size`` x
+``grpo_steps_per_generation`` prompts), samples G completions per prompt, scores them, computes advantages, the old
+and reference log-probs and the step normalisers, and stores one ``MicroBatch`` per micro-step; each micro-step then
+optimises its stored micro-batch with the clipped surrogate. With ``grpo_num_iterations > 1`` the same rollout is
+optimised again and the ratio to the old log-probs (and clipping) acts.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 from collections import defaultdict
-from contextlib import nullcontext
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import GenerationConfig, Trainer
+from transformers.trainer_utils import seed_worker
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
-from llamafactory_qwenvl_patch.grpo.loss import advantages, policy_loss
-from llamafactory_qwenvl_patch.grpo.rewards import RewardFunc
+from llamafactory_qwenvl_patch.grpo.loss import advantages, policy_loss, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
+from llamafactory_qwenvl_patch.grpo.rewards import Reward, score
+from llamafactory_qwenvl_patch.grpo.rollout import (
+    MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
+    prompt_text, repeat_visual,
+)
+from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
+from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.images import open_image
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, Tally, score_grounding
+from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
-COUNTERS = ("errors", "parse_failures")
-
-
-@dataclass
-class SampleMeta:
-    """What rewards need about one prompt, captured before LF's collator turns paths into tensors."""
-
-    index: int
-    prompt: str
-    reference: str
-    orig_hw: tuple[int, int] | None
+COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
 
 
 class GRPOCollator:
-    """Wraps LF's multimodal collator: keeps the reference answer, original image size and dataset index."""
+    """Batches stay raw features until a rollout needs them, so a generation batch that is reused for several
+    micro-steps is loaded and processed once. ``collate`` runs LF's multimodal collator and keeps the reference
+    answer, the original image size and the dataset index of each prompt."""
 
     def __init__(self, collator: Any, tokenizer: Any) -> None:
         self.collator = collator
         self.tokenizer = tokenizer
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"grpo_features": list(features)}
+
+    def collate(self, features: list[dict[str, Any]], drop: set[int]) -> tuple[dict[str, Any], list[SampleMeta]]:
         meta, stripped = [], []
         for feature in features:
             feature = dict(feature)
@@ -56,12 +63,10 @@ class GRPOCollator:
             if images:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
-            prompt = self.tokenizer.decode(feature["input_ids"], skip_special_tokens=True)
-            meta.append(SampleMeta(index, prompt, self.tokenizer.decode(labels, skip_special_tokens=True), orig_hw))
+            meta.append(SampleMeta(index, prompt_text(self.tokenizer, feature["input_ids"], drop),
+                                   decode_kept(self.tokenizer, labels, drop).strip(), orig_hw))
             stripped.append(feature)
-        batch = self.collator(stripped)
-        batch["grpo_meta"] = meta
-        return batch
+        return self.collator(stripped), meta
 
 
 def _unparsed(text: str) -> bool:
@@ -72,45 +77,36 @@ def _unparsed(text: str) -> bool:
         return True
 
 
-def _images_per_sample(input_ids: torch.Tensor, vision_start_id: int, image_id: int) -> list[int]:
-    starts = input_ids[:, :-1] == vision_start_id
-    return (starts & (input_ids[:, 1:] == image_id)).sum(dim=1).tolist()
-
-
-def _repeat_visual(pixel_values: torch.Tensor, grid: torch.Tensor, per_sample: list[int], times: int):
-    """Repeat each sample's image patches ``times`` times, in sample order (matches ``repeat_interleave``)."""
-    patches = grid.prod(dim=1).tolist()
-    pixel_chunks, grid_chunks, p, g = [], [], 0, 0
-    for count in per_sample:
-        n_patches = int(sum(patches[g:g + count]))
-        for _ in range(times):
-            pixel_chunks.append(pixel_values[p:p + n_patches])
-            grid_chunks.append(grid[g:g + count])
-        p, g = p + n_patches, g + count
-    return torch.cat(pixel_chunks), torch.cat(grid_chunks)
-
-
 class GRPOTrainer(Trainer):
-    def __init__(self, *, finetuning_args: Any, generating_args: Any, reward_funcs: list[tuple[str, RewardFunc, float]],
-                 ref_model: Any, policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
-                 processor: Any, tokenizer: Any, **kwargs: Any) -> None:
+    def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
+                 ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
+                 suppress_token_ids: list[int], processor: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(processing_class=processor or tokenizer, **kwargs)
-        self.model_accepts_loss_kwargs = False  # the loss is a per-step mean: let Trainer scale for accumulation
+        self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
         self.fa = finetuning_args
         self.tokenizer = tokenizer
         self.reward_funcs = reward_funcs
-        self.policy = policy
+        self.resize_policy = resize_policy
         self.coords = coords
         self.num_generations = finetuning_args.grpo_num_generations
-        gen = generating_args.to_dict(obey_generation_config=True)
-        if not gen.get("temperature"):
-            raise ValueError("stage: grpo samples completions: set temperature > 0")
-        gen.update(do_sample=True, num_return_sequences=self.num_generations, eos_token_id=stop_token_ids,
-                   pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        self.generation_config = GenerationConfig(**gen)
+        self.grad_accum = self.args.gradient_accumulation_steps
+        self.steps_per_generation = finetuning_args.grpo_steps_per_generation or self.grad_accum
+        if self.steps_per_generation % self.grad_accum:
+            raise ValueError(f"grpo_steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                             f"gradient_accumulation_steps ({self.grad_accum}): a rollout covers whole optimiser steps")
+        self.num_iterations = finetuning_args.grpo_num_iterations
+        self.off_policy = self.num_iterations > 1 or self.steps_per_generation > self.grad_accum
+        self.stop_token_ids = stop_token_ids
+        self.suppressed = suppress_token_ids
+        self.drop_ids = {*stop_token_ids, tokenizer.pad_token_id}
+        common = dict(eos_token_id=stop_token_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                      suppress_tokens=suppress_token_ids or None)
+        self.generation_config = GenerationConfig(do_sample=True, num_return_sequences=self.num_generations,
+                                                  **sampling, **common)
+        length = {k: sampling[k] for k in ("max_new_tokens", "max_length") if k in sampling}
+        self.greedy_config = GenerationConfig(do_sample=False, num_return_sequences=1, **length, **common)
         self.max_new_tokens = self.generation_config.max_new_tokens
         self.temperature = float(self.generation_config.temperature)
-        self.stop_token_ids = stop_token_ids
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
@@ -120,6 +116,8 @@ class GRPOTrainer(Trainer):
         self.pass_token_types = "mm_token_type_ids" in inspect.signature(type(base).forward).parameters
         self.patch = int(getattr(getattr(config, "vision_config", None), "patch_size", 14))
         self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._buffer: list[MicroBatch] | None = None
+        self._micro_step = 0
         self.ref_model = ref_model
         if ref_model is not None:
             if self.is_deepspeed_enabled:
@@ -129,24 +127,37 @@ class GRPOTrainer(Trainer):
             else:
                 self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
 
-    # --- one step ------------------------------------------------------------------------------------------------
+    # --- data ----------------------------------------------------------------------------------------------------
 
-    def _generate(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        from trl.models import unwrap_model_for_generation
+    def get_train_dataloader(self) -> DataLoader:
+        """Batches of ``per_device_train_batch_size x grpo_steps_per_generation`` prompts, each repeated for every
+        micro-step that optimises it (see ``RolloutSampler``)."""
+        if self.train_dataset is None:
+            raise ValueError("stage: grpo needs a training dataset")
+        per_rank = self._train_batch_size * self.steps_per_generation
+        sampler = RolloutSampler(len(self.train_dataset), per_rank, self.args.world_size,
+                                 self.steps_per_generation * self.num_iterations, seed=self.args.seed)
+        loader = DataLoader(
+            self.train_dataset, batch_size=per_rank, sampler=sampler, collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            worker_init_fn=partial(seed_worker, num_workers=self.args.dataloader_num_workers,
+                                   rank=self.args.process_index),
+        )
+        return self.accelerator.prepare(loader)
 
-        gen_inputs = {k: inputs[k] for k in GENERATION_KEYS if k in inputs}
-        if self.pass_token_types:
-            gen_inputs["mm_token_type_ids"] = self._token_types(inputs["input_ids"])
-        with torch.no_grad(), unwrap_model_for_generation(
-            model, self.accelerator, gather_deepspeed3_params=True
-        ) as unwrapped:
-            was_training = unwrapped.training
-            unwrapped.eval()
-            try:
-                out = unwrapped.generate(**gen_inputs, generation_config=self.generation_config)
-            finally:
-                unwrapped.train(was_training)
-        return out[:, inputs["input_ids"].shape[1]:]
+    def _collate(self, features: list[dict[str, Any]]) -> tuple[dict[str, Any], list[SampleMeta]]:
+        batch, meta = self.data_collator.collate(features, self.drop_ids)
+        if "pixel_values_videos" in batch:
+            raise ValueError("stage: grpo supports still images and text; this batch has videos")
+        batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
+        if "pixel_values" in batch:
+            per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+            for sample, hw in zip(meta, first_image_sizes(batch["image_grid_thw"], per_sample, self.patch)):
+                sample.model_hw = hw
+        return batch, meta
+
+    # --- rollout -------------------------------------------------------------------------------------------------
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """0 for text, 1 for image tokens, 2 for video tokens (what the HF processor returns)."""
@@ -156,115 +167,230 @@ class GRPOTrainer(Trainer):
             types[input_ids == self.video_id] = 2
         return types
 
-    def _completion_mask(self, completion_ids: torch.Tensor) -> torch.Tensor:
-        is_stop = torch.isin(completion_ids, torch.tensor(self.stop_token_ids, device=completion_ids.device))
-        length = completion_ids.size(1)
-        no_stop = torch.full_like(is_stop[:, 0], length, dtype=torch.long)
-        first_stop = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1), no_stop)
-        positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
-        return (positions <= first_stop.unsqueeze(1)).long()
+    def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+        from trl.models import unwrap_model_for_generation
 
-    def _token_logps(self, model: Any, batch: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
+        gen_inputs = dict(batch)
+        if self.pass_token_types:
+            gen_inputs["mm_token_type_ids"] = self._token_types(batch["input_ids"])
+        with torch.no_grad(), unwrap_model_for_generation(
+            model, self.accelerator, gather_deepspeed3_params=True
+        ) as unwrapped:
+            was_training = unwrapped.training
+            unwrapped.eval()
+            try:
+                with generation_config_of(unwrapped, config):
+                    out = unwrapped.generate(**gen_inputs, generation_config=config)
+            finally:
+                unwrapped.train(was_training)
+        return out[:, batch["input_ids"].shape[1]:]
+
+    def _completions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], int]:
+        """(ids, attention mask, stopped, texts, rows cut): cut at the stop token and before any vision placeholder
+        (suppressed in sampling; this is the safety net if one appears anyway)."""
+        mask, stopped = completion_mask(ids, self.stop_token_ids)
+        ids, mask, cut = cut_at_tokens(ids, mask, self.suppressed, self.tokenizer.pad_token_id)
+        lengths = mask.sum(dim=1).tolist()
+        texts = [decode_kept(self.tokenizer, row[:n], self.drop_ids) for row, n in zip(ids.tolist(), lengths)]
+        return ids, mask, stopped, texts, cut
+
+    def _forward_inputs(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
+                        ) -> dict[str, torch.Tensor]:
+        G = self.num_generations
+        inputs = {
+            "input_ids": torch.cat([batch["input_ids"].repeat_interleave(G, 0), ids], dim=1),
+            "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
+        }
+        if self.pass_token_types:
+            inputs["mm_token_type_ids"] = self._token_types(inputs["input_ids"])
+        if "pixel_values" in batch:
+            per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+            inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(
+                batch["pixel_values"], batch["image_grid_thw"], per_sample, G)
+        return inputs
+
+    def _token_logps(self, model: Any, inputs: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the completion tokens under softmax(logits / T) with the vision tokens suppressed, i.e. the
+        distribution that was sampled."""
         length = completion_ids.size(1)
-        logits = model(**batch, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
+        logits = model(**inputs, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
+        banned = torch.tensor(self.suppressed, device=logits.device, dtype=torch.long)
         # Row by row in float32: a full-vocabulary log_softmax of every completion at once costs G x T x V floats.
         rows = []
         for row_logits, row_ids in zip(logits, completion_ids):
             row_logits = row_logits.float() / self.temperature
+            if len(banned):
+                row_logits = row_logits.index_fill(1, banned, float("-inf"))
             chosen = torch.gather(row_logits, 1, row_ids.unsqueeze(-1)).squeeze(-1)
             rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
         return torch.stack(rows)
 
-    def _score(self, texts: list[str], meta: list[SampleMeta], model_hws: list[tuple[int, int] | None]) -> torch.Tensor:
+    def _reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._token_logps(self.ref_model, inputs, ids)
+        with reference_context(self.accelerator.unwrap_model(model)):
+            return self._token_logps(model, inputs, ids)
+
+    def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
         G = self.num_generations
-        per_completion = dict(
+        columns = dict(
             references=[m.reference for m in meta for _ in range(G)],
+            prompts=[m.prompt for m in meta for _ in range(G)],
             orig_sizes=[m.orig_hw for m in meta for _ in range(G)],
-            model_sizes=[hw for hw in model_hws for _ in range(G)],
+            model_sizes=[m.model_hw for m in meta for _ in range(G)],
             indices=[m.index for m in meta for _ in range(G)],
-            policy=self.policy,
-            coords=self.coords,
         )
+        shared = dict(resize_policy=self.resize_policy, coords=self.coords)
         total = torch.zeros(len(texts))
-        for name, func, weight in self.reward_funcs:
-            try:
-                values = [float(v) for v in func(texts, **per_completion)]
-                if len(values) != len(texts):
-                    raise ValueError(f"returned {len(values)} rewards for {len(texts)} completions")
-                errors = [not math.isfinite(v) for v in values]
-            except Exception:  # noqa: BLE001 - a user reward must never stop training
-                values, errors = [0.0] * len(texts), [True] * len(texts)
-            clean = torch.tensor([0.0 if bad else v for v, bad in zip(values, errors)])
-            self._metrics[f"rewards/{name}/mean"].append(float(clean.mean()))
-            self._metrics[f"rewards/{name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
-            self._metrics[f"rewards/{name}/errors"].append(float(sum(errors)))
-            total += weight * clean
+        for reward in self.reward_funcs:
+            values, errors = score(reward, texts, columns, shared)
+            clean = torch.tensor(values)
+            self._metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
+            self._metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
+            self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(errors)))
+            total += reward.weight * clean
         return total
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        meta: list[SampleMeta] = inputs.pop("grpo_meta")
-        G = self.num_generations
-        if "pixel_values_videos" in inputs:
-            raise ValueError("stage: grpo supports still images and text; this batch has videos")
-        completion_ids = self._generate(model, inputs)
-        completion_mask = self._completion_mask(completion_ids)
-        texts = self.tokenizer.batch_decode(completion_ids * completion_mask + self.tokenizer.pad_token_id
-                                            * (1 - completion_mask), skip_special_tokens=True)
-        batch = {
-            "input_ids": torch.cat([inputs["input_ids"].repeat_interleave(G, 0), completion_ids], dim=1),
-            "attention_mask": torch.cat([inputs["attention_mask"].repeat_interleave(G, 0), completion_mask], dim=1),
-        }
-        if self.pass_token_types:
-            batch["mm_token_type_ids"] = self._token_types(batch["input_ids"])
-        model_hws: list[tuple[int, int] | None] = [None] * len(meta)
-        if "pixel_values" in inputs:
-            per_sample = _images_per_sample(inputs["input_ids"], self.vision_start_id, self.image_id)
-            batch["pixel_values"], batch["image_grid_thw"] = _repeat_visual(
-                inputs["pixel_values"], inputs["image_grid_thw"], per_sample, G)
-            first, grid = 0, inputs["image_grid_thw"].tolist()
-            for i, count in enumerate(per_sample):
-                if count:
-                    model_hws[i] = (grid[first][1] * self.patch, grid[first][2] * self.patch)
-                first += count
-        rewards = self._score(texts, meta, model_hws).to(completion_ids.device)
+    def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
+        G, spg = self.num_generations, self.steps_per_generation
+        per_micro = len(features) // spg
+        model.train()
+        parts = []
+        for j in range(spg):
+            batch, meta = self._collate(features[j * per_micro:(j + 1) * per_micro])
+            ids, attention, stopped, texts, cut = self._completions(
+                self._generate(model, batch, self.generation_config))
+            self._metrics["vision_tokens_cut"].append(float(cut))
+            inputs = self._forward_inputs(batch, ids, attention)
+            with torch.no_grad():
+                old = self._token_logps(model, inputs, ids) if self.off_policy else None
+                ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
+            parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
+                              old=old, ref=ref))
+        meta = [m for part in parts for m in part["meta"]]
+        texts = [t for part in parts for t in part["texts"]]
+        device = parts[0]["ids"].device
+        rewards = self._score(texts, meta).to(device)
         batch_std = None
         if self.fa.grpo_scale_rewards == "batch" and self.accelerator.num_processes > 1:
             batch_std = float(self.accelerator.gather(rewards).std())
         adv = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
-        logps = self._token_logps(model, batch, completion_ids)
-        ref_logps = None
-        if self.fa.grpo_beta != 0:
-            with torch.no_grad():
-                if self.ref_model is not None:
-                    ref_logps = self._token_logps(self.ref_model, batch, completion_ids)
-                else:
-                    unwrapped = self.accelerator.unwrap_model(model)
-                    with unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext():
-                        ref_logps = self._token_logps(model, batch, completion_ids)
-        total_tokens = None
-        if self.fa.grpo_loss_type == "dapo":
-            count = completion_mask.sum().float().reshape(1)
-            total_tokens = float(self.accelerator.gather(count).sum()) / self.accelerator.num_processes
-        parts = policy_loss(logps, logps.detach(), ref_logps, adv, completion_mask, self.fa.grpo_beta,
+        keep = torch.ones_like(rewards, dtype=torch.bool)
+        if self.fa.grpo_skip_zero_std_groups:
+            flat = zero_std_groups(rewards, G)
+            keep &= ~flat
+            self._metrics["groups_skipped"].append(float(flat.sum()) / G)
+        stopped = torch.cat([part["stopped"] for part in parts])
+        if self.fa.grpo_mask_truncated:
+            keep &= stopped
+        masks = [part["attention"] * keep[j * per_micro * G:(j + 1) * per_micro * G].unsqueeze(1).long()
+                 for j, part in enumerate(parts)]
+        counts = torch.tensor([[float(m.sum()), float((m.sum(dim=1) > 0).sum())] for m in masks], device=device)
+        counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
+        norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
+        self._record_rollout(rewards, torch.cat([part["attention"] for part in parts]), stopped, texts, meta)
+        chunk = per_micro * G
+        return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
+                           advantages=adv[j * chunk:(j + 1) * chunk], old_logps=part["old"], ref_logps=part["ref"],
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1])
+                for j, part in enumerate(parts)]
+
+    # --- optimisation --------------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Roll out on the first micro-step of each round (or after a resume), then optimise the stored slice."""
+        round_length = self.steps_per_generation * self.num_iterations
+        if self._buffer is None:
+            self._micro_step = self.state.global_step * self.grad_accum
+        position = self._micro_step % round_length
+        if self._buffer is None or position == 0:
+            self._buffer = self._rollout(model, inputs["grpo_features"])
+        micro = self._buffer[position % self.steps_per_generation]
+        self._micro_step += 1
+        return super().training_step(model, {"grpo": micro}, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        micro: MicroBatch = inputs["grpo"]
+        logps = self._token_logps(model, micro.inputs, micro.completion_ids)
+        old = micro.old_logps if micro.old_logps is not None else logps.detach()
+        parts = policy_loss(logps, old, micro.ref_logps, micro.advantages, micro.mask, self.fa.grpo_beta,
                             self.fa.grpo_epsilon, self.fa.grpo_epsilon_high, self.fa.grpo_loss_type,
-                            self.max_new_tokens, total_tokens)
-        self._record(rewards, completion_mask, parts, texts, meta)
+                            self.max_new_tokens, micro.token_normalizer, micro.seq_normalizer,
+                            self.fa.grpo_importance_sampling)
+        self._metrics["kl"].append(parts.kl)
+        self._metrics["clip_ratio"].append(parts.clip_ratio)
         return parts.loss
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with saving_trained_adapter_only(self.accelerator.unwrap_model(self.model)):
+            super()._save(output_dir, state_dict)
+
+    # --- evaluation ----------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy answers to the eval prompts: each reward's mean and, for grounding data, Acc@0.5, mean IoU and
+        parse failures in original-image pixels (the metrics of ``qwenvl-prep eval``)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        from accelerate.utils import gather_object
+
+        model = self.model_wrapped
+        rows = []
+        for inputs in self.get_eval_dataloader(dataset):
+            batch, meta = self._collate(inputs["grpo_features"])
+            texts = self._completions(self._generate(model, batch, self.greedy_config))[3]
+            rows += list(zip(meta, texts))
+        unique = {sample.index: (sample, text) for sample, text in gather_object(rows)}  # drop even_batches padding
+        meta = [sample for sample, _ in unique.values()]
+        texts = [text for _, text in unique.values()]
+        metrics = self._eval_metrics(meta, texts, metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _eval_metrics(self, meta: list[SampleMeta], texts: list[str], prefix: str) -> dict[str, float]:
+        columns = dict(references=[m.reference for m in meta], prompts=[m.prompt for m in meta],
+                       orig_sizes=[m.orig_hw for m in meta], model_sizes=[m.model_hw for m in meta],
+                       indices=[m.index for m in meta])
+        shared = dict(resize_policy=self.resize_policy, coords=self.coords)
+        metrics = {f"{prefix}_samples": float(len(texts))}
+        total = torch.zeros(len(texts))
+        for reward in self.reward_funcs:
+            values, _ = score(reward, texts, columns, shared)
+            metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
+            total += reward.weight * torch.tensor(values)
+        metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
+        tally = Tally()
+        for sample, text in zip(meta, texts):
+            if sample.orig_hw is None or sample.model_hw is None or _unparsed(sample.reference):
+                continue
+            to_orig = partial(convert_coords, src=self.coords, dst="orig", orig_hw=sample.orig_hw,
+                              model_hw=sample.model_hw, ndigits=None)
+            truth = [to_orig(item.coords) for item in parse_items(sample.reference) if item.kind == "bbox_2d"]
+            tally.add(score_grounding(truth, text, to_orig))
+        if tally.samples:
+            summary = tally.to_dict()
+            metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
+            metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
+            metrics[f"{prefix}_parse_failure_rate"] = summary["parse_failure_rate"]
+        return {key: round(float(value), 6) for key, value in metrics.items()}
 
     # --- metrics -------------------------------------------------------------------------------------------------
 
-    def _record(self, rewards, completion_mask, parts, texts, meta) -> None:
+    def _record_rollout(self, rewards, attention, stopped, texts, meta) -> None:
         G = self.num_generations
-        lengths = completion_mask.sum(dim=1).float()
-        grouped = rewards.view(-1, G)
+        lengths = attention.sum(dim=1).float()
         m = self._metrics
         m["reward"].append(float(rewards.mean()))
         m["reward_std"].append(float(rewards.std()) if rewards.numel() > 1 else 0.0)
-        m["frac_reward_zero_std"].append(float((grouped.std(dim=1) < 1e-6).float().mean()))
-        m["kl"].append(parts.kl)
-        m["clip_ratio"].append(parts.clip_ratio)
+        m["frac_reward_zero_std"].append(float(zero_std_groups(rewards, G).float().mean()))
         m["completion_length/mean"].append(float(lengths.mean()))
         m["completion_length/max"].append(float(lengths.max()))
+        m["truncated_ratio"].append(float((~stopped).float().mean()))
         grounded = [not _unparsed(sample.reference) for sample in meta]  # once per prompt, not per completion
         m["parse_failures"].append(float(sum(_unparsed(text) for i, text in enumerate(texts) if grounded[i // G])))
         if self.fa.grpo_log_completions:

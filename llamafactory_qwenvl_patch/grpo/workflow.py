@@ -16,7 +16,7 @@ def _log_callback_class():
 
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
-                          "parse_failures")
+                          "parse_failures", "truncated_ratio", "vision_tokens_cut", "groups_skipped", "eval_")
 
         def __init__(self) -> None:
             super().__init__()
@@ -41,14 +41,19 @@ def grpo_training_function(config: dict[str, Any]) -> None:
     from transformers import EarlyStoppingCallback
 
     hparams = lf_compat.require_module("llamafactory.hparams", ["get_train_args"])
+    parser = lf_compat.require_module("llamafactory.hparams.parser", ["read_args"])
     cb = lf_compat.require_module("llamafactory.train.callbacks", ["ReporterCallback"])
-    model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(config.get("args"))
+    from llamafactory_qwenvl_patch.grpo.sampling import explicit_keys
+
+    raw_args = parser.read_args(config.get("args"))
+    model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(raw_args)
     callbacks = list(config.get("callbacks") or [])
     callbacks.append(_log_callback_class()())
     if finetuning_args.early_stopping_steps is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=finetuning_args.early_stopping_steps))
     callbacks.append(cb.ReporterCallback(model_args, data_args, finetuning_args, generating_args))
-    run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks)
+    run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
+             explicit_keys(raw_args))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -60,26 +65,47 @@ def _family(model_args: Any, data_args: Any) -> str:
     return family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template or "")
 
 
-def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks) -> None:
+def _index(dataset: Any) -> Any:
+    return dataset.add_column("grpo_index", list(range(len(dataset))))
+
+
+def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
+             explicit: set[str] = frozenset()) -> None:
+    """``explicit``: the sampling keys the user set (the others get GRPO's no-truncation defaults)."""
     data = lf_compat.require_module("llamafactory.data", ["MultiModalDataCollatorForSeq2Seq", "get_dataset",
                                                           "get_template_and_fix_tokenizer"])
     model_mod = lf_compat.require_module("llamafactory.model", ["load_model", "load_tokenizer"])
     trainer_utils = lf_compat.require_module("llamafactory.train.trainer_utils", ["create_ref_model"])
     lf_callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["SaveProcessorCallback"])
     constants = lf_compat.require_module("llamafactory.extras.constants", ["IGNORE_INDEX"])
+    logging_mod = lf_compat.require_module("llamafactory.extras.logging", ["get_logger"])
 
+    from llamafactory_qwenvl_patch.grpo.reference import add_reference_adapter, record_trainable_adapter_loads
     from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
+    from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
     from llamafactory_qwenvl_patch.grpo.trainer import GRPOCollator, GRPOTrainer
     from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
 
+    logger = logging_mod.get_logger(__name__)
     rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights)
+    sampling, warnings = sampling_settings(generating_args, explicit)
+    for warning in warnings:
+        logger.warning_rank0(warning)
     tokenizer_module = model_mod.load_tokenizer(model_args)
     tokenizer, processor = tokenizer_module["tokenizer"], tokenizer_module["processor"]
     template = data.get_template_and_fix_tokenizer(tokenizer, data_args)
     dataset_module = data.get_dataset(template, model_args, data_args, training_args, stage="ppo", **tokenizer_module)
-    train_dataset = dataset_module["train_dataset"]
-    train_dataset = train_dataset.add_column("grpo_index", list(range(len(train_dataset))))
-    model = model_mod.load_model(tokenizer, model_args, finetuning_args, training_args.do_train)
+    train_dataset = _index(dataset_module["train_dataset"])
+    eval_dataset = dataset_module.get("eval_dataset")
+    if isinstance(eval_dataset, dict):
+        eval_dataset = {name: _index(part) for name, part in eval_dataset.items()}
+    elif eval_dataset is not None:
+        eval_dataset = _index(eval_dataset)
+    with record_trainable_adapter_loads() as resumed:
+        model = model_mod.load_model(tokenizer, model_args, finetuning_args, training_args.do_train)
+    if resumed and finetuning_args.grpo_beta != 0:
+        add_reference_adapter(model, resumed[-1], model_args.adapter_folder)
+        logger.info_rank0(f"GRPO reference: the starting adapter {resumed[-1]} (frozen copy), not the base model.")
     tokenizer.padding_side = "left"
     collator = GRPOCollator(data.MultiModalDataCollatorForSeq2Seq(
         template=template, model=model, label_pad_token_id=constants.IGNORE_INDEX, **tokenizer_module), tokenizer)
@@ -89,12 +115,12 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     training_args.remove_unused_columns = False
     if processor is not None:
         callbacks.append(lf_callbacks.SaveProcessorCallback(processor))
-    policy = getattr(processor, "qwenvl_policy", None)
     trainer = GRPOTrainer(
-        model=model, args=training_args, train_dataset=train_dataset, data_collator=collator, callbacks=callbacks,
-        finetuning_args=finetuning_args, generating_args=generating_args, reward_funcs=rewards, ref_model=ref_model,
-        policy=policy, coords=FAMILY_CONVENTION[_family(model_args, data_args)],
-        stop_token_ids=template.get_stop_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        data_collator=collator, callbacks=callbacks, finetuning_args=finetuning_args, sampling=sampling,
+        reward_funcs=rewards, ref_model=ref_model, resize_policy=getattr(processor, "qwenvl_policy", None),
+        coords=FAMILY_CONVENTION[_family(model_args, data_args)], stop_token_ids=template.get_stop_token_ids(tokenizer),
+        suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

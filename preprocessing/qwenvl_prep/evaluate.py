@@ -6,20 +6,16 @@ to the dataset by order and checked label by label, or the output of ``qwenvl-pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
-from llamafactory_qwenvl_patch.metrics import centre_offset, match_boxes
+from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, Tally, score_grounding
 from llamafactory_qwenvl_patch.policy import convert_coords
 from llamafactory_qwenvl_patch.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.dataset import DatasetRef, iter_samples, load_jsonl
 from qwenvl_prep.imageinfo import read_info
 
-IOU_THRESHOLD = 0.5
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
 
 
@@ -29,26 +25,6 @@ class AlignmentError(ValueError):
 
 def _norm(text: str) -> str:
     return " ".join(text.split())
-
-
-@dataclass
-class Tally:
-    samples: int = 0
-    parse_failures: int = 0
-    truth_boxes: int = 0
-    hits: int = 0
-    ious: list[float] = field(default_factory=list)
-    offsets: list[float] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "samples": self.samples,
-            "truth_boxes": self.truth_boxes,
-            f"acc@{IOU_THRESHOLD}": round(self.hits / self.truth_boxes, 4) if self.truth_boxes else None,
-            "mean_iou": round(mean(self.ious), 4) if self.ious else None,
-            "parse_failure_rate": round(self.parse_failures / self.samples, 4) if self.samples else None,
-            "mean_centre_offset_orig_px": round(mean(self.offsets), 2) if self.offsets else None,
-        }
 
 
 def _bucket(width: int, height: int) -> str:
@@ -88,24 +64,10 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
         model_hw = stamp.policy.model_size(*hw)
 
         truth = [_to_orig(item.coords, stamp, hw, model_hw) for item in sample.items if item.kind == "bbox_2d"]
-        try:
-            predicted_items = parse_items(_prediction_text(row, index))
-            failed = bool(truth) and not predicted_items
-        except AnswerError:
-            predicted_items, failed = [], True
-        predicted = [_to_orig(item.coords, stamp, hw, model_hw) for item in predicted_items if item.kind == "bbox_2d"]
-        pairs = match_boxes(truth, predicted)
-        matched = {t: (p, score) for t, p, score in pairs}
-        for tally in (overall, buckets.setdefault(_bucket(info.width, info.height), Tally())):
-            tally.samples += 1
-            tally.parse_failures += failed
-            tally.truth_boxes += len(truth)
-            for t, box in enumerate(truth):
-                p, score = matched.get(t, (None, 0.0))
-                tally.ious.append(score)
-                tally.hits += score >= IOU_THRESHOLD
-                if p is not None:
-                    tally.offsets.append(centre_offset(box, predicted[p]))
+        score = score_grounding(truth, _prediction_text(row, index),
+                                lambda coords: _to_orig(coords, stamp, hw, model_hw))
+        overall.add(score)
+        buckets.setdefault(_bucket(info.width, info.height), Tally()).add(score)
     return {
         "dataset": str(ref.path),
         "predictions": str(predictions),

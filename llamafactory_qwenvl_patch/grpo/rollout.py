@@ -1,0 +1,102 @@
+"""What one rollout produces, and the pure tensor and text helpers that build it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
+
+
+@dataclass
+class SampleMeta:
+    """What rewards need about one prompt, captured before LF's collator turns paths into tensors."""
+
+    index: int
+    prompt: str
+    reference: str
+    orig_hw: tuple[int, int] | None
+    model_hw: tuple[int, int] | None = None
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of a rollout, ready to be optimised (possibly several times)."""
+
+    inputs: dict[str, torch.Tensor]  # prompt + completion forward inputs (images repeated per completion)
+    completion_ids: torch.Tensor  # (N, T)
+    mask: torch.Tensor  # (N, T): completion tokens that enter the loss
+    advantages: torch.Tensor  # (N,)
+    old_logps: torch.Tensor | None  # None: on-policy, the detached current log-probs
+    ref_logps: torch.Tensor | None
+    token_normalizer: float
+    seq_normalizer: float
+
+
+def completion_mask(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask up to and including the first stop token, whether each row has one)."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device))
+    length = completion_ids.size(1)
+    stopped = is_stop.any(dim=1)
+    first_stop = torch.where(stopped, is_stop.int().argmax(dim=1), torch.full_like(stopped, length, dtype=torch.long))
+    positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
+    return (positions <= first_stop.unsqueeze(1)).long(), stopped
+
+
+def cut_at_tokens(completion_ids: torch.Tensor, mask: torch.Tensor, banned: list[int], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """End each completion before its first banned token (a vision placeholder) and replace the rest with padding,
+    so the training forward sees exactly the prompt's image tokens. Returns (ids, mask, rows cut)."""
+    if not banned:
+        return completion_ids, mask, 0
+    hit = torch.isin(completion_ids, torch.tensor(banned, device=completion_ids.device)) & mask.bool()
+    rows = hit.any(dim=1)
+    if not rows.any():
+        return completion_ids, mask, 0
+    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).unsqueeze(0)
+    first = torch.where(rows, hit.int().argmax(dim=1), torch.full_like(rows, completion_ids.size(1), dtype=torch.long))
+    keep = positions < first.unsqueeze(1)
+    return torch.where(keep, completion_ids, pad_id), mask * keep.long(), int(rows.sum())
+
+
+def decode_kept(tokenizer: Any, ids: list[int], drop: set[int]) -> str:
+    """Text of ``ids`` without padding and stop tokens but with every other special token: Qwen2-VL answers are
+    ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` and rewards, metrics and logs must see them."""
+    return tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
+
+
+def prompt_text(tokenizer: Any, ids: list[int], drop: set[int]) -> str:
+    """The prompt as the model read it, each image's run of ``<|image_pad|>`` shown once."""
+    return _IMAGE_PAD_RUN.sub("<|image_pad|>", decode_kept(tokenizer, ids, drop))
+
+
+def images_per_sample(input_ids: torch.Tensor, vision_start_id: int, image_id: int) -> list[int]:
+    starts = input_ids[:, :-1] == vision_start_id
+    return (starts & (input_ids[:, 1:] == image_id)).sum(dim=1).tolist()
+
+
+def repeat_visual(pixel_values: torch.Tensor, grid: torch.Tensor, per_sample: list[int], times: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat each sample's image patches ``times`` times, in sample order (matches ``repeat_interleave``)."""
+    patches = grid.prod(dim=1).tolist()
+    pixel_chunks, grid_chunks, p, g = [], [], 0, 0
+    for count in per_sample:
+        n_patches = int(sum(patches[g:g + count]))
+        for _ in range(times):
+            pixel_chunks.append(pixel_values[p:p + n_patches])
+            grid_chunks.append(grid[g:g + count])
+        p, g = p + n_patches, g + count
+    return torch.cat(pixel_chunks), torch.cat(grid_chunks)
+
+
+def first_image_sizes(grid: torch.Tensor, per_sample: list[int], patch: int) -> list[tuple[int, int] | None]:
+    """(height, width) in pixels of each sample's first image as the model saw it, from ``image_grid_thw``."""
+    sizes: list[tuple[int, int] | None] = []
+    rows, first = grid.tolist(), 0
+    for count in per_sample:
+        sizes.append((rows[first][1] * patch, rows[first][2] * patch) if count else None)
+        first += count
+    return sizes
