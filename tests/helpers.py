@@ -103,3 +103,33 @@ def run_cli(
 def read_log(output_dir: Path) -> list[dict[str, Any]]:
     path = output_dir / "trainer_log.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def image_pad_loving_model(src: Path, dst: Path) -> Path:
+    """A copy of the tiny model that, without suppression, samples ``<|image_pad|>`` almost everywhere and otherwise
+    near-uniformly (the final norm keeps one hidden coordinate whose sign rarely changes; the image-pad row of the
+    tied head reads it with weight 100), and that ships a near-greedy ``generation_config.json`` like Qwen2.5-VL's
+    (``top_k 1``, ``top_p 0.001``), which must not leak into GRPO sampling."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+
+    shutil.copytree(src, dst)
+    model = AutoModelForImageTextToText.from_pretrained(dst, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(dst)
+    with torch.no_grad():
+        ids = torch.randint(10, 200, (4, 64), generator=torch.Generator().manual_seed(0))
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        signs = torch.sign(hidden).mean(dim=(0, 1))
+        coord = int(signs.abs().argmax())
+        norm = model.model.language_model.norm.weight
+        norm.zero_()
+        norm[coord] = 1.0
+        row = model.get_output_embeddings().weight[tokenizer.convert_tokens_to_ids("<|image_pad|>")]
+        row.zero_()
+        row[coord] = 100.0 * float(torch.sign(signs[coord]))
+    model.generation_config = GenerationConfig(do_sample=True, top_k=1, top_p=0.001, temperature=0.1,
+                                               repetition_penalty=1.05)
+    model.save_pretrained(dst)
+    return dst

@@ -1,5 +1,6 @@
-"""``llamafactory-cli train`` with ``stage: grpo`` on the tiny model (CPU): LoRA, resume, no reference, full
-fine-tuning with a frozen reference, and ZeRO-3 on 2 ranks."""
+"""``llamafactory-cli train`` with ``stage: grpo`` on the tiny model (CPU): LoRA with evaluation, resume, no
+reference, full fine-tuning with a frozen reference, ZeRO-3 on 2 ranks, Qwen2-VL box tokens, SFT adapter -> GRPO,
+and a mixed-size batch of 4 with accumulation and rollout reuse."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
+from helpers import (
+    grounding_record, image_pad_loving_model, read_log, run_cli, save_image, train_config, write_sharegpt,
+)
 
 REWARDS = '''
 import zlib
@@ -21,15 +24,22 @@ def boom(completions, **kw):
     raise RuntimeError("a user bug")
 
 
-def spread(completions, *, references, orig_sizes, model_sizes, policy, indices, coords):
-    assert len(references) == len(orig_sizes) == len(model_sizes) == len(indices) == len(completions)
-    assert all(m[0] % policy.factor == 0 for m in model_sizes) and coords == "model"
+def spread(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, coords):
+    assert len(references) == len(prompts) == len(orig_sizes) == len(model_sizes) == len(indices) == len(completions)
+    assert all(m[0] % resize_policy.factor == 0 for m in model_sizes) and coords == "model"
     return [(zlib.crc32(c.encode()) % 100) / 100 for c in completions]
 
 
-def spread_rel1000(completions, *, model_sizes, policy, coords, **kw):
-    assert coords == "rel1000" and policy.factor == 32 and all(m[0] % 32 == 0 for m in model_sizes)
+def spread_rel1000(completions, *, model_sizes, resize_policy, coords, **kw):
+    assert coords == "rel1000" and resize_policy.factor == 32 and all(m[0] % 32 == 0 for m in model_sizes)
     return [(zlib.crc32(c.encode()) % 100) / 100 for c in completions]
+
+
+def self_iou(completions, *, references, **kw):
+    """1 when the reference, as rewards receive it, scores IoU 1 against itself."""
+    from llamafactory_qwenvl_patch.grpo.rewards import iou_reward
+
+    return iou_reward(references, references=references)
 '''
 CONFIG = Path(__file__).resolve().parents[1] / "configs"
 
@@ -62,7 +72,8 @@ def lora_run(setup, tiny_model):
     out = root / "lora"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", grpo_log_completions=True,
                          reward_funcs=f"iou,format,{root / 'my_rewards.py'}:one,{root / 'my_rewards.py'}:boom",
-                         reward_weights="1,1,0.5,1")
+                         reward_weights="1,1,0.5,1", val_size=0.5, eval_strategy="steps", eval_steps=3,
+                         per_device_eval_batch_size=2)
     result = run_cli(["llamafactory-cli", "train"], config, root / "lora-run")
     assert result.returncode == 0, result.stderr[-4000:]
     return root, out, config
@@ -84,6 +95,18 @@ def test_lora_grpo_logs_metrics_weights_and_errors(lora_run):
     assert len(rows) == 12 and {"prompt", "completion", "reward", "reference", "index"} <= set(rows[0])
     assert "Locate the box" in rows[0]["prompt"] and "bbox_2d" in rows[0]["reference"]
     assert (out / "training_reward.png").exists()
+
+
+@pytest.mark.slow
+def test_eval_set_is_evaluated(lora_run):
+    """Defect 7: val_size + eval_strategy evaluate greedy answers: rewards and grounding metrics as eval_*."""
+    _, out, _ = lora_run
+    evals = [row for row in read_log(out) if "eval_reward" in row]
+    assert [row["current_steps"] for row in evals] == [3]
+    row = evals[0]
+    assert row["eval_samples"] == 2 and row["eval_rewards/one/mean"] == 1.0
+    assert row["eval_reward"] == pytest.approx(0.5 + row["eval_rewards/iou/mean"] + row["eval_rewards/format/mean"])
+    assert {"eval_acc@0.5", "eval_mean_iou", "eval_parse_failure_rate"} <= set(row)
 
 
 @pytest.mark.slow
@@ -144,3 +167,104 @@ def test_qwen3_vl_grpo(setup, tiny_model_qwen3):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = [row for row in read_log(out) if "loss" in row]
     assert len(steps) == 2 and steps[0]["rewards/spread_rel1000/errors"] == 0 and steps[0]["reward_std"] > 0
+
+
+def box_token_record(image: Path) -> dict:
+    answer = "<|object_ref_start|>box<|object_ref_end|><|box_start|>(12,34),(560,780)<|box_end|>"
+    return {"messages": [{"role": "user", "content": "<image>Find the box."},
+                         {"role": "assistant", "content": answer}], "images": [str(image)]}
+
+
+@pytest.mark.slow
+def test_qwen2vl_box_token_answers_reach_rewards(setup, tiny_model):
+    """Defect 1: references and completions keep the Qwen2-VL grounding tokens, so iou/format/parse_failures work."""
+    root, data_dir = setup
+    write_sharegpt(data_dir, "boxtokens", [box_token_record(data_dir / f"g{i}.jpg") for i in range(2)])
+    out = root / "boxtokens"
+    config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", dataset="boxtokens", max_steps=2,
+                         save_steps=2, grpo_log_completions=True,
+                         reward_funcs=f"iou,format,{root / 'my_rewards.py'}:self_iou")
+    result = run_cli(["llamafactory-cli", "train"], config, root / "boxtokens-run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    steps = [row for row in read_log(out) if "loss" in row]
+    assert all(row["rewards/self_iou/mean"] == 1.0 for row in steps)  # was 0.0: the tokens were stripped
+    assert all(row["parse_failures"] == 4 and row["rewards/format/mean"] == 0.0 for row in steps)  # random model
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert rows[0]["reference"].startswith("<|object_ref_start|>box<|object_ref_end|><|box_start|>(")
+
+
+@pytest.fixture(scope="module")
+def sft_adapter(setup, tiny_model):
+    root, data_dir = setup
+    out = root / "sft"
+    result = run_cli(["llamafactory-cli", "train"], train_config(
+        tiny_model, data_dir, out, learning_rate=5e-3, max_steps=4, save_steps=4), root / "sft-run")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def test_sft_adapter_changes_the_model(tiny_model, sft_adapter):
+    """Precondition of the next test: the SFT adapter moves the model, so 'disable the adapter' is not the start."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_model), sft_adapter)
+    ids = torch.arange(5, 45).unsqueeze(0)
+    with torch.no_grad():
+        tuned = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert (tuned - base).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("create_new_adapter", [False, True])
+def test_sft_adapter_is_the_reference(setup, tiny_model, sft_adapter, create_new_adapter):
+    """Defect 3: SFT -> GRPO starts with KL 0 to the model the run starts from, whether LF resumes the SFT
+    adapter (trained further, a frozen copy is the reference) or merges it and trains a new one."""
+    root, data_dir = setup
+    out = root / f"sft-grpo-{create_new_adapter}"
+    config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", adapter_name_or_path=str(sft_adapter),
+                         create_new_adapter=create_new_adapter, max_steps=2, save_steps=1, learning_rate=5e-3)
+    result = run_cli(["llamafactory-cli", "train"], config, root / f"sft-grpo-run-{create_new_adapter}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert ("GRPO reference: the starting adapter" in output) == (not create_new_adapter)
+    steps = [row for row in read_log(out) if "loss" in row]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # was 0.0437 with the SFT adapter trainable
+    assert steps[1]["kl"] > 0
+    for checkpoint in ("checkpoint-1", "checkpoint-2"):
+        assert (out / checkpoint / "adapter_model.safetensors").exists()
+        assert not (out / checkpoint / "grpo_reference").exists()
+
+
+@pytest.mark.slow
+def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_factory):
+    """Batch of 4 mixed-size images, G 4, gradient accumulation 2, each rollout optimised twice (clipping acts),
+    dapo, on a model that samples <|image_pad|> at half the positions unless suppressed (defect 6) and ships a
+    near-greedy generation_config.json (defect 4)."""
+    root, data_dir = setup
+    sizes = [(640, 480), (1920, 1080), (333, 777), (1024, 768), (300, 300), (800, 200), (500, 1500), (1200, 900)]
+    write_sharegpt(data_dir, "mixed", [grounding_record(save_image(data_dir / f"m{i}.jpg", *s))
+                                       for i, s in enumerate(sizes)])
+    model = image_pad_loving_model(tiny_model, tmp_path_factory.mktemp("padlover") / "model")
+    out = root / "mixed"
+    config = grpo_config(model, data_dir, out, root / "my_rewards.py", dataset="mixed", max_steps=2, save_steps=2,
+                         per_device_train_batch_size=4, gradient_accumulation_steps=2, grpo_num_iterations=2,
+                         grpo_loss_type="dapo", learning_rate=5e-2, grpo_log_completions=True,
+                         reward_funcs=f"{root / 'my_rewards.py'}:spread")
+    result = run_cli(["llamafactory-cli", "train"], config, root / "mixed-run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    steps = [row for row in read_log(out) if "loss" in row]
+    assert len(steps) == 2
+    assert steps[0]["clip_ratio"] == 0.0  # first pass over the rollout is on-policy
+    assert steps[1]["clip_ratio"] > 0  # second pass after an update: ratios leave [1 - eps, 1 + eps]
+    assert steps[0]["vision_tokens_cut"] == 0
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 * 4  # one rollout of 8 prompts for both steps
+    assert not any("<|image_pad|>" in row["completion"] or "<|vision" in row["completion"] for row in rows)
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["index"], set()).add(row["completion"])
+    assert all(len(texts) > 1 for texts in groups.values())  # sampled, not the checkpoint's top_k 1

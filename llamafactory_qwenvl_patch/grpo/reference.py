@@ -37,15 +37,17 @@ def record_trainable_adapter_loads() -> Iterator[list[str]]:
 
 
 def add_reference_adapter(model: Any, adapter_path: str, subfolder: str | None = None) -> None:
-    """Load ``adapter_path`` again as a frozen adapter; the trainable adapter and its parameters stay as they are."""
+    """Load ``adapter_path`` again as a frozen adapter; the trainable adapter and its parameters stay as they are
+    (peft freezes every adapter and switches the model to eval mode when it loads a frozen one: both are undone)."""
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     kwargs = {"subfolder": subfolder} if subfolder else {}
     model.load_adapter(adapter_path, adapter_name=REFERENCE_ADAPTER, is_trainable=False, **kwargs)
-    model.train()  # peft switches the whole model to eval mode when it loads a frozen adapter
-    now = {name for name, p in model.named_parameters() if p.requires_grad}
-    if now != trainable:
-        raise RuntimeError(f"loading the reference adapter changed the trainable parameters ({len(trainable)} -> "
-                           f"{len(now)}); this peft version is not supported by stage: grpo")
+    model.train()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in trainable)
+    if any(f".{REFERENCE_ADAPTER}." in name for name in trainable) or model.active_adapter == REFERENCE_ADAPTER:
+        raise RuntimeError("the GRPO reference adapter became trainable or active; this peft version is not "
+                           "supported by stage: grpo")
 
 
 @contextmanager

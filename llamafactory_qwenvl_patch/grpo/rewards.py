@@ -147,14 +147,23 @@ class Reward:
     name: str
     func: RewardFunc
     weight: float
-    legacy_policy: bool = False  # names the pre-0.2 keyword ``policy`` (now ``resize_policy``)
+    accepts: frozenset[str] | None = None  # keywords it takes; None: any (it has **kwargs)
+
+    @property
+    def legacy_policy(self) -> bool:
+        """It names the keyword ``policy``, now ``resize_policy``."""
+        return self.accepts is not None and "policy" in self.accepts
 
 
-def _names_legacy_policy(func: RewardFunc) -> bool:
+def _keywords(func: RewardFunc) -> frozenset[str] | None:
+    """The keywords ``func`` accepts, so rewards written for fewer keywords keep working as keywords are added."""
     try:
-        return "policy" in inspect.signature(func).parameters
+        params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
-        return False
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
@@ -167,12 +176,12 @@ def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
     rewards = []
     for spec, weight in zip(specs, values):
         name, func = load_reward(spec)
-        legacy = _names_legacy_policy(func)
-        if legacy:
+        reward = Reward(name, func, weight, _keywords(func))
+        if reward.legacy_policy:
             warnings.warn(f"reward {name!r} takes the keyword `policy`, renamed `resize_policy` (in GRPO code "
                           "'policy' means the model being trained); it still receives it for now", FutureWarning,
                           stacklevel=2)
-        rewards.append(Reward(name, func, weight, legacy))
+        rewards.append(reward)
     return rewards
 
 
@@ -180,6 +189,8 @@ def _call(reward: Reward, completions: list[str], columns: dict[str, list], shar
     kwargs = {**columns, **shared}
     if reward.legacy_policy:
         kwargs["policy"] = shared["resize_policy"]
+    if reward.accepts is not None:
+        kwargs = {key: value for key, value in kwargs.items() if key in reward.accepts}
     values = [float(v) for v in reward.func(completions, **kwargs)]
     if len(values) != len(completions):
         raise ValueError(f"returned {len(values)} rewards for {len(completions)} completions")

@@ -63,7 +63,7 @@ class GRPOCollator:
             if images:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
-            meta.append(SampleMeta(index, prompt_text(self.tokenizer, feature["input_ids"], drop),
+            meta.append(SampleMeta(index, prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id}),
                                    decode_kept(self.tokenizer, labels, drop).strip(), orig_hw))
             stripped.append(feature)
         return self.collator(stripped), meta
