@@ -29,6 +29,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from trl_compat import import_trl_grpo
+
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MIN_PIXELS, MAX_PIXELS = 64 * 28 * 28, 256 * 28 * 28
@@ -85,24 +87,6 @@ def run_ours(model: Path, data: Path, out: Path, steps: int, generations: int, n
         "grpo_num_generations": generations, "grpo_beta": 0.04, "temperature": 1.0, "max_new_tokens": new_tokens, "overwrite_cache": True, "dataloader_num_workers": 0,
     }, callbacks=[timer])
     return timer.median()
-
-
-def import_trl_grpo():
-    import trl.import_utils as iu
-
-    for name, value in list(vars(iu).items()):
-        if name.startswith("_") and name.endswith("_available") and isinstance(value, tuple):
-            setattr(iu, name, value[0])
-    from trl import GRPOConfig, GRPOTrainer
-
-    class Trl024GRPOTrainer(GRPOTrainer):
-        """transformers 5.6 processors add ``mm_token_type_ids``, which trl 0.24 forwards to a method that does not
-        take it; the model recomputes it from ``input_ids`` (our trainer does not pass it either)."""
-
-        def _get_per_token_logps_and_entropies(self, *args, mm_token_type_ids=None, **kwargs):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-    return GRPOConfig, Trl024GRPOTrainer
 
 
 def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generations: int, new_tokens: int) -> float:

@@ -118,6 +118,6 @@ def policy_loss(
     is_clipped = (((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))).expand_as(logps)
     return LossParts(
         loss=loss,
-        kl=float((kl * mask).sum() / tokens),
+        kl=float((kl.detach() * mask).sum() / tokens),
         clip_ratio=float((is_clipped.to(mask.dtype) * mask).sum() / tokens),
     )
