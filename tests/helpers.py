@@ -100,6 +100,16 @@ def run_cli(
     )
 
 
+def torchrun_env(ranks: int = 2) -> dict[str, str]:
+    """Environment for LF's torchrun launcher on a free port (asked of the OS, never a fixed number)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def read_log(output_dir: Path) -> list[dict[str, Any]]:
     path = output_dir / "trainer_log.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    grounding_record, image_pad_loving_model, read_log, run_cli, save_image, train_config, write_sharegpt,
+    grounding_record, image_pad_loving_model, read_log, run_cli, save_image, torchrun_env, train_config,
+    write_sharegpt,
 )
 
 REWARDS = '''
@@ -148,7 +149,7 @@ def test_zero3_two_ranks(setup, tiny_model):
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", deepspeed=str(CONFIG / "ds_z3_cpu_test.json"),
                          ddp_backend="gloo", use_cpu=None, grpo_scale_rewards="batch")
     result = run_cli(["llamafactory-cli", "train"], config, root / "z3-run",
-                     env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "29541"}, timeout=900)
+                     env=torchrun_env(), timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = [row for row in read_log(out) if "loss" in row]
     assert len(steps) == 3 and steps[-1]["kl"] > 0
@@ -268,3 +269,23 @@ def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_
     for row in rows:
         groups.setdefault(row["index"], set()).add(row["completion"])
     assert all(len(texts) > 1 for texts in groups.values())  # sampled, not the checkpoint's top_k 1
+
+
+@pytest.mark.slow
+def test_sft_adapter_reference_under_zero3(setup, tiny_model, sft_adapter):
+    """ZeRO-3 (the 7B config) cannot merge adapters, so LF always resumes the SFT adapter: the frozen copy must be
+    the reference there too, on 2 ranks."""
+    root, data_dir = setup
+    out = root / "sft-grpo-z3"
+    config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", adapter_name_or_path=str(sft_adapter),
+                         create_new_adapter=True, deepspeed=str(CONFIG / "ds_z3_cpu_test.json"), ddp_backend="gloo",
+                         use_cpu=None, max_steps=2, save_steps=2, learning_rate=5e-3)
+    result = run_cli(["llamafactory-cli", "train"], config, root / "sft-grpo-z3-run",
+                     env=torchrun_env(), timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "GRPO reference: the starting adapter" in output
+    steps = [row for row in read_log(out) if "loss" in row]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
+    assert (out / "checkpoint-2" / "adapter_model.safetensors").exists()
+    assert not (out / "checkpoint-2" / "grpo_reference").exists()

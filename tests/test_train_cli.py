@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
+from helpers import grounding_record, read_log, run_cli, save_image, torchrun_env, train_config, write_sharegpt
 
 # Phone photos and screenshots: every one of these gets a different frame from stock LF.
 MISMATCHED_SIZES = [(4032, 3024), (3024, 4032), (1170, 2532), (1920, 1080)]
@@ -44,7 +44,7 @@ def test_torchrun_two_ranks_each_patched(tiny_model, phone_data, tmp_path):
     """Every rank collates its own images; an unpatched rank would crash on mismatched image features."""
     config = train_config(tiny_model, phone_data, tmp_path / "out", ddp_backend="gloo")
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path,
-                     env={"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "29533"})
+                     env=torchrun_env())
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "qwenvl_patch active (rank 0)" in output and "qwenvl_patch active (rank 1)" in output
