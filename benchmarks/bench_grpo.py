@@ -4,7 +4,7 @@ Same tiny random-weight Qwen2.5-VL, same image (already in the policy's frame, s
 same prompt, G completions of up to ``--new-tokens`` tokens (random weights never emit the stop token that early,
 so both generate the full length; both logs show completion lengths), LoRA rank 8
 on the language model's linear layers, beta 0.04 with the adapter-disabled model as reference, iou + format rewards,
-one prompt per step, CPU. Step time is the median of the steps after the first; the two trainers run in
+loss ``grpo``, untruncated sampling with the vision tokens suppressed on both sides, one prompt per step, CPU. Step time is the median of the steps after the first; the two trainers run in
 alternating rounds and the best round of each is compared.
 
 ``from trl import GRPOTrainer`` fails on this stack with ``No module named 'mergekit'``. Cause: trl 0.24's
@@ -105,6 +105,7 @@ def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generation
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
+    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.lf_patch import set_image_processor_bounds
     from llamafactory_qwenvl_patch.policy import ResizePolicy
 
@@ -129,9 +130,9 @@ def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generation
     config = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=generations, num_generations=generations,
         gradient_accumulation_steps=1, max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-4,
-        report_to="none", use_cpu=True, beta=0.04, temperature=1.0, max_completion_length=new_tokens,
-        max_prompt_length=None, dataloader_num_workers=0,
-        bf16=False,
+        report_to="none", use_cpu=True, beta=0.04, temperature=1.0, top_k=0, max_completion_length=new_tokens,
+        max_prompt_length=None, dataloader_num_workers=0, loss_type="grpo",
+        bf16=False, generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)},
     )
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=dataset,

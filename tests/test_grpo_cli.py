@@ -204,6 +204,7 @@ def sft_adapter(setup, tiny_model):
     return out
 
 
+@pytest.mark.slow
 def test_sft_adapter_changes_the_model(tiny_model, sft_adapter):
     """Precondition of the next test: the SFT adapter moves the model, so 'disable the adapter' is not the start."""
     import torch

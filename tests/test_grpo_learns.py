@@ -3,7 +3,6 @@ two seeds, and stays at ~0 when the reward's sign is flipped (so the advantage s
 
 from __future__ import annotations
 
-
 import pytest
 from helpers import grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
 
