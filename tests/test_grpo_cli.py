@@ -178,19 +178,23 @@ def box_token_record(image: Path) -> dict:
 
 @pytest.mark.slow
 def test_qwen2vl_box_token_answers_reach_rewards(setup, tiny_model):
-    """Defect 1: references and completions keep the Qwen2-VL grounding tokens, so iou/format/parse_failures work."""
+    """Defect 1: references and completions keep the Qwen2-VL grounding tokens, so iou/format/parse_failures work.
+    Also grpo_steps_per_generation 2 with accumulation 1: one rollout, old log-probs, two optimiser steps."""
     root, data_dir = setup
     write_sharegpt(data_dir, "boxtokens", [box_token_record(data_dir / f"g{i}.jpg") for i in range(2)])
     out = root / "boxtokens"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", dataset="boxtokens", max_steps=2,
-                         save_steps=2, grpo_log_completions=True,
+                         save_steps=2, grpo_log_completions=True, grpo_steps_per_generation=2,
                          reward_funcs=f"iou,format,{root / 'my_rewards.py'}:self_iou")
     result = run_cli(["llamafactory-cli", "train"], config, root / "boxtokens-run")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = [row for row in read_log(out) if "loss" in row]
-    assert all(row["rewards/self_iou/mean"] == 1.0 for row in steps)  # was 0.0: the tokens were stripped
-    assert all(row["parse_failures"] == 4 and row["rewards/format/mean"] == 0.0 for row in steps)  # random model
+    assert len(steps) == 2 and "reward" not in steps[1]  # one rollout (2 micro-batches) serves both steps
+    rollout = steps[0]
+    assert rollout["rewards/self_iou/mean"] == 1.0  # was 0.0: the tokens were stripped
+    assert rollout["parse_failures"] == 8 and rollout["rewards/format/mean"] == 0.0  # random model, 2 prompts x 4
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8
     assert rows[0]["reference"].startswith("<|object_ref_start|>box<|object_ref_end|><|box_start|>(")
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.loss import policy_loss, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.loss import micro_batch_counts, policy_loss, step_normalizers, zero_std_groups
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward, load_rewards, score
 from llamafactory_qwenvl_patch.grpo.rollout import completion_mask, cut_at_tokens, decode_kept, prompt_text
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
@@ -48,7 +48,7 @@ def test_prompt_text_shows_each_image_once(tokenizer):
 def simulate_step(micro_batches, world_size, grad_accum, loss_type="dapo"):
     """What one optimiser step does with the trainer's micro-batch losses: transformers' Trainer divides each by
     ``gradient_accumulation_steps`` and sums the gradients; DDP / DeepSpeed average them over ranks."""
-    counts = torch.tensor([[float(m.sum()), float((m.sum(1) > 0).sum())] for _, m, _ in micro_batches])
+    counts = micro_batch_counts([m for _, m, _ in micro_batches])
     # ranks hold consecutive runs of micro-batches; the trainer sums counts over ranks before normalising
     per_rank = counts.view(world_size, -1, 2).sum(0)
     norms = step_normalizers(per_rank, grad_accum, world_size)
@@ -147,6 +147,8 @@ def test_sampling_defaults_do_not_truncate():
     assert settings_["top_p"] == 0.9 and settings_["top_k"] == 0
     assert len(notes) == 1 and "top_p=0.9" in notes[0] and "biased" in notes[0]
     assert sampling_settings(generating(top_k=0), {"top_k"})[1] == []
+    with pytest.raises(ValueError, match="max_new_tokens > 0"):
+        sampling_settings(generating(max_new_tokens=-1), set())
     with pytest.raises(ValueError, match="temperature > 0"):
         sampling_settings(generating(temperature=0.0), set())
     with pytest.raises(ValueError, match="num_beams"):
@@ -189,6 +191,9 @@ def test_legacy_policy_keyword_still_works(tmp_path):
         old, new = load_rewards(f"{path}:old,{path}:new", None)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)][0].startswith("reward 'old'")
     assert old.legacy_policy and not new.legacy_policy
+    (tmp_path / "kw_reward.py").write_text("def kw(completions, **kw):\n    return [kw['policy'].factor] * len(completions)\n")
+    assert score(load_rewards(f"{tmp_path / 'kw_reward.py'}:kw", None)[0], ["a"], {"references": ["x"]},
+                 {"resize_policy": SimpleNamespace(factor=28), "coords": "model"}) == ([28.0], [False])
     shared = {"resize_policy": SimpleNamespace(factor=28), "coords": "model"}
     columns = {"references": ["x"], "prompts": ["p"], "indices": [0]}  # keywords it does not name are not passed
     assert score(old, ["a"], columns, shared) == ([28.0], [False])
@@ -201,10 +206,10 @@ def test_vision_tokens_are_cut_from_completions():
     mask, stopped = completion_mask(ids, [2])
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]] and stopped.tolist() == [True, True]
     cut_ids, cut_mask, rows = cut_at_tokens(ids, mask, [99, 98], pad_id=0)
-    assert rows == 1
+    assert rows.tolist() == [True, False]
     assert cut_ids.tolist() == [[5, 6, 0, 0, 0], [5, 6, 7, 2, 0]]
     assert cut_mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
-    assert cut_at_tokens(ids, mask, [], 0)[2] == 0
+    assert not cut_at_tokens(ids, mask, [], 0)[2].any()
 
 
 @pytest.mark.parametrize("world_size,repeats", [(1, 1), (2, 4), (3, 2)])
@@ -232,3 +237,14 @@ def test_reference_json_answers_parse(tokenizer):
     answer = json.dumps([{"bbox_2d": [1, 2, 30, 40], "label": "box"}])
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert decode_kept(tokenizer, tokenizer.encode(answer) + [stop], {stop}) == answer
+
+
+def test_sampler_epoch_follows_the_trainer_state():
+    """After a resume accelerate's skip wrapper hides the sampler from ``set_epoch``; the callback sets it."""
+    from llamafactory_qwenvl_patch.grpo.trainer import _SamplerEpoch
+
+    sampler = RolloutSampler(8, 2, 1, 1)
+    callback = _SamplerEpoch(SimpleNamespace(rollout_sampler=sampler))
+    for epoch, expected in ((None, 0), (0.0, 0), (1.5, 1), (2.9999999, 3), (3.0, 3)):
+        callback.on_epoch_begin(None, SimpleNamespace(epoch=epoch), None)
+        assert sampler.epoch == expected

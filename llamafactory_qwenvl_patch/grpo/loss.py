@@ -39,11 +39,15 @@ def zero_std_groups(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -
     return flat.repeat_interleave(group_size)
 
 
+def micro_batch_counts(masks: list[torch.Tensor]) -> torch.Tensor:
+    """(micro-batches, 2): completion tokens and sequences entering the loss in each micro-batch's loss mask."""
+    return torch.tensor([[float(m.sum()), float((m.sum(dim=1) > 0).sum())] for m in masks])
+
+
 def step_normalizers(counts: torch.Tensor, grad_accum: int, world_size: int) -> torch.Tensor:
     """Per micro-batch (tokens, sequences) normalisers that make a token or sequence mean over the optimiser step.
 
-    ``counts`` is (micro-batches, 2): completion tokens and sequences entering the loss of each micro-batch of one
-    rollout, summed over all ranks; consecutive runs of ``grad_accum`` micro-batches form one optimiser step.
+    ``counts`` is ``micro_batch_counts`` of one rollout, summed over all ranks; consecutive runs of ``grad_accum`` micro-batches form one optimiser step.
     transformers' Trainer divides each micro-batch loss by ``grad_accum`` and DDP / DeepSpeed average gradients over
     ranks, so a micro-batch that divides its sum by ``step total / (world_size * grad_accum)`` contributes exactly its
     share of the step's mean, whatever the sizes of the other micro-batches.

@@ -45,7 +45,8 @@ def add_reference_adapter(model: Any, adapter_path: str, subfolder: str | None =
     model.train()
     for name, param in model.named_parameters():
         param.requires_grad_(name in trainable)
-    if any(f".{REFERENCE_ADAPTER}." in name for name in trainable) or model.active_adapter == REFERENCE_ADAPTER:
+    now = [name for name, p in model.named_parameters() if p.requires_grad]
+    if any(f".{REFERENCE_ADAPTER}." in name for name in now) or model.active_adapter == REFERENCE_ADAPTER:
         raise RuntimeError("the GRPO reference adapter became trainable or active; this peft version is not "
                            "supported by stage: grpo")
 

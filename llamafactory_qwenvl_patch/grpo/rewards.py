@@ -147,7 +147,7 @@ class Reward:
     name: str
     func: RewardFunc
     weight: float
-    accepts: frozenset[str] | None = None  # keywords it takes; None: any (it has **kwargs)
+    accepts: frozenset[str] | None = None  # keywords it takes; None: any (it has **kwargs; it also gets ``policy``)
 
     @property
     def legacy_policy(self) -> bool:
@@ -186,9 +186,7 @@ def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
 
 
 def _call(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]) -> list[float]:
-    kwargs = {**columns, **shared}
-    if reward.legacy_policy:
-        kwargs["policy"] = shared["resize_policy"]
+    kwargs = {**columns, **shared, "policy": shared["resize_policy"]}  # ``policy``: the pre-rename keyword
     if reward.accepts is not None:
         kwargs = {key: value for key, value in kwargs.items() if key in reward.accepts}
     values = [float(v) for v in reward.func(completions, **kwargs)]

@@ -47,19 +47,20 @@ def completion_mask(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[
 
 
 def cut_at_tokens(completion_ids: torch.Tensor, mask: torch.Tensor, banned: list[int], pad_id: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """End each completion before its first banned token (a vision placeholder) and replace the rest with padding,
-    so the training forward sees exactly the prompt's image tokens. Returns (ids, mask, rows cut)."""
+    so the training forward sees exactly the prompt's image tokens. Returns (ids, mask, which rows were cut)."""
+    none = torch.zeros(completion_ids.size(0), dtype=torch.bool, device=completion_ids.device)
     if not banned:
-        return completion_ids, mask, 0
+        return completion_ids, mask, none
     hit = torch.isin(completion_ids, torch.tensor(banned, device=completion_ids.device)) & mask.bool()
     rows = hit.any(dim=1)
     if not rows.any():
-        return completion_ids, mask, 0
+        return completion_ids, mask, none
     positions = torch.arange(completion_ids.size(1), device=completion_ids.device).unsqueeze(0)
     first = torch.where(rows, hit.int().argmax(dim=1), torch.full_like(rows, completion_ids.size(1), dtype=torch.long))
     keep = positions < first.unsqueeze(1)
-    return torch.where(keep, completion_ids, pad_id), mask * keep.long(), int(rows.sum())
+    return torch.where(keep, completion_ids, pad_id), mask * keep.long(), rows
 
 
 def decode_kept(tokenizer: Any, ids: list[int], drop: set[int]) -> str:

@@ -31,7 +31,7 @@ def explicit_keys(raw_args: dict[str, Any] | list[str] | None) -> set[str]:
 
 
 def sampling_settings(generating_args: Any, explicit: set[str]) -> tuple[dict[str, Any], list[str]]:
-    """(temperature, top_p, top_k, repetition_penalty and length for ``GenerationConfig``, warnings to show)."""
+    """(temperature, top_p, top_k, repetition_penalty and max_new_tokens for ``GenerationConfig``, warnings)."""
     if getattr(generating_args, "num_beams", 1) != 1:
         raise ValueError("stage: grpo samples completions: num_beams must be 1")
     temperature = float(generating_args.temperature or 0.0)
@@ -49,10 +49,9 @@ def sampling_settings(generating_args: Any, explicit: set[str]) -> tuple[dict[st
             warnings.append(f"{key}={value}: GRPO samples from a reshaped distribution while the loss and the KL use "
                             f"the full softmax at temperature {temperature}; the policy gradient is biased and the "
                             f"KL estimate is no longer unbiased. Remove {key} (default {neutral}) unless you mean it.")
-    if generating_args.max_new_tokens and generating_args.max_new_tokens > 0:
-        settings["max_new_tokens"] = int(generating_args.max_new_tokens)
-    else:
-        settings["max_length"] = int(generating_args.max_length)
+    if not generating_args.max_new_tokens or generating_args.max_new_tokens <= 0:
+        raise ValueError("stage: grpo needs max_new_tokens > 0: it bounds every completion (and dr_grpo's constant)")
+    settings["max_new_tokens"] = int(generating_args.max_new_tokens)
     return settings, warnings
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 from collections import defaultdict
 from functools import partial
@@ -19,11 +20,13 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, Trainer
+from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
-from llamafactory_qwenvl_patch.grpo.loss import advantages, policy_loss, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.loss import (
+    advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
+)
 from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
@@ -77,6 +80,18 @@ def _unparsed(text: str) -> bool:
         return True
 
 
+class _SamplerEpoch(TrainerCallback):
+    """Give the rollout sampler the epoch number. Trainer's ``set_epoch`` on the dataloader does not reach it after a
+    resume (accelerate's skip wrapper stops two levels short), and a resumed epoch must replay the same order."""
+
+    def __init__(self, trainer: "GRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer.rollout_sampler is not None:
+            self.trainer.rollout_sampler.set_epoch(int(state.epoch + 1e-6) if state.epoch else 0)
+
+
 class GRPOTrainer(Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
@@ -103,8 +118,8 @@ class GRPOTrainer(Trainer):
                       suppress_tokens=suppress_token_ids or None)
         self.generation_config = GenerationConfig(do_sample=True, num_return_sequences=self.num_generations,
                                                   **sampling, **common)
-        length = {k: sampling[k] for k in ("max_new_tokens", "max_length") if k in sampling}
-        self.greedy_config = GenerationConfig(do_sample=False, num_return_sequences=1, **length, **common)
+        self.greedy_config = GenerationConfig(do_sample=False, num_return_sequences=1,
+                                              max_new_tokens=sampling["max_new_tokens"], **common)
         self.max_new_tokens = self.generation_config.max_new_tokens
         self.temperature = float(self.generation_config.temperature)
         config = self.model.config
@@ -118,6 +133,18 @@ class GRPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
+        self.rollout_sampler: RolloutSampler | None = None
+        self.add_callback(_SamplerEpoch(self))
+        if self.args.load_best_model_at_end and self.args.metric_for_best_model in (None, "loss", "eval_loss"):
+            raise ValueError("stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model "
+                             "to a GRPO eval metric, e.g. `metric_for_best_model: eval_reward` and "
+                             "`greater_is_better: true`")
+        dropout = [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        if dropout:
+            logging.getLogger("llamafactory.qwenvl_patch.grpo").warning(
+                f"{len(dropout)} dropout layers (p up to {max(dropout)}) are active in training: completions are "
+                "sampled without dropout but their log-probs are taken with it, so the on-policy ratio is not 1 "
+                "and clipping acts on noise. Set lora_dropout: 0 (LF's default) unless you mean it.")
         self.ref_model = ref_model
         if ref_model is not None:
             if self.is_deepspeed_enabled:
@@ -137,6 +164,7 @@ class GRPOTrainer(Trainer):
         per_rank = self._train_batch_size * self.steps_per_generation
         sampler = RolloutSampler(len(self.train_dataset), per_rank, self.args.world_size,
                                  self.steps_per_generation * self.num_iterations, seed=self.args.seed)
+        self.rollout_sampler = sampler
         loader = DataLoader(
             self.train_dataset, batch_size=per_rank, sampler=sampler, collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
@@ -187,12 +215,12 @@ class GRPOTrainer(Trainer):
 
     def _completions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], int]:
         """(ids, attention mask, stopped, texts, rows cut): cut at the stop token and before any vision placeholder
-        (suppressed in sampling; this is the safety net if one appears anyway)."""
+        (suppressed in sampling; this is the safety net if one appears anyway). A cut row did not stop."""
         mask, stopped = completion_mask(ids, self.stop_token_ids)
         ids, mask, cut = cut_at_tokens(ids, mask, self.suppressed, self.tokenizer.pad_token_id)
         lengths = mask.sum(dim=1).tolist()
         texts = [decode_kept(self.tokenizer, row[:n], self.drop_ids) for row, n in zip(ids.tolist(), lengths)]
-        return ids, mask, stopped, texts, cut
+        return ids, mask, stopped & ~cut, texts, int(cut.sum())
 
     def _forward_inputs(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
                         ) -> dict[str, torch.Tensor]:
@@ -285,7 +313,7 @@ class GRPOTrainer(Trainer):
             keep &= stopped
         masks = [part["attention"] * keep[j * per_micro * G:(j + 1) * per_micro * G].unsqueeze(1).long()
                  for j, part in enumerate(parts)]
-        counts = torch.tensor([[float(m.sum()), float((m.sum(dim=1) > 0).sum())] for m in masks], device=device)
+        counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         self._record_rollout(rewards, torch.cat([part["attention"] for part in parts]), stopped, texts, meta)
@@ -300,8 +328,8 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Roll out on the first micro-step of each round (or after a resume), then optimise the stored slice."""
         round_length = self.steps_per_generation * self.num_iterations
-        if self._buffer is None:
-            self._micro_step = self.state.global_step * self.grad_accum
+        if self._buffer is None:  # epochs hold whole rounds, so this is the position in the round after a resume
+            self._micro_step = 0 if self.args.ignore_data_skip else self.state.global_step * self.grad_accum
         position = self._micro_step % round_length
         if self._buffer is None or position == 0:
             self._buffer = self._rollout(model, inputs["grpo_features"])
@@ -372,7 +400,7 @@ class GRPOTrainer(Trainer):
                               model_hw=sample.model_hw, ndigits=None)
             truth = [to_orig(item.coords) for item in parse_items(sample.reference) if item.kind == "bbox_2d"]
             tally.add(score_grounding(truth, text, to_orig))
-        if tally.samples:
+        if tally.truth_boxes:
             summary = tally.to_dict()
             metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
             metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
