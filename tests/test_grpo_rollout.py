@@ -248,3 +248,21 @@ def test_sampler_epoch_follows_the_trainer_state():
     for epoch, expected in ((None, 0), (0.0, 0), (1.5, 1), (2.9999999, 3), (3.0, 3)):
         callback.on_epoch_begin(None, SimpleNamespace(epoch=epoch), None)
         assert sampler.epoch == expected
+
+
+def test_run_generation_config_replaces_the_checkpoints_during_generate():
+    """transformers 4.55-4.57 fill 'default-looking' values (top_k 50, top_p 1) from ``model.generation_config``;
+    while the run's config is the model's own, there is nothing else to fill from."""
+    from transformers import GenerationConfig
+
+    from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
+
+    checkpoint = GenerationConfig(do_sample=True, top_k=1, top_p=0.001, temperature=0.1)
+    ours = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    model = SimpleNamespace(generation_config=checkpoint)
+    with generation_config_of(model, ours):
+        assert model.generation_config is ours
+    assert model.generation_config is checkpoint
+    with pytest.raises(RuntimeError), generation_config_of(model, ours):
+        raise RuntimeError("generate failed")
+    assert model.generation_config is checkpoint
