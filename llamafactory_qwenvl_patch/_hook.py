@@ -20,6 +20,9 @@ TARGETS = {
     "llamafactory.data.template": "patch_template",
     "llamafactory.data.loader": "patch_data_loader",
     "llamafactory.train.tuner": "patch_tuner",
+    "llamafactory.chat.chat_model": "patch_chat_model",
+    "llamafactory.chat.hf_engine": "patch_hf_engine",
+    "llamafactory.api.chat": "patch_api_chat",
 }
 
 

@@ -54,8 +54,14 @@ def patch_parser(parser: ModuleType) -> None:
             default=False,
             metadata={
                 "help": "Resize still images with qwen_vl_utils.fetch_image under the pinned bounds "
-                "image_min_pixels/image_max_pixels, and carry those bounds into the processor and every export."
+                "image_min_pixels/image_max_pixels, and carry those bounds into the processor and every export. "
+                "Inference on a folder with qwenvl_policy.json uses its bounds unless this is set to false."
             },
+        )
+        qwenvl_answer_coords: str = field(
+            default="model",
+            metadata={"help": "Coordinates in chat/API answers: `model` (what the model says) or `original` (mapped "
+                      "into the pixels of the request's image)."},
         )
 
     QwenVLModelArguments.__qualname__ = QwenVLModelArguments.__name__ = "ModelArguments"
@@ -69,6 +75,29 @@ def patch_parser(parser: ModuleType) -> None:
             arg_list[i] = replacements.get(cls, cls)
     # LF copies arguments with ``ModelArguments.copyfrom`` (reference and reward models): it must be our class.
     _rebind(base, QwenVLModelArguments)
+    lf_compat.require(parser, ["get_infer_args", "read_args"])
+
+    def make_infer(get_infer_args: Callable) -> Callable:
+        def wrapper(args: Any = None) -> Any:
+            from llamafactory_qwenvl_patch.serving import ANSWER_COORDS, resolve_frame
+            from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
+
+            raw = parser.read_args(args)
+            result = get_infer_args(raw)
+            model_args = result[0]
+            if model_args.qwenvl_answer_coords not in ANSWER_COORDS:
+                raise ValueError(f"qwenvl_answer_coords must be one of {', '.join(ANSWER_COORDS)}, "
+                                 f"got {model_args.qwenvl_answer_coords!r}")
+            line = resolve_frame(model_args, explicit_keys(raw))
+            if line:
+                from llamafactory.extras import logging as lf_logging
+
+                lf_logging.get_logger("llamafactory.qwenvl_patch").info_rank0(line)
+            return result
+
+        return wrapper
+
+    _replace(parser, "get_infer_args", make_infer)
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
@@ -129,20 +158,28 @@ def _log_active(policy: ResizePolicy) -> None:
 
 def _warn_unpinned(model_args: Any) -> None:
     """A model or adapter trained with the patch, loaded without it: its frame would silently change."""
-    folders = [model_args.model_name_or_path, *(getattr(model_args, "adapter_name_or_path", None) or [])]
-    for folder in folders:
-        record = Path(str(folder), POLICY_FILE)
-        if record.is_file():
-            from llamafactory.extras import logging as lf_logging
+    from llamafactory_qwenvl_patch.serving import folder_policy
 
-            data = json.loads(record.read_text())
-            lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
-                f"{folder} was trained with qwenvl_patch (min_pixels={data.get('min_pixels')}, "
-                f"max_pixels={data.get('max_pixels')}) but this run does not set `qwenvl_patch: true`: images will "
-                "be resized differently from training. Add `qwenvl_patch: true` and those image_min_pixels / "
-                "image_max_pixels to the YAML."
-            )
-            return
+    found = folder_policy(model_args)
+    if found:
+        from llamafactory.extras import logging as lf_logging
+
+        folder, data = found
+        lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+            f"{folder} was trained with qwenvl_patch (min_pixels={data.get('min_pixels')}, "
+            f"max_pixels={data.get('max_pixels')}) but this run does not set `qwenvl_patch: true`: images will "
+            "be resized differently from training. Add `qwenvl_patch: true` and those image_min_pixels / "
+            "image_max_pixels to the YAML."
+        )
+
+
+def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
+    from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
+    from llamafactory_qwenvl_patch.serving import ServingFrame
+    from llamafactory_qwenvl_patch.stamp import family_of_model
+
+    family = family_of_model(model_args.model_name_or_path) or ("qwen3_vl" if policy.factor == 32 else "qwen2_5_vl")
+    return ServingFrame(policy, FAMILY_CONVENTION[family], getattr(model_args, "qwenvl_answer_coords", "model"))
 
 
 def patch_model_loader(loader: ModuleType) -> None:
@@ -154,6 +191,7 @@ def patch_model_loader(loader: ModuleType) -> None:
             if getattr(model_args, "qwenvl_patch", False):
                 policy = pin_processor(module.get("processor"), model_args)
                 module["tokenizer"].qwenvl_policy = policy
+                module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
             else:
                 _warn_unpinned(model_args)
             return module
@@ -288,3 +326,121 @@ def patch_tuner(tuner: ModuleType) -> None:
         return wrapper
 
     _replace(tuner, "_training_function", make)
+
+
+# --- chat and API --------------------------------------------------------------------------------------------------
+
+
+def _frame_of(chat_model: Any) -> Any:
+    return getattr(getattr(getattr(chat_model, "engine", None), "tokenizer", None), "qwenvl_serving", None)
+
+
+def patch_chat_model(chat_module: ModuleType) -> None:
+    """ChatModel (chat, webchat, API, Python users): images checked against the policy up front, and with
+    ``qwenvl_answer_coords: original`` answers mapped into the pixels of the request's image (a streamed answer is
+    held back and sent once complete, since a box can only be mapped whole)."""
+    lf_compat.require(chat_module, ["ChatModel"])
+    chat_model_cls = chat_module.ChatModel
+    lf_compat.require(chat_model_cls, ["achat", "astream_chat"])
+    if getattr(chat_model_cls.achat, "__qwenvl_wrapped__", False):
+        return
+    from llamafactory_qwenvl_patch.serving import check_images, to_original
+
+    achat, astream_chat = chat_model_cls.achat, chat_model_cls.astream_chat
+
+    @functools.wraps(achat)
+    async def achat_pinned(self, messages, system=None, tools=None, images=None, *args, **kwargs):
+        frame = _frame_of(self)
+        if frame is not None:
+            check_images(frame, images)
+        responses = await achat(self, messages, system, tools, images, *args, **kwargs)
+        if frame is not None:
+            for response in responses:
+                response.response_text = to_original(frame, response.response_text, images)
+        return responses
+
+    @functools.wraps(astream_chat)
+    async def astream_chat_pinned(self, messages, system=None, tools=None, images=None, *args, **kwargs):
+        frame = _frame_of(self)
+        if frame is not None:
+            check_images(frame, images)
+        stream = astream_chat(self, messages, system, tools, images, *args, **kwargs)
+        if frame is None or frame.answer_coords != "original" or len(images or []) != 1:
+            async for token in stream:
+                yield token
+            return
+        text = "".join([token async for token in stream])
+        yield to_original(frame, text, images)
+
+    achat_pinned.__qwenvl_wrapped__ = True
+    chat_model_cls.achat = achat_pinned
+    chat_model_cls.astream_chat = astream_chat_pinned
+
+
+def patch_api_chat(api_chat: ModuleType) -> None:
+    """The OpenAI-style API: a request whose image is unreadable or refused by the pinned policy is a 400 with the
+    reason, checked before the response starts (so streaming requests get it too); the server stays up."""
+    lf_compat.require(api_chat, ["_process_request", "create_chat_completion_response",
+                                 "create_stream_chat_completion_response"])
+
+    def validate(request: Any, chat_model: Any) -> None:
+        frame = _frame_of(chat_model)
+        if frame is None:
+            return
+        from fastapi import HTTPException, status
+        from PIL import UnidentifiedImageError
+
+        from llamafactory_qwenvl_patch.images import ImageError
+        from llamafactory_qwenvl_patch.serving import check_images
+
+        try:
+            images = api_chat._process_request(request)[3]
+            check_images(frame, images)
+        except ImageError as exc:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
+        except (UnidentifiedImageError, ValueError, OSError) as exc:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"image in the request cannot be read: {exc}") from None
+
+    def make(create: Callable) -> Callable:
+        async def wrapper(request: Any, chat_model: Any) -> Any:
+            validate(request, chat_model)
+            return await create(request, chat_model)
+
+        return wrapper
+
+    def make_stream(create: Callable) -> Callable:
+        def wrapper(request: Any, chat_model: Any) -> Any:
+            validate(request, chat_model)
+            return create(request, chat_model)
+
+        return wrapper
+
+    _replace(api_chat, "create_chat_completion_response", make)
+    _replace(api_chat, "create_stream_chat_completion_response", make_stream)
+
+
+def patch_hf_engine(hf_engine: ModuleType) -> None:
+    """LF's HF inference engine does not pass ``mm_token_type_ids``, so transformers 5.x would give the image tokens
+    text positions instead of the M-RoPE positions LF's training collator used: pinned runs get them added."""
+    lf_compat.require(hf_engine, ["HuggingfaceEngine"])
+    engine_cls = hf_engine.HuggingfaceEngine
+    lf_compat.require(engine_cls, ["_process_args"])
+    process_args = engine_cls.__dict__["_process_args"]
+    if getattr(process_args, "__qwenvl_wrapped__", False):
+        return
+    original = process_args.__func__
+
+    @functools.wraps(original)
+    def wrapper(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+        gen_kwargs, prompt_length = original(model, tokenizer, *args, **kwargs)
+        if getattr(tokenizer, "qwenvl_serving", None) is not None and "mm_token_type_ids" not in gen_kwargs:
+            from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
+
+            if needs_token_types(model) and ("image_grid_thw" in gen_kwargs or "video_grid_thw" in gen_kwargs):
+                gen_kwargs["mm_token_type_ids"] = token_types(gen_kwargs["inputs"], model.config)
+        return gen_kwargs, prompt_length
+
+    method = staticmethod(wrapper)
+    method.__qwenvl_wrapped__ = True
+    engine_cls._process_args = method

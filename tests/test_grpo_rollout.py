@@ -16,7 +16,8 @@ from llamafactory_qwenvl_patch.grpo.loss import micro_batch_counts, policy_loss,
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward, load_rewards, score
 from llamafactory_qwenvl_patch.grpo.rollout import completion_mask, cut_at_tokens, decode_kept, prompt_text
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
-from llamafactory_qwenvl_patch.grpo.sampling import explicit_keys, sampling_settings, vision_token_ids
+from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
+from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
 
 QWEN2_ANSWER = "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(10,20),(110,220)<|box_end|>"
 

@@ -17,19 +17,6 @@ NEUTRAL = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def explicit_keys(raw_args: dict[str, Any] | list[str] | None) -> set[str]:
-    """The keys a user wrote in the YAML (or as ``--key`` on the command line)."""
-    if isinstance(raw_args, dict):
-        return set(raw_args)
-    keys = set()
-    for arg in raw_args or []:
-        if isinstance(arg, str) and arg.startswith("--"):
-            keys.add(arg[2:].split("=", 1)[0])
-        elif isinstance(arg, str) and "=" in arg:  # OmegaConf-style key=value overrides after the YAML
-            keys.add(arg.split("=", 1)[0])
-    return keys
-
-
 def sampling_settings(generating_args: Any, explicit: set[str]) -> tuple[dict[str, Any], list[str]]:
     """(temperature, top_p, top_k, repetition_penalty and max_new_tokens for ``GenerationConfig``, warnings)."""
     if getattr(generating_args, "num_beams", 1) != 1:

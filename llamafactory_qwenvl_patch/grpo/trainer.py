@@ -10,7 +10,6 @@ optimised again and the ratio to the old log-probs (and clipping) acts.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.images import open_image
 from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, Tally, score_grounding
+from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
 from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
@@ -125,10 +125,7 @@ class GRPOTrainer(Trainer):
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
-        self.video_id = getattr(config, "video_token_id", None)
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        # transformers 5.x Qwen3-VL needs the token types to place M-RoPE positions; LF's collator does not emit them.
-        self.pass_token_types = "mm_token_type_ids" in inspect.signature(type(base).forward).parameters
+        self.pass_token_types = needs_token_types(self.model)  # M-RoPE positions in transformers 5.x
         self.patch = int(getattr(getattr(config, "vision_config", None), "patch_size", 14))
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: list[MicroBatch] | None = None
@@ -187,20 +184,12 @@ class GRPOTrainer(Trainer):
 
     # --- rollout -------------------------------------------------------------------------------------------------
 
-    def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """0 for text, 1 for image tokens, 2 for video tokens (what the HF processor returns)."""
-        types = torch.zeros_like(input_ids)
-        types[input_ids == self.image_id] = 1
-        if self.video_id is not None:
-            types[input_ids == self.video_id] = 2
-        return types
-
     def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
         from trl.models import unwrap_model_for_generation
 
         gen_inputs = dict(batch)
         if self.pass_token_types:
-            gen_inputs["mm_token_type_ids"] = self._token_types(batch["input_ids"])
+            gen_inputs["mm_token_type_ids"] = token_types(batch["input_ids"], self.model.config)
         with torch.no_grad(), unwrap_model_for_generation(
             model, self.accelerator, gather_deepspeed3_params=True
         ) as unwrapped:
@@ -230,7 +219,7 @@ class GRPOTrainer(Trainer):
             "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
         }
         if self.pass_token_types:
-            inputs["mm_token_type_ids"] = self._token_types(inputs["input_ids"])
+            inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         if "pixel_values" in batch:
             per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
             inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(

@@ -43,7 +43,7 @@ def grpo_training_function(config: dict[str, Any]) -> None:
     hparams = lf_compat.require_module("llamafactory.hparams", ["get_train_args"])
     parser = lf_compat.require_module("llamafactory.hparams.parser", ["read_args"])
     cb = lf_compat.require_module("llamafactory.train.callbacks", ["ReporterCallback"])
-    from llamafactory_qwenvl_patch.grpo.sampling import explicit_keys
+    from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
 
     raw_args = parser.read_args(config.get("args"))
     model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(raw_args)

@@ -1,0 +1,108 @@
+"""Serving in the training frame: a pinned model folder is served with its own bounds by default, answers can come
+back in the pixels of the image the client sent, and an image the policy refuses is a client error.
+
+Used by the LF patches of ``get_infer_args`` (api, chat, webchat, export, ``ChatModel``), of ``ChatModel`` and of
+the OpenAI-style API; everything here is plain functions over LF's objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from llamafactory_qwenvl_patch.answers import AnswerError, parse_answer
+from llamafactory_qwenvl_patch.images import ImageError, open_image
+from llamafactory_qwenvl_patch.lf_patch import POLICY_FILE
+from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, convert_coords
+
+ANSWER_COORDS = ("model", "original")
+
+
+class FrameConflictError(ValueError):
+    """The YAML's bounds differ from the frame the model folder was trained in."""
+
+
+def folder_policy(model_args: Any) -> tuple[str, dict[str, Any]] | None:
+    """(folder, record) of the first of the model and adapter folders that carries ``qwenvl_policy.json``."""
+    folders = [model_args.model_name_or_path, *(getattr(model_args, "adapter_name_or_path", None) or [])]
+    for folder in folders:
+        path = Path(str(folder), POLICY_FILE)
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+                int(record["min_pixels"]), int(record["max_pixels"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path} is not a valid policy record ({exc}); re-export the model") from None
+            return str(folder), record
+    return None
+
+
+def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
+    """Decide the frame of an inference run and set it on ``model_args``; returns a line to log, or None.
+
+    ``qwenvl_patch: false`` keeps stock LF. A folder with ``qwenvl_policy.json`` is pinned to its own bounds unless
+    the YAML opts out; bounds the YAML gives that differ from the folder's are an error showing both.
+    """
+    if "qwenvl_patch" in explicit and not model_args.qwenvl_patch:
+        return None
+    found = folder_policy(model_args)
+    if found is None:
+        return None
+    folder, record = found
+    trained = (int(record["min_pixels"]), int(record["max_pixels"]))
+    given = {key: getattr(model_args, key) for key in ("image_min_pixels", "image_max_pixels") if key in explicit}
+    wanted = dict(zip(("image_min_pixels", "image_max_pixels"), trained))
+    conflicts = [f"{key}: YAML {given[key]}, folder {wanted[key]}" for key in given if int(given[key]) != wanted[key]]
+    if conflicts:
+        raise FrameConflictError(
+            f"{folder} was trained in the frame min_pixels={trained[0]}, max_pixels={trained[1]} "
+            f"({POLICY_FILE}), but the YAML asks for another: {'; '.join(conflicts)}. Remove those keys to serve in "
+            "the training frame, or set `qwenvl_patch: false` to serve stock LLaMA-Factory (boxes will drift).")
+    model_args.image_min_pixels, model_args.image_max_pixels = trained
+    model_args.qwenvl_patch = True
+    return (f"{folder} carries {POLICY_FILE}: serving in its training frame (min_pixels={trained[0]}, "
+            f"max_pixels={trained[1]}); `qwenvl_patch: false` opts out")
+
+
+@dataclass(frozen=True)
+class ServingFrame:
+    """What a pinned inference engine needs to check images and map answers: the policy, the convention the model
+    answers in (``model`` or ``rel1000``) and what the client gets (``model`` or ``original``)."""
+
+    policy: ResizePolicy
+    convention: str
+    answer_coords: str = "model"
+
+
+def image_size(source: Any) -> tuple[int, int]:
+    """(height, width) of an LF image input; ImageError (naming it) when it is unusable."""
+    image = open_image(source)
+    return image.height, image.width
+
+
+def check_images(frame: ServingFrame, images: Sequence[Any] | None) -> None:
+    """Every image must open and be representable by the policy (aspect ratio, size): else ImageError."""
+    for index, source in enumerate(images or []):
+        try:
+            frame.policy.model_size(*image_size(source))
+        except PolicyError as exc:
+            raise ImageError(f"image {index + 1} of the request: {exc}") from None
+
+
+def to_original(frame: ServingFrame, text: str, images: Sequence[Any] | None) -> str:
+    """The answer with every box and point in the pixels of the request's image (the model's text otherwise).
+
+    Only for exactly one image: with several, a coordinate cannot be tied to an image, so the text is left in the
+    model's frame; with none, there is no frame to map into. Malformed answers are returned as they are.
+    """
+    if frame.answer_coords != "original" or len(images or []) != 1:
+        return text
+    orig_hw = image_size(images[0])
+    model_hw = frame.policy.model_size(*orig_hw)
+    try:
+        parsed = parse_answer(text)
+    except AnswerError:
+        return text
+    return parsed.rewrite(lambda item: convert_coords(item.coords, frame.convention, "orig", orig_hw, model_hw))

@@ -1,0 +1,225 @@
+"""Serving keeps the training frame: ``llamafactory-cli api`` with the ``openai`` client, on a pinned folder (served
+in its frame by default), on a plain folder (stock LF), with answers mapped to original pixels, streaming, data URLs
+and paths, and a refused image that is a client error while the server stays up."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from helpers import BIN, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
+from PIL import Image
+
+from llamafactory_qwenvl_patch.answers import parse_items
+from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords, stock_llamafactory_size
+from llamafactory_qwenvl_patch.serving import FrameConflictError, ServingFrame, check_images, resolve_frame, to_original
+
+MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
+ANSWER = '[{"bbox_2d": [120, 60, 300, 200], "label": "box"}]'
+PROMPT = "Locate the box and output its bbox_2d in JSON."
+
+
+def data_url(width: int, height: int) -> str:
+    """The same pixels as ``helpers.save_image`` (JPEG, quality 60), as a data URL."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 140, 200)).save(buffer, format="JPEG", quality=60)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``llamafactory-cli api`` in a subprocess on 127.0.0.1 and a free port; stopped by PID."""
+
+    def __init__(self, workdir: Path, config: dict, media: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "api.yaml").write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        env = {**os.environ, "API_HOST": "127.0.0.1", "API_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
+               "DISABLE_VERSION_CHECK": "1", "SAFE_MEDIA_PATH": str(media), "OMP_NUM_THREADS": "1"}
+        self.log = open(workdir / "server.log", "w")
+        self.proc = subprocess.Popen([str(BIN / "llamafactory-cli"), "api", str(workdir / "api.yaml")], cwd=workdir,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.logfile = workdir / "server.log"
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.logfile.read_text()[-4000:]}")
+            try:
+                self.client.models.list()
+                return
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not come up:\n{self.logfile.read_text()[-4000:]}")
+
+    def ask(self, image_url: str, stream: bool = False):
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                                 {"type": "text", "text": PROMPT}]}]
+        kwargs = dict(model="test", messages=messages, temperature=0, max_tokens=96)
+        if not stream:
+            return self.client.chat.completions.create(**kwargs)
+        chunks = self.client.chat.completions.create(stream=True, **kwargs)
+        return [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_model):
+    """A pinned folder whose model answers ANSWER (full SFT until it has memorised it) and the plain tiny model."""
+    root = tmp_path_factory.mktemp("serving")
+    data = root / "data"
+    write_sharegpt(data, "toy", [grounding_record(save_image(data / f"s{i}.jpg", 1920, 1080), ANSWER)
+                                 for i in range(8)])
+    out = root / "pinned"
+    result = run_cli(["llamafactory-cli", "train"], train_config(
+        tiny_model, data, out, finetuning_type="full", image_min_pixels=MIN, image_max_pixels=MAX, max_steps=120,
+        save_steps=1000, per_device_train_batch_size=4, learning_rate=5e-3, lr_scheduler_type="cosine"),
+        root / "sft-run")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_log(out)[-2]["loss"] < 0.01, "the tiny model did not memorise the answer"
+    assert json.loads((out / "qwenvl_policy.json").read_text())["max_pixels"] == MAX
+    media = root / "media"
+    media.mkdir()
+    return root, out, tiny_model, media
+
+
+@pytest.fixture(scope="module")
+def servers(folders):
+    root, pinned, plain, media = folders
+    base = {"template": "qwen2_vl", "infer_backend": "huggingface", "trust_remote_code": True}
+    started = {}
+    try:
+        started["pinned"] = Server(root / "api-pinned", {**base, "model_name_or_path": str(pinned)}, media)
+        started["original"] = Server(root / "api-original", {**base, "model_name_or_path": str(pinned),
+                                                             "qwenvl_answer_coords": "original"}, media)
+        started["plain"] = Server(root / "api-plain", {**base, "model_name_or_path": str(plain)}, media)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(4032, 3024), (1920, 1080), (333, 777)])
+def test_pinned_folder_is_served_in_its_frame(servers, size):
+    """Without any key in the serving YAML, the pinned folder sees exactly the training frame; a plain folder keeps
+    stock LF's frame. Measured through the prompt token counts the server reports (same template and tokenizer)."""
+    width, height = size
+    pinned = servers["pinned"].ask(data_url(width, height)).usage.prompt_tokens
+    plain = servers["plain"].ask(data_url(width, height)).usage.prompt_tokens
+    policy = ResizePolicy(MIN, MAX)
+    sh, sw = stock_llamafactory_size(height, width, 32 * 32, 768 * 768)
+    assert pinned - plain == policy.image_tokens(height, width) - (sh // 28) * (sw // 28)
+    assert "serving in its training frame" in servers["pinned"].logfile.read_text()
+
+
+@pytest.mark.slow
+def test_answers_in_original_pixels(servers, folders):
+    """``qwenvl_answer_coords: original``: the model's boxes mapped through the policy into the sent image's
+    pixels, for a data URL, a path, and a streamed response."""
+    _, _, _, media = folders
+    width, height = 1920, 1080  # the size the model memorised its answer on
+    path = save_image(media / "screen.jpg", width, height)
+    said = servers["pinned"].ask(data_url(width, height)).choices[0].message.content
+    # what it was trained to say: only with the M-RoPE token types LF's engine leaves out (transformers 5.x would
+    # otherwise give the image tokens text positions at inference, unlike training)
+    assert said == ANSWER
+    boxes = [item.coords for item in parse_items(said)]
+    model_hw = ResizePolicy(MIN, MAX).model_size(height, width)
+    expected = [convert_coords(b, "model", "orig", (height, width), model_hw) for b in boxes]
+    for url in (data_url(width, height), str(path)):
+        mapped = servers["original"].ask(url).choices[0].message.content
+        assert [list(item.coords) for item in parse_items(mapped)] == expected
+    streamed = "".join(servers["original"].ask(str(path), stream=True))
+    assert [list(item.coords) for item in parse_items(streamed)] == expected
+
+
+@pytest.mark.slow
+def test_refused_image_is_a_client_error(servers):
+    """An aspect ratio over 200 is a 400 with the policy's message (streaming too); the server keeps serving."""
+    import openai
+
+    def refusal(url: str, stream: bool) -> str:
+        with pytest.raises(openai.BadRequestError) as caught:
+            servers["pinned"].ask(url, stream=stream)
+        caught.value.response.read()  # a streamed request's error body is not read by the client
+        return caught.value.response.json()["detail"]
+
+    for stream in (False, True):
+        assert "aspect ratio" in refusal(data_url(6000, 20), stream)
+        assert "cannot be read" in refusal("data:image/png;base64," + base64.b64encode(b"not a png").decode(),
+                                           stream)
+    assert servers["pinned"].ask(data_url(640, 480)).choices[0].message.content
+
+
+def model_args(folder, **values):
+    return SimpleNamespace(model_name_or_path=str(folder), adapter_name_or_path=None, qwenvl_patch=False,
+                           image_min_pixels=32 * 32, image_max_pixels=768 * 768, **values)
+
+
+def test_resolve_frame(tmp_path):
+    (tmp_path / "qwenvl_policy.json").write_text(json.dumps({"min_pixels": MIN, "max_pixels": MAX}))
+    args = model_args(tmp_path)
+    assert "training frame" in resolve_frame(args, set())
+    assert (args.qwenvl_patch, args.image_min_pixels, args.image_max_pixels) == (True, MIN, MAX)
+    opted_out = model_args(tmp_path)
+    assert resolve_frame(opted_out, {"qwenvl_patch"}) is None and not opted_out.qwenvl_patch
+    same = model_args(tmp_path, **{})
+    same.image_max_pixels = MAX
+    assert resolve_frame(same, {"image_max_pixels"}) and same.qwenvl_patch
+    with pytest.raises(FrameConflictError, match=f"image_max_pixels: YAML 589824, folder {MAX}"):
+        resolve_frame(model_args(tmp_path), {"image_max_pixels"})
+    plain = model_args(tmp_path / "nothing")
+    assert resolve_frame(plain, set()) is None and not plain.qwenvl_patch
+    (tmp_path / "qwenvl_policy.json").write_text("{")
+    with pytest.raises(ValueError, match="not a valid policy record"):
+        resolve_frame(model_args(tmp_path), set())
+
+
+def test_to_original_and_image_checks(tmp_path):
+    frame = ServingFrame(ResizePolicy(MIN, MAX), "model", "original")
+    image = Image.new("RGB", (4032, 3024))
+    model_hw = frame.policy.model_size(3024, 4032)
+    mapped = to_original(frame, ANSWER, [image])
+    assert [list(i.coords) for i in parse_items(mapped)] == [
+        convert_coords([120, 60, 300, 200], "model", "orig", (3024, 4032), model_hw)]
+    assert to_original(frame, ANSWER, [image, image]) == ANSWER  # several images: left in the model frame
+    assert to_original(frame, "no boxes here", [image]) == "no boxes here"
+    assert to_original(frame, '[{"bbox_2d": [1, 2', [image]) == '[{"bbox_2d": [1, 2'
+    assert to_original(ServingFrame(frame.policy, "model"), ANSWER, [image]) == ANSWER
+    qwen2 = ServingFrame(frame.policy, "rel1000", "original")
+    assert to_original(qwen2, "<|box_start|>(500,500),(1000,1000)<|box_end|>", [image]) == \
+        "<|box_start|>(2016,1512),(4032,3024)<|box_end|>"
+    from llamafactory_qwenvl_patch.images import ImageError
+
+    with pytest.raises(ImageError, match="aspect ratio"):
+        check_images(frame, [Image.new("RGB", (6000, 20))])
+    with pytest.raises(ImageError, match="not a readable image"):
+        check_images(frame, [b"not an image"])
