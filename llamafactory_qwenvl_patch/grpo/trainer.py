@@ -305,7 +305,8 @@ class GRPOTrainer(Trainer):
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
-        self._record_rollout(rewards, torch.cat([part["attention"] for part in parts]), stopped, texts, meta)
+        lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
+        self._record_rollout(rewards, lengths, stopped, texts, meta)
         chunk = per_micro * G
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
                            advantages=adv[j * chunk:(j + 1) * chunk], old_logps=part["old"], ref_logps=part["ref"],
@@ -398,9 +399,8 @@ class GRPOTrainer(Trainer):
 
     # --- metrics -------------------------------------------------------------------------------------------------
 
-    def _record_rollout(self, rewards, attention, stopped, texts, meta) -> None:
+    def _record_rollout(self, rewards, lengths, stopped, texts, meta) -> None:
         G = self.num_generations
-        lengths = attention.sum(dim=1).float()
         m = self._metrics
         m["reward"].append(float(rewards.mean()))
         m["reward_std"].append(float(rewards.std()) if rewards.numel() > 1 else 0.0)

@@ -1,0 +1,88 @@
+"""One optimiser step of the real GRPOTrainer (rollout bookkeeping, loss, transformers' accumulation, SGD) with
+accumulation 2 equals the step with one batch of the same completions. Only sampling is fixed (``_generate``
+returns chosen completions of very different lengths) so both runs see the same data; everything after it runs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llamafactory_qwenvl_patch.grpo.rewards import Reward
+from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
+
+G = 4
+
+
+def finetuning(loss_type: str) -> SimpleNamespace:
+    return SimpleNamespace(grpo_num_generations=G, grpo_steps_per_generation=None, grpo_num_iterations=1,
+                           grpo_beta=0.0, grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type,
+                           grpo_scale_rewards="group", grpo_skip_zero_std_groups=False, grpo_mask_truncated=False,
+                           grpo_importance_sampling="token", grpo_log_completions=False)
+
+
+def completions(stop: int, pad: int) -> dict[int, torch.Tensor]:
+    """Prompt 0: long completions (7-9 tokens); prompt 1: one or two tokens. Every one ends with the stop token."""
+    rows = {0: [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36, 37], [41] * 8],
+            1: [[51], [61, 62], [71], [81, 82]]}
+    out = {}
+    for index, seqs in rows.items():
+        width = max(len(s) for s in seqs) + 1
+        out[index] = torch.tensor([s + [stop] + [pad] * (width - len(s) - 1) for s in seqs])
+    return out
+
+
+def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    fixed = completions(stop, pad)
+    prompts = {0: tokenizer.encode("Say something long."), 1: tokenizer.encode("Be brief!")}
+
+    def reward(completions, **_):
+        return [len(c) / 10 for c in completions]
+
+    args = TrainingArguments(output_dir=str(tmp_path / f"{batch}x{accumulation}"), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                             lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True, report_to="none",
+                             save_strategy="no", logging_steps=1, seed=0)
+    trainer = GRPOTrainer(
+        model=model, args=args, train_dataset=[{"grpo_index": 0}, {"grpo_index": 1}],
+        data_collator=lambda features: {"grpo_features": features}, finetuning_args=finetuning(loss_type),
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "max_new_tokens": 9},
+        reward_funcs=[Reward("length", reward, 1.0)], ref_model=None, resize_policy=None, coords="model",
+        stop_token_ids=[stop], suppress_token_ids=[], processor=None, tokenizer=tokenizer)
+
+    def collate(features):
+        indices = [int(f["grpo_index"]) for f in features]
+        width = max(len(prompts[i]) for i in indices)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in indices])
+        mask = (torch.arange(width).unsqueeze(0) >= torch.tensor([width - len(prompts[i]) for i in indices])
+                .unsqueeze(1)).long()
+        return {"input_ids": ids, "attention_mask": mask, "indices": indices}, [
+            SampleMeta(i, "", "", None) for i in indices]
+
+    def generate(model, batch, config):  # the completions only, as GRPOTrainer._generate returns them
+        rows = [fixed[i] for i in batch["indices"]]
+        width = max(r.size(1) for r in rows)
+        return torch.cat([torch.nn.functional.pad(r, (0, width - r.size(1)), value=pad) for r in rows])
+
+    trainer._collate, trainer._generate = collate, generate
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_accumulation_step_equals_one_batch(tiny_model, tmp_path, loss_type):
+    one = step_delta(tiny_model, tmp_path, batch=2, accumulation=1, loss_type=loss_type)
+    accumulated = step_delta(tiny_model, tmp_path, batch=1, accumulation=2, loss_type=loss_type)
+    moved = [n for n, d in one.items() if d.abs().max() > 0]
+    assert moved, "the step changed nothing"
+    for name in moved:
+        assert torch.allclose(one[name], accumulated[name], atol=1e-6, rtol=1e-4), name
