@@ -74,7 +74,7 @@ def lora_run(setup, tiny_model):
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", grpo_log_completions=True,
                          reward_funcs=f"iou,format,{root / 'my_rewards.py'}:one,{root / 'my_rewards.py'}:boom",
                          reward_weights="1,1,0.5,1", val_size=0.5, eval_strategy="steps", eval_steps=3,
-                         per_device_eval_batch_size=2)
+                         per_device_eval_batch_size=2, do_eval=True)
     result = run_cli(["llamafactory-cli", "train"], config, root / "lora-run")
     assert result.returncode == 0, result.stderr[-4000:]
     return root, out, config
@@ -108,6 +108,8 @@ def test_eval_set_is_evaluated(lora_run):
     assert row["eval_samples"] == 2 and row["eval_rewards/one/mean"] == 1.0
     assert row["eval_reward"] == pytest.approx(0.5 + row["eval_rewards/iou/mean"] + row["eval_rewards/format/mean"])
     assert {"eval_acc@0.5", "eval_mean_iou", "eval_parse_failure_rate"} <= set(row)
+    final = json.loads((out / "eval_results.json").read_text())  # do_eval after training, as LF's workflows do
+    assert final["eval_samples"] == 2 and "eval_reward" in final
 
 
 @pytest.mark.slow

@@ -132,3 +132,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
             from llamafactory.extras.ploting import plot_loss
 
             plot_loss(training_args.output_dir, keys=["loss", "reward", "kl", "completion_length/mean"])
+    if training_args.do_eval and eval_dataset is not None:
+        metrics = trainer.evaluate(metric_key_prefix="eval")
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
