@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from io import BytesIO
 from typing import Any
 
@@ -28,6 +29,23 @@ def describe(source: Any) -> str:
     return f"<{type(source).__name__}>"
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def require_regular_file(path: str | os.PathLike) -> None:
+    """Only regular files are read: opening a FIFO or a device would block forever (or read without end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ImageError(f"image {path}: file not found") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ImageError(f"image {path!r}: cannot open ({exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise ImageError(f"image {path}: is {kind}, not a regular file; only regular image files are read")
+
+
 def open_image(source: Any) -> Image.Image:
     """Open (lazily, header only) any image input LLaMA-Factory accepts."""
     name = describe(source)
@@ -40,6 +58,8 @@ def open_image(source: Any) -> Image.Image:
             return Image.open(BytesIO(source))
         if isinstance(source, str) and source.startswith("file://"):
             source = source[len("file://"):]
+        if isinstance(source, (str, os.PathLike)):
+            require_regular_file(source)
         return Image.open(source)
     except FileNotFoundError:
         raise ImageError(f"image {name}: file not found") from None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from llamafactory_qwenvl_patch.images import ImageError, open_image
+from llamafactory_qwenvl_patch.images import ImageError, open_image, require_regular_file
 
 EXIF_ORIENTATION = 0x0112
 ImageInfoError = ImageError
@@ -76,6 +76,7 @@ def _jpeg_info(data: bytes) -> ImageInfo | None:
 
 def read_info(path: str | os.PathLike) -> ImageInfo:
     """Header-only read of size and EXIF orientation, never decoding pixels (JPEG fast path, PIL otherwise)."""
+    require_regular_file(path)
     try:
         with open(path, "rb") as f:
             head = f.read(_JPEG_FIRST_READ)
