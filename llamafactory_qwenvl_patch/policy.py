@@ -91,6 +91,12 @@ def _model_size(policy: ResizePolicy, height: int, width: int) -> tuple[int, int
     out_h, out_w = smart_resize(
         height, width, factor=policy.factor, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels
     )
+    if min(out_h, out_w) < policy.factor:  # a thin image under a small max_pixels: smart_resize floors a side to 0
+        raise PolicyError(
+            f"image size {width}x{height} (WxH) cannot be resized under max_pixels={policy.max_pixels}: its short "
+            f"side would be {min(out_h, out_w)} px, less than one {policy.factor} px patch; raise image_max_pixels "
+            "or crop the image"
+        )
     out_ratio = max(out_h, out_w) / min(out_h, out_w)
     if out_ratio > MAX_ASPECT_RATIO:
         raise PolicyError(

@@ -13,7 +13,7 @@ import pytest
 from helpers import BIN, save_image
 
 from llamafactory_qwenvl_patch.images import ImageError, model_input_image, open_image
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
 from llamafactory_qwenvl_patch.preflight import check_image
 from qwenvl_prep.imageinfo import read_info
 
@@ -72,3 +72,14 @@ def test_convert_reports_a_fifo_record_instead_of_hanging(tmp_path, odd_paths):
     assert [(row["record"], "FIFO" in row["error"], "directory" in row["error"]) for row in rows] == \
         [(1, True, False), (2, False, True)]  # records counted from 0, as in every errors file
     assert not out.exists()
+
+
+def test_thin_image_under_small_bounds_is_a_policy_error(tmp_path):
+    """29x5771 under max_pixels 50176: smart_resize floors the short side to 0 (was ZeroDivisionError in the core,
+    which killed convert, check, draw and training alike)."""
+    small = ResizePolicy(56 * 56, 50176)
+    with pytest.raises(PolicyError, match="short side would be 0 px"):
+        small.model_size(5771, 29)
+    path = save_image(tmp_path / "thin.png", 29, 5771)
+    with pytest.raises(ImageError, match="thin.png.*short side"):
+        check_image(str(path), small)
