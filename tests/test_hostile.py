@@ -83,3 +83,21 @@ def test_thin_image_under_small_bounds_is_a_policy_error(tmp_path):
     path = save_image(tmp_path / "thin.png", 29, 5771)
     with pytest.raises(ImageError, match="thin.png.*short side"):
         check_image(str(path), small)
+
+
+def test_concurrent_registrations_keep_every_entry(tmp_path):
+    """Parallel shard converts into one folder each merge their entry into dataset_info.json: none may be lost
+    (read-modify-rename without a lock dropped entries)."""
+    from qwenvl_prep.convert import merge_dataset_info
+
+    def register(worker: int) -> None:
+        for i in range(25):
+            merge_dataset_info(tmp_path, f"shard-{worker}-{i}", {"file_name": f"{worker}-{i}.json"})
+
+    threads = [threading.Thread(target=register, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    info = json.loads((tmp_path / "dataset_info.json").read_text())
+    assert len(info) == 8 * 25

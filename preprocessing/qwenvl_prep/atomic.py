@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -30,3 +31,17 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     with atomic_writer(path) as f:
         json.dump(data, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+@contextmanager
+def exclusive(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock tied to ``path`` (a hidden ``.NAME.lock`` beside it) across processes and threads, so
+    read-modify-rename updates of a shared file (``dataset_info.json`` under parallel shard converts) lose nothing."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

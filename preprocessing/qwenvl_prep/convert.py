@@ -29,7 +29,7 @@ from llamafactory_qwenvl_patch.policy import (
 )
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
-from qwenvl_prep.atomic import atomic_writer, write_json
+from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.imageinfo import ImageInfo, ImageInfoError, bake_exif, read_info
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
@@ -326,11 +326,18 @@ def _write_errors(path: Path, rows: list[dict]) -> None:
 
 def _register(opts: ConvertOptions) -> None:
     """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched."""
-    info_path = opts.output.parent / "dataset_info.json"
-    info = read_dataset_info(opts.output.parent)
     name = opts.dataset_name or opts.output.stem
-    info[name] = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
-    write_json(info_path, info)
+    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
+    merge_dataset_info(opts.output.parent, name, entry)
+
+
+def merge_dataset_info(folder: Path, name: str, entry: dict[str, Any]) -> None:
+    """Set one entry of ``folder/dataset_info.json`` under a lock, so concurrent converts keep each other's entries."""
+    info_path = folder / "dataset_info.json"
+    with exclusive(info_path):
+        info = read_dataset_info(folder)
+        info[name] = entry
+        write_json(info_path, info)
 
 
 def _written_stamp(opts: ConvertOptions) -> Stamp:
