@@ -57,11 +57,19 @@ def differences(data: Stamp, run: Stamp) -> list[str]:
 
 
 def read_dataset_info(dataset_dir: str | os.PathLike) -> dict[str, Any]:
+    """The registry as a dict ({} when absent); ValueError naming the file when it is not a JSON object."""
     path = Path(dataset_dir, "dataset_info.json")
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path} holds a JSON {type(info).__name__}, not an object of dataset entries; fix or "
+                         "remove it")
+    return info
 
 
 def stamp_of(entry: dict[str, Any]) -> Stamp | None:

@@ -101,3 +101,21 @@ def test_concurrent_registrations_keep_every_entry(tmp_path):
         thread.join(120)
     info = json.loads((tmp_path / "dataset_info.json").read_text())
     assert len(info) == 8 * 25
+
+
+@pytest.mark.parametrize("registry", ["[]", "null", "{", '"text"'])
+def test_broken_registry_is_reported_before_anything_is_written(tmp_path, registry):
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"image": "ok.jpg", "question": "Find it.", "answer": '[{"bbox_2d": [1, 2, 30, 40]}]'})
+                   + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(registry)
+    code = main(["convert", str(src), "-o", str(data / "train.json"), "--input-coords", "abs", "-q",
+                 "--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)])
+    assert code == 2
+    assert sorted(p.name for p in data.iterdir()) == ["dataset_info.json"]  # no output renamed into place
+    assert (data / "dataset_info.json").read_text() == registry

@@ -204,7 +204,7 @@ def _input_stamp(path: Path) -> Stamp | None:
     """The stamp of the ``dataset_info.json`` entry that registers this very file, if any."""
     try:
         info = read_dataset_info(path.parent)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return None
     for entry in info.values():
         if isinstance(entry, dict) and entry.get("file_name") == path.name:
@@ -272,6 +272,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"output {opts.output} must end in .json or .jsonl")
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
+    read_dataset_info(opts.output.parent)  # a broken registry is reported before anything is written
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     job = Job(opts.target, _source(opts), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
               str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
