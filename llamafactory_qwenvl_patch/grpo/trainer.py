@@ -248,16 +248,19 @@ class GRPOTrainer(Trainer):
         with reference_context(self.accelerator.unwrap_model(model)):
             return self._token_logps(model, inputs, ids)
 
-    def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
-        G = self.num_generations
+    def _reward_inputs(self, meta: list[SampleMeta], repeat: int) -> tuple[dict[str, list], dict[str, Any]]:
+        """The reward keywords: per-completion columns (each prompt's values ``repeat`` times) and shared values."""
         columns = dict(
-            references=[m.reference for m in meta for _ in range(G)],
-            prompts=[m.prompt for m in meta for _ in range(G)],
-            orig_sizes=[m.orig_hw for m in meta for _ in range(G)],
-            model_sizes=[m.model_hw for m in meta for _ in range(G)],
-            indices=[m.index for m in meta for _ in range(G)],
+            references=[m.reference for m in meta for _ in range(repeat)],
+            prompts=[m.prompt for m in meta for _ in range(repeat)],
+            orig_sizes=[m.orig_hw for m in meta for _ in range(repeat)],
+            model_sizes=[m.model_hw for m in meta for _ in range(repeat)],
+            indices=[m.index for m in meta for _ in range(repeat)],
         )
-        shared = dict(resize_policy=self.resize_policy, coords=self.coords)
+        return columns, dict(resize_policy=self.resize_policy, coords=self.coords)
+
+    def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
+        columns, shared = self._reward_inputs(meta, self.num_generations)
         total = torch.zeros(len(texts))
         for reward in self.reward_funcs:
             values, errors = score(reward, texts, columns, shared)
@@ -371,10 +374,7 @@ class GRPOTrainer(Trainer):
         return metrics
 
     def _eval_metrics(self, meta: list[SampleMeta], texts: list[str], prefix: str) -> dict[str, float]:
-        columns = dict(references=[m.reference for m in meta], prompts=[m.prompt for m in meta],
-                       orig_sizes=[m.orig_hw for m in meta], model_sizes=[m.model_hw for m in meta],
-                       indices=[m.index for m in meta])
-        shared = dict(resize_policy=self.resize_policy, coords=self.coords)
+        columns, shared = self._reward_inputs(meta, 1)
         metrics = {f"{prefix}_samples": float(len(texts))}
         total = torch.zeros(len(texts))
         for reward in self.reward_funcs:
