@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llamafactory_qwenvl_patch.cheats import CheatRules
 from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
@@ -18,7 +19,8 @@ def extend_finetuning_arguments(base: type) -> type:
         stage: Literal[STAGES] = field(default="sft", metadata={"help": "Which stage will be performed in training."})
         reward_funcs: str | None = field(
             default=None,
-            metadata={"help": "GRPO rewards, comma separated: built-ins iou, format, json_fields, accuracy; "
+            metadata={"help": "GRPO rewards, comma separated: built-ins iou, format, fields, fields_raw, no_cheat, "
+                      "json_fields, accuracy; "
                       "`module:function` or `path/to/file.py:function`."},
         )
         reward_weights: str | None = field(
@@ -51,6 +53,25 @@ def extend_finetuning_arguments(base: type) -> type:
         grpo_skip_zero_std_groups: bool = field(
             default=False, metadata={"help": "Groups whose rewards are all equal get no loss (DAPO dynamic sampling)."}
         )
+        no_cheat_min_length_ratio: float = field(
+            default=0.25, metadata={"help": "no_cheat: answers shorter than this share of the reference are hacks."}
+        )
+        no_cheat_max_repetition: float = field(
+            default=0.5, metadata={"help": "no_cheat: share of repeated n-grams above which an answer is a hack "
+                                   "(and above the reference's own repetition + 0.2)."}
+        )
+        no_cheat_max_copy: float = field(
+            default=0.5, metadata={"help": "no_cheat: share of the answer's n-grams not in the reference that come "
+                                   "from the prompt, at or above which it is a copy of the prompt."}
+        )
+        no_cheat_ngram: int = field(default=3, metadata={"help": "no_cheat: n-gram size (words and punctuation)."})
+        grpo_blank_image_ratio: float = field(
+            default=0.0, metadata={"help": "Share of prompts also sampled with every image blanked (same size, same "
+                                   "image tokens); a confident answer there is penalised. 0 = off."}
+        )
+        grpo_blank_image_penalty: float = field(
+            default=1.0, metadata={"help": "Penalty (negative advantage) of a confident answer on a blank image."}
+        )
         grpo_log_completions: bool = field(
             default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
         )
@@ -75,5 +96,16 @@ def extend_finetuning_arguments(base: type) -> type:
                 raise ValueError("grpo_num_iterations must be at least 1")
             if self.grpo_steps_per_generation is not None and self.grpo_steps_per_generation < 1:
                 raise ValueError("grpo_steps_per_generation must be at least 1")
+            if not 0 <= self.grpo_blank_image_ratio <= 1:
+                raise ValueError(f"grpo_blank_image_ratio must be in [0, 1], got {self.grpo_blank_image_ratio}")
+            if self.grpo_blank_image_penalty < 0:
+                raise ValueError("grpo_blank_image_penalty must be >= 0 (it is subtracted)")
+            if self.no_cheat_ngram < 1:
+                raise ValueError("no_cheat_ngram must be at least 1")
+
+        @property
+        def cheat_rules(self) -> CheatRules:
+            return CheatRules(self.no_cheat_min_length_ratio, self.no_cheat_max_repetition, self.no_cheat_max_copy,
+                              self.no_cheat_ngram)
 
     return FinetuningArguments

@@ -15,34 +15,37 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
 import math
-import re
-import unicodedata
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.cheats import CheatRules, cheats
+from llamafactory_qwenvl_patch.fields import FieldScore, confident, find_json, normalize, reference_value, score_fields
 from llamafactory_qwenvl_patch.metrics import match_boxes
 
 RewardFunc = Callable[..., list[float]]
-_FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
 
 
-def _boxes(text: str) -> list[tuple[float, ...]] | None:
+def _items(text: str) -> list:
     try:
-        return [item.coords for item in parse_items(text) if item.kind == "bbox_2d"]
+        return parse_items(text)
     except AnswerError:
-        return None
+        return []
+
+
+def _boxes(text: str) -> list[tuple[float, ...]]:
+    return [item.coords for item in _items(text) if item.kind == "bbox_2d"]
 
 
 def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
     """Continuous IoU in [0, 1]: boxes matched one-to-one, summed IoU over max(#truth, #predicted)."""
     out = []
     for completion, reference in zip(completions, references):
-        truth, predicted = _boxes(reference) or [], _boxes(completion) or []
+        truth, predicted = _boxes(reference), _boxes(completion)
         if not truth or not predicted:
             out.append(0.0)
             continue
@@ -51,56 +54,69 @@ def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: An
     return out
 
 
-def _json_object(text: str) -> Any:
-    fence = _FENCE.search(text)
-    body = (fence.group(1) if fence else text).strip()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, ValueError):
-        return None
-
-
 def format_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """1 when the answer parses into the reference's structure: grounding items, a JSON object, or any text."""
+    """1 when the answer parses into the reference's structure: grounding items, a JSON object or array, or any
+    text."""
     out = []
     for completion, reference in zip(completions, references):
-        try:
-            ref_items = parse_items(reference)
-        except AnswerError:
-            ref_items = []
+        ref_items = _items(reference)
         if ref_items:
-            try:
-                items = parse_items(completion)
-            except AnswerError:
-                items = []
+            items = _items(completion)
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)
-        elif isinstance(_json_object(reference), dict):
-            out.append(1.0 if isinstance(_json_object(completion), dict) else 0.0)
+        elif (truth := reference_value(reference)) is not None:
+            out.append(1.0 if score_fields(completion, truth).parsed else 0.0)
         else:
             out.append(1.0 if completion.strip() else 0.0)
     return out
 
 
-def normalize(text: Any) -> str:
-    """Case-, width- and whitespace-insensitive form for exact matching (code fences and end punctuation dropped)."""
-    text = unicodedata.normalize("NFKC", str(text))
-    fence = _FENCE.search(text)
-    text = fence.group(1) if fence else text
-    return " ".join(text.casefold().split()).strip(" .;,")
+def _field_scores(completions: Sequence[str], references: Sequence[str]) -> list[FieldScore | None]:
+    return [score_fields(c, truth) if (truth := reference_value(r)) is not None else None
+            for c, r in zip(completions, references)]
+
+
+def fields_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
+    """Partial credit per field, normalised to [0, 1] (0.3 filled + 0.7 equal per reference leaf, + 1 for an answer
+    that is exactly one JSON value, divided by the maximum), so that a record with many fields weighs as much as one
+    with few next to the other rewards. 0 when the reference is not a JSON object or array."""
+    return [score.normalised if score else 0.0 for score in _field_scores(completions, references)]
+
+
+def fields_raw_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
+    """The same credit unnormalised, in [0, leaves + 1]: list it with weight 0 to log it."""
+    return [score.raw if score else 0.0 for score in _field_scores(completions, references)]
 
 
 def json_fields_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """Partial credit per field of the reference JSON object (invoice number, date, amount, ...)."""
+    """Share of the reference object's top-level fields answered exactly (no partial credit; see ``fields``)."""
     out = []
     for completion, reference in zip(completions, references):
-        truth, answer = _json_object(reference), _json_object(completion)
-        if not isinstance(truth, dict) or not truth or not isinstance(answer, dict):
+        truth, found = reference_value(reference), find_json(completion)
+        answer = found[0] if found else None
+        if not isinstance(truth, dict) or not isinstance(answer, dict):
             out.append(0.0)
             continue
         hits = sum(1 for key, value in truth.items() if key in answer and normalize(answer[key]) == normalize(value))
         out.append(hits / len(truth))
     return out
+
+
+def no_cheat_reward(completions: Sequence[str], *, references: Sequence[str], prompts: Sequence[str] | None = None,
+                    rules: CheatRules = CheatRules(), **_: Any) -> list[float]:
+    """-1 for an answer showing a reward hack (``cheats.cheats``: too short, all fields empty, none of the
+    reference's keys, repetition, a copy of the prompt), else 0. Never positive: honest answers are untouched."""
+    prompts = prompts or [""] * len(completions)
+    return [-1.0 if cheats(c, r, p, rules) else 0.0 for c, r, p in zip(completions, references, prompts)]
+
+
+def confident_answer(answer: str, reference: str) -> bool:
+    """The answer commits to content of the reference's kind: a box or point for grounding, a filled field for
+    field extraction, any text otherwise. On a blank image such an answer is a guess."""
+    if _items(reference):
+        return bool(_items(answer))
+    truth = reference_value(reference)
+    return confident(answer, truth) if truth is not None else bool(answer.strip())
 
 
 def accuracy_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
@@ -112,6 +128,9 @@ BUILTIN: dict[str, RewardFunc] = {
     "iou": iou_reward,
     "format": format_reward,
     "json_fields": json_fields_reward,
+    "fields": fields_reward,
+    "fields_raw": fields_raw_reward,
+    "no_cheat": no_cheat_reward,
     "accuracy": accuracy_reward,
 }
 
@@ -166,7 +185,8 @@ def _keywords(func: RewardFunc) -> frozenset[str] | None:
     return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
+def load_rewards(funcs: str, weights: str | None, cheat_rules: CheatRules = CheatRules()) -> list[Reward]:
+    """The rewards of ``reward_funcs`` with their weights; ``no_cheat`` gets the run's ``no_cheat_*`` thresholds."""
     specs = [s for s in (funcs or "").split(",") if s.strip()]
     if not specs:
         raise ValueError("stage: grpo needs reward_funcs, e.g. `reward_funcs: iou,format`")
@@ -176,6 +196,8 @@ def load_rewards(funcs: str, weights: str | None) -> list[Reward]:
     rewards = []
     for spec, weight in zip(specs, values):
         name, func = load_reward(spec)
+        if func is no_cheat_reward:
+            func = partial(no_cheat_reward, rules=cheat_rules)
         reward = Reward(name, func, weight, _keywords(func))
         if reward.legacy_policy:
             warnings.warn(f"reward {name!r} takes the keyword `policy`, renamed `resize_policy` (in GRPO code "

@@ -87,7 +87,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
 
     logger = logging_mod.get_logger("llamafactory.qwenvl_patch.grpo")
-    rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights)
+    rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights, finetuning_args.cheat_rules)
     sampling, warnings = sampling_settings(generating_args, explicit)
     for warning in warnings:
         logger.warning_rank0(warning)
