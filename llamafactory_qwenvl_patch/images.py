@@ -98,3 +98,14 @@ def model_input_image(source: Any, policy: ResizePolicy) -> Image.Image:
             f"{expected[1]}x{expected[0]}: the installed qwen-vl-utils changed its resize rule"
         )
     return out
+
+
+BLANK_GREY = (128, 128, 128)
+
+
+def blank_like(source: Any) -> Image.Image:
+    """A uniform grey RGB image of the stored size of ``source``: the same resize, frame and image-token count,
+    with nothing to see (the image-reliance control of GRPO)."""
+    with open_image(source) as image:
+        size = image.size
+    return Image.new("RGB", size, BLANK_GREY)

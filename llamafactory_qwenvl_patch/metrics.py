@@ -1,5 +1,6 @@
 """Box geometry and grounding scores for evaluation and rewards (pure): IoU, one-to-one matching, centre offsets,
-and the Acc@0.5 / mean-IoU tally shared by ``qwenvl-prep eval`` and GRPO's evaluation."""
+and the Acc@0.5 / mean-IoU tally and the field-extraction tally shared by ``qwenvl-prep eval`` and GRPO's
+evaluation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from statistics import mean
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.fields import FieldScore
 
 Box = Sequence[float]
 IOU_THRESHOLD = 0.5
@@ -99,4 +101,47 @@ class Tally:
             "mean_iou": round(mean(self.ious), 4) if self.ious else None,
             "parse_failure_rate": round(self.parse_failures / self.samples, 4) if self.samples else None,
             "mean_centre_offset_orig_px": round(mean(self.offsets), 2) if self.offsets else None,
+        }
+
+
+@dataclass
+class FieldTally:
+    """Running totals of field-extraction metrics: per-field accuracy (a field is right when its value equals the
+    reference's after normalisation), the all-fields-exact rate, the format-valid rate (exactly one JSON value of
+    the reference's type), parse failures (no JSON value of that type at all) and the mean ``fields`` credit."""
+
+    samples: int = 0
+    parse_failures: int = 0
+    format_valid: int = 0
+    exact: int = 0
+    normalised: float = 0.0
+    raw: float = 0.0
+    per_field: dict[str, list[int]] = field(default_factory=dict)  # path -> [right, total]
+
+    def add(self, score: FieldScore) -> None:
+        self.samples += 1
+        self.parse_failures += not score.parsed
+        self.format_valid += score.format_ok
+        self.exact += score.exact
+        self.normalised += score.normalised
+        self.raw += score.raw
+        for leaf in score.leaves:
+            counts = self.per_field.setdefault(leaf.path, [0, 0])
+            counts[0] += leaf.equal
+            counts[1] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        n = self.samples
+
+        def rate(count: float) -> float | None:
+            return round(count / n, 4) if n else None
+
+        return {
+            "samples": n,
+            "all_fields_exact": rate(self.exact),
+            "format_valid_rate": rate(self.format_valid),
+            "parse_failure_rate": rate(self.parse_failures),
+            "mean_fields_reward": rate(self.normalised),
+            "mean_fields_raw": rate(self.raw),
+            "per_field_accuracy": {path: round(right / total, 4) for path, (right, total) in self.per_field.items()},
         }

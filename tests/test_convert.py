@@ -251,3 +251,37 @@ def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientati
 
     info = read_info(path)
     assert (info.width, info.height, info.orientation) == expected
+
+
+def test_field_extraction_jsonl_image_path_object_answer_and_meta(tmp_path, wide, capsys):
+    answer = {"invoice_number": "INV-7", "date": "2024-06-18", "total": 300.0, "items": [{"qty": 2}]}
+    metas = [{"vendor": "ACME", "pages": 2}, {"vendor": 7, "note": None}]  # types differ between records
+    src = write_lines(tmp_path / "in.jsonl", [
+        {"image_path": "wide.jpg", "question": "Extract the fields as JSON.", "answer": answer, "meta": metas[0]},
+        {"image_path": "wide.jpg", "question": "Extract the fields as JSON.", "answer": [answer], "meta": metas[1]},
+    ])
+    out = tmp_path / "data" / "fields.jsonl"
+    code, summary = run(capsys, "convert", src, "-o", out, *FLAGS)
+    assert code == 0 and summary["passthrough"] == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert answers(out) == [json.dumps(answer, separators=(",", ":")), json.dumps([answer], separators=(",", ":"))]
+    assert list(json.loads(answers(out)[0])) == list(answer)  # keys kept in order
+    assert [json.loads(row["meta"]) for row in rows] == metas
+    assert rows[0]["images"] == [str(wide)] and rows[0]["messages"][0]["content"].startswith("<image>")
+    import datasets
+
+    loaded = datasets.load_dataset("json", data_files=str(out), split="train")  # what LF does with the file
+    assert len(loaded) == 2
+
+
+def test_field_extraction_bad_answers_are_error_rows(tmp_path, wide, capsys):
+    src = write_lines(tmp_path / "in.jsonl", [
+        {"image_path": "wide.jpg", "question": "Q", "answer": 12},
+        {"image_path": "wide.jpg", "question": "Q"},
+        '{"image_path": "wide.jpg", "question": "Q", "answer": {"a": NaN}}',
+    ])
+    code, summary = run(capsys, "convert", src, "-o", tmp_path / "out.jsonl", *FLAGS)
+    assert code == 1 and summary["dropped"] == 3
+    errors = [json.loads(line)["error"] for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert "must be text or a JSON object/array, got int" in errors[0]
+    assert "an 'answer'" in errors[1] and "not valid JSON" in errors[2]

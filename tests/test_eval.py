@@ -63,9 +63,12 @@ def test_misaligned_predictions_are_an_error(dataset, tmp_path, capsys):
     preds.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["eval", str(dataset), "--predictions", str(preds)]) == 2
     assert "predictions row 0" in capsys.readouterr().err
-    preds.write_text(json.dumps(rows[0]) + "\n")
+    preds.write_text(json.dumps(rows[1]) + "\n")
     assert main(["eval", str(dataset), "--predictions", str(preds)]) == 2
-    assert "has 1 rows but" in capsys.readouterr().err
+    assert "different numbers of records (one ends at 1)" in capsys.readouterr().err
+    preds.write_text(json.dumps(rows[1]) + "\n" + "{not json\n")
+    assert main(["eval", str(dataset), "--predictions", str(preds)]) == 2
+    assert "line 2 is not valid JSON" in capsys.readouterr().err
 
 
 boxes = st.tuples(st.floats(0, 500), st.floats(0, 500), st.floats(1, 300), st.floats(1, 300)).map(
@@ -99,3 +102,37 @@ def test_real_lf_generated_predictions_join(dataset, tiny_model, tmp_path, capsy
     assert main(["eval", str(dataset), "--predictions", str(preds), "--json"]) == 0
     overall = json.loads(capsys.readouterr().out)["overall"]
     assert overall["samples"] == 2 and overall["truth_boxes"] == 2
+
+
+def test_field_metrics_next_to_grounding(tmp_path, capsys):
+    save_image(tmp_path / "raw" / "invoice.png", 600, 800)
+    save_image(tmp_path / "raw" / "wide.jpg", 2000, 1000)
+    invoice = {"invoice_number": "INV-7", "date": "2024-06-18", "amount": "300.00"}
+    lines = [{"image_path": "invoice.png", "question": "Fields?", "answer": invoice},
+             {"image_path": "invoice.png", "question": "Fields?", "answer": {**invoice, "invoice_number": "INV-8"}},
+             {"image_path": "invoice.png", "question": "Fields?", "answer": invoice},
+             {"image": "wide.jpg", "question": "Where?", "answer": '[{"bbox_2d": [0, 0, 1000, 500]}]'},
+             {"image": "wide.jpg", "question": "Colour?", "answer": "blue"}]
+    (tmp_path / "raw" / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data" / "mixed.json"
+    assert main(["convert", str(tmp_path / "raw" / "in.jsonl"), "-o", str(data), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    predictions = ['{"invoice_number": "inv-7", "date": "2024/06/18", "amount": 300}',  # all right, by value
+                   'Here you go: {"invoice_number": "INV-8", "date": "2024-06-19"}',  # 1 of 3 right, not JSON only
+                   "no idea",
+                   answer(data, 3), "blue"]
+    preds = tmp_path / "generated_predictions.jsonl"
+    preds.write_text("".join(json.dumps({"predict": p, "label": answer(data, i)}) + "\n"
+                             for i, p in enumerate(predictions)))
+    capsys.readouterr()
+    assert main(["eval", str(data), "--predictions", str(preds), "--json", "--plot", str(tmp_path / "p.png")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    fields = result["fields"]
+    assert fields["samples"] == 3 and result["skipped_other"] == 1 and result["overall"]["acc@0.5"] == 1.0
+    assert fields["per_field_accuracy"] == {"invoice_number": 0.6667, "date": 0.3333, "amount": 0.3333}
+    assert fields["all_fields_exact"] == pytest.approx(1 / 3, abs=1e-4)
+    assert fields["format_valid_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert fields["parse_failure_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert main(["eval", str(data), "--predictions", str(preds)]) == 0
+    assert "invoice_number" in capsys.readouterr().out

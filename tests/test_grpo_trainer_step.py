@@ -9,18 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamafactory_qwenvl_patch.grpo.rewards import Reward
+from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
 from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
 
 G = 4
 
 
-def finetuning(loss_type: str) -> SimpleNamespace:
-    return SimpleNamespace(grpo_num_generations=G, grpo_steps_per_generation=None, grpo_num_iterations=1,
-                           grpo_beta=0.0, grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type,
-                           grpo_scale_rewards="group", grpo_skip_zero_std_groups=False, grpo_mask_truncated=False,
-                           grpo_importance_sampling="token", grpo_log_completions=False)
+def finetuning(loss_type: str, **overrides) -> SimpleNamespace:
+    return SimpleNamespace(**{
+        **dict(grpo_num_generations=G, grpo_steps_per_generation=None, grpo_num_iterations=1, grpo_beta=0.0,
+               grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type, grpo_scale_rewards="group",
+               grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
+               grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0),
+        **overrides})
 
 
 def completions(stop: int, pad: int) -> dict[int, torch.Tensor]:
@@ -86,3 +88,58 @@ def test_accumulation_step_equals_one_batch(tiny_model, tmp_path, loss_type):
     assert moved, "the step changed nothing"
     for name in moved:
         assert torch.allclose(one[name], accumulated[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_blank_image_groups_are_penalised_against_a_zero_baseline(tiny_model, tmp_path):
+    """Image-reliance control: with ratio 1 every prompt is sampled again on a blank copy of its image. A confident
+    answer there gets advantage -penalty, an abstention 0, even when the whole blank group answers alike; the real
+    group keeps its group-relative advantages."""
+    from helpers import save_image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    reference = '{"total": "12"}'
+    real = ['{"total": "12"}', '{"total": "13"}', '{"total": "12"}', "no"]
+    blank = ['{"total": "12"}', "I cannot see a receipt.", '{"total": "99"}', "{}"]
+
+    def rows(texts):
+        ids = [tokenizer.encode(t) + [stop] for t in texts]
+        width = max(map(len, ids))
+        return torch.tensor([i + [pad] * (width - len(i)) for i in ids])
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=1,
+                             use_cpu=True, report_to="none", save_strategy="no", seed=0)
+    trainer = GRPOTrainer(
+        model=model, args=args, train_dataset=[{"grpo_index": 0}], data_collator=lambda f: {"grpo_features": f},
+        finetuning_args=finetuning("dapo", grpo_blank_image_ratio=1.0, grpo_blank_image_penalty=0.5),
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "max_new_tokens": 16},
+        reward_funcs=[Reward("fields", BUILTIN["fields"], 1.0)], ref_model=None, resize_policy=None, coords="model",
+        stop_token_ids=[stop], suppress_token_ids=[], processor=None, tokenizer=tokenizer)
+    prompt = tokenizer.encode("Read the total.")
+
+    def collate(features):
+        assert [bool(f.get("grpo_blank")) for f in features] == [False, True]
+        assert features[1]["images"][0].getextrema() == ((128, 128),) * 3  # uniform grey
+        assert features[1]["images"][0].size == (640, 480)
+        ids = torch.tensor([prompt] * len(features))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "blank": [1 if f.get("grpo_blank") else 0
+                                                                                     for f in features]}, [
+            SampleMeta(0, "p", reference, (480, 640), blank=bool(f.get("grpo_blank"))) for f in features]
+
+    def generate(model, batch, config):
+        real_rows, blank_rows = rows(real), rows(blank)
+        width = max(real_rows.size(1), blank_rows.size(1))
+        widen = lambda t: torch.nn.functional.pad(t, (0, width - t.size(1)), value=pad)  # noqa: E731
+        return torch.cat([widen(real_rows), widen(blank_rows)])
+
+    trainer._collate, trainer._generate = collate, generate
+    image = save_image(tmp_path / "receipt.jpg", 640, 480)
+    [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0, "images": [str(image)]}])
+    assert micro.advantages[G:].tolist() == [-0.5, 0.0, -0.5, 0.0]
+    fields = torch.tensor(BUILTIN["fields"](real, references=[reference] * G))
+    expected = (fields - fields.mean()) / (fields.std() + 1e-4)
+    assert torch.allclose(micro.advantages[:G], expected, atol=1e-4)
+    assert trainer._metrics["blank/confident_rate"] == [0.5]
+    assert trainer._metrics["reward"] == [pytest.approx(float(fields.mean()))]  # real groups only

@@ -20,6 +20,7 @@ class SampleMeta:
     reference: str
     orig_hw: tuple[int, int] | None
     model_hw: tuple[int, int] | None = None
+    blank: bool = False  # sampled with every image blanked (image-reliance control)
 
 
 @dataclass

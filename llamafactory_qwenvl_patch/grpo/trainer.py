@@ -27,15 +27,16 @@ from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
 from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
-from llamafactory_qwenvl_patch.grpo.rewards import Reward, score
+from llamafactory_qwenvl_patch.grpo.rewards import Reward, confident_answer, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
     prompt_text, repeat_visual,
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
-from llamafactory_qwenvl_patch.images import open_image
-from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, Tally, score_grounding
+from llamafactory_qwenvl_patch.images import blank_like, open_image
+from llamafactory_qwenvl_patch.fields import reference_value, score_fields
+from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
 from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
 from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
 
@@ -60,6 +61,7 @@ class GRPOCollator:
         for feature in features:
             feature = dict(feature)
             index = int(feature.pop("grpo_index"))
+            blank = bool(feature.pop("grpo_blank", False))
             labels = [t for t in feature.get("labels") or [] if t >= 0]
             images = feature.get("images") or []
             orig_hw = None
@@ -67,7 +69,7 @@ class GRPOCollator:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
             meta.append(SampleMeta(index, prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id}),
-                                   decode_kept(self.tokenizer, labels, drop).strip(), orig_hw))
+                                   decode_kept(self.tokenizer, labels, drop).strip(), orig_hw, blank=blank))
             stripped.append(feature)
         return self.collator(stripped), meta
 
@@ -271,13 +273,49 @@ class GRPOTrainer(Trainer):
             total += reward.weight * clean
         return total
 
+    def _with_blanks(self, features: list[dict[str, Any]], part: int) -> list[dict[str, Any]]:
+        """``features`` plus, for each prompt with images drawn with probability ``grpo_blank_image_ratio``, a copy
+        whose images are blank (``blank_like``). The draw is seeded by (seed, rank, micro-step, part), so a resumed
+        run draws the same prompts."""
+        ratio = self.fa.grpo_blank_image_ratio
+        if ratio <= 0:
+            return features
+        seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
+        draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
+        blanks = [dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)
+                  for feature, draw in zip(features, draws) if feature.get("images") and draw < ratio]
+        return features + blanks
+
+    def _check_blank_frame(self, batch: dict[str, torch.Tensor], meta: list[SampleMeta]) -> None:
+        """A blank copy must have exactly its original's image grid: same resize, same image tokens."""
+        if not any(m.blank for m in meta):
+            return
+        per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+        grids = dict(zip(range(len(meta)), batch["image_grid_thw"].split(per_sample)))
+        originals = {m.index: grids[i] for i, m in enumerate(meta) if not m.blank}
+        for i, m in enumerate(meta):
+            if m.blank and not torch.equal(grids[i], originals[m.index]):
+                raise RuntimeError(f"the blank copy of dataset record {m.index} has image grid "
+                                   f"{grids[i].tolist()}, the image {originals[m.index].tolist()}: it would not be "
+                                   "the same frame; please report this")
+
+    def _blank_rewards(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
+        """-penalty for a confident answer on a blank image (``confident_answer``), 0 for an abstention."""
+        G, penalty = self.num_generations, self.fa.grpo_blank_image_penalty
+        confident = [confident_answer(text, meta[i // G].reference) for i, text in enumerate(texts)]
+        if texts:
+            self._metrics["blank/confident_rate"].append(sum(confident) / len(confident))
+        return torch.tensor([-penalty if c else 0.0 for c in confident])
+
     def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
         G, spg = self.num_generations, self.steps_per_generation
         per_micro = len(features) // spg
         model.train()
         parts = []
         for j in range(spg):
-            batch, meta = self._collate(features[j * per_micro:(j + 1) * per_micro])
+            batch, meta = self._collate(self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j))
+            if "image_grid_thw" in batch:
+                self._check_blank_frame(batch, meta)
             ids, attention, stopped, texts, cut = self._completions(
                 self._generate(model, batch, self.generation_config))
             self._metrics["vision_tokens_cut"].append(float(cut))
@@ -290,29 +328,35 @@ class GRPOTrainer(Trainer):
         meta = [m for part in parts for m in part["meta"]]
         texts = [t for part in parts for t in part["texts"]]
         device = parts[0]["ids"].device
-        rewards = self._score(texts, meta).to(device)
+        blank = torch.tensor([m.blank for m in meta for _ in range(G)], device=device)
+        real_meta = [m for m in meta if not m.blank]
+        real_texts = [t for t, b in zip(texts, blank.tolist()) if not b]
+        rewards = self._score(real_texts, real_meta).to(device)
         batch_std = None
         if self.fa.grpo_scale_rewards == "batch" and self.accelerator.num_processes > 1:
             batch_std = float(self.accelerator.gather(rewards).std())
-        adv = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
-        keep = torch.ones_like(rewards, dtype=torch.bool)
+        adv = torch.zeros(len(texts), device=device)
+        adv[~blank] = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
+        if blank.any():  # baseline 0, not group-relative: a model that answers every blank image gets a signal
+            adv[blank] = self._blank_rewards([t for t, b in zip(texts, blank.tolist()) if b],
+                                             [m for m in meta if m.blank]).to(device)
+        keep = torch.ones(len(texts), dtype=torch.bool, device=device)
         if self.fa.grpo_skip_zero_std_groups:
             flat = zero_std_groups(rewards, G)
-            keep &= ~flat
+            keep[~blank] &= ~flat
             self._metrics["groups_skipped"].append(float(flat.sum()) / G)
         stopped = torch.cat([part["stopped"] for part in parts])
         if self.fa.grpo_mask_truncated:
             keep &= stopped
-        masks = [part["attention"] * keep[j * per_micro * G:(j + 1) * per_micro * G].unsqueeze(1).long()
-                 for j, part in enumerate(parts)]
+        bounds = torch.tensor([0] + [len(part["meta"]) * G for part in parts]).cumsum(0).tolist()
+        masks = [part["attention"] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        self._record_rollout(rewards, lengths, stopped, texts, meta)
-        chunk = per_micro * G
+        self._record_rollout(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta)
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
-                           advantages=adv[j * chunk:(j + 1) * chunk], old_logps=part["old"], ref_logps=part["ref"],
+                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1])
                 for j, part in enumerate(parts)]
 
@@ -362,13 +406,21 @@ class GRPOTrainer(Trainer):
         model = self.model_wrapped
         rows = []
         for inputs in self.get_eval_dataloader(dataset):
-            batch, meta = self._collate(inputs["grpo_features"])
+            features = inputs["grpo_features"]
+            if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
+                features = features + [dict(f, images=[blank_like(i) for i in f["images"]], grpo_blank=True)
+                                       for f in features if f.get("images")]
+            batch, meta = self._collate(features)
             texts = self._completions(self._generate(model, batch, self.greedy_config))[3]
             rows += list(zip(meta, texts))
-        unique = {sample.index: (sample, text) for sample, text in gather_object(rows)}  # drop even_batches padding
-        meta = [sample for sample, _ in unique.values()]
-        texts = [text for _, text in unique.values()]
+        # drop even_batches padding: one row per (record, blank or not)
+        unique = {(sample.index, sample.blank): (sample, text) for sample, text in gather_object(rows)}
+        meta = [sample for sample, _ in unique.values() if not sample.blank]
+        texts = [text for sample, text in unique.values() if not sample.blank]
         metrics = self._eval_metrics(meta, texts, metric_key_prefix)
+        blank = [confident_answer(text, sample.reference) for sample, text in unique.values() if sample.blank]
+        if blank:
+            metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -382,8 +434,11 @@ class GRPOTrainer(Trainer):
             metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
             total += reward.weight * torch.tensor(values)
         metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
-        tally = Tally()
+        tally, fields = Tally(), FieldTally()
         for sample, text in zip(meta, texts):
+            truth = reference_value(sample.reference) if _unparsed(sample.reference) else None
+            if truth is not None:
+                fields.add(score_fields(text, truth))
             if sample.orig_hw is None or sample.model_hw is None or _unparsed(sample.reference):
                 continue
             to_orig = partial(convert_coords, src=self.coords, dst="orig", orig_hw=sample.orig_hw,
@@ -395,6 +450,12 @@ class GRPOTrainer(Trainer):
             metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
             metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
             metrics[f"{prefix}_parse_failure_rate"] = summary["parse_failure_rate"]
+        if fields.samples:
+            summary = fields.to_dict()
+            for key in ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"):
+                metrics[f"{prefix}_fields/{key}"] = summary[key]
+            for path, accuracy in summary["per_field_accuracy"].items():
+                metrics[f"{prefix}_fields/acc/{path}"] = accuracy
         return {key: round(float(value), 6) for key, value in metrics.items()}
 
     # --- metrics -------------------------------------------------------------------------------------------------

@@ -170,6 +170,8 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
+        if record.get("meta") is not None:
+            out["meta"] = record["meta"]
         result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageInfoError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"

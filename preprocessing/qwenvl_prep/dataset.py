@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items
 from llamafactory_qwenvl_patch.stamp import Stamp, read_dataset_info, stamp_of
@@ -64,6 +64,17 @@ def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
         yield Sample(index, images, prompt, answer, items, error)
 
 
-def load_jsonl(path: str | Path) -> list[dict]:
+def iter_jsonl(path: str | Path) -> Iterator[Any]:
+    """The values of a JSONL file, streamed; a bad line is a ValueError naming the file and the line."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path} line {number} is not valid JSON ({exc})") from None
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    return list(iter_jsonl(path))

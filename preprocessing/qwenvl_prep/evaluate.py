@@ -6,14 +6,16 @@ to the dataset by order and checked label by label, or the output of ``qwenvl-pr
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, Tally, score_grounding
+from llamafactory_qwenvl_patch.fields import reference_value, score_fields
+from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
 from llamafactory_qwenvl_patch.policy import convert_coords
 from llamafactory_qwenvl_patch.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.dataset import DatasetRef, iter_samples, load_jsonl
+from qwenvl_prep.dataset import DatasetRef, iter_jsonl, iter_samples
 from qwenvl_prep.imageinfo import read_info
 
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
@@ -43,73 +45,121 @@ def _prediction_text(row: dict, index: int) -> str:
 
 
 def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]:
-    """Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset, overall and by size."""
-    rows = load_jsonl(predictions)
-    samples = list(iter_samples(ref))
-    if len(rows) != len(samples):
-        raise AlignmentError(f"{predictions} has {len(rows)} rows but {ref.path} has {len(samples)} records; "
-                             "predictions must be in dataset order, one per record")
-    overall, buckets = Tally(), {}
-    for index, (row, sample) in enumerate(zip(rows, samples)):
-        if sample.error or len(sample.images) != 1:
-            raise AlignmentError(f"dataset record {index} cannot be evaluated: {sample.error or 'needs 1 image'}")
-        if "label" in row and _norm(row["label"]) != _norm(sample.answer):
-            raise AlignmentError(f"predictions row {index}: its label {row['label'][:80]!r} differs from dataset "
-                                 f"record {index}'s answer {sample.answer[:80]!r}; the files are misaligned")
-        if "image" in row and Path(row["image"]).resolve() != Path(sample.images[0]).resolve():
+    """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
+    overall and by size. Field-extraction records (a JSON object or array answer): per-field accuracy, all-fields-
+    exact, format-valid and parse-failure rates. Other records are counted and skipped."""
+    overall, buckets, fields, skipped = Tally(), {}, FieldTally(), 0
+    rows = iter_jsonl(predictions)
+    samples = iter_samples(ref)
+    index = -1
+    for index, (row, sample) in enumerate(zip_longest(rows, samples)):
+        if row is None or sample is None:
+            raise AlignmentError(f"{predictions} and {ref.path} have different numbers of records (one ends at "
+                                 f"{index}); predictions must be in dataset order, one per record")
+        if not isinstance(row, dict):
+            raise AlignmentError(f"{predictions} line {index + 1} is a {type(row).__name__}, not an object")
+        if sample.error:
+            raise AlignmentError(f"dataset record {index} cannot be evaluated: {sample.error}")
+        if "label" in row and _norm(str(row["label"])) != _norm(sample.answer):
+            raise AlignmentError(f"predictions row {index}: its label {str(row['label'])[:80]!r} differs from "
+                                 f"dataset record {index}'s answer {sample.answer[:80]!r}; the files are misaligned")
+        if "image" in row and sample.images and Path(str(row["image"])).resolve() != Path(sample.images[0]).resolve():
             raise AlignmentError(f"predictions row {index} is for {row['image']}, dataset record {index} for "
                                  f"{sample.images[0]}; the files are misaligned")
+        text = _prediction_text(row, index)
+        if not sample.items:
+            truth = reference_value(sample.answer)
+            if truth is None:
+                skipped += 1
+            else:
+                fields.add(score_fields(text, truth))
+            continue
+        if len(sample.images) != 1:
+            raise AlignmentError(f"dataset record {index} has boxes and {len(sample.images)} images; needs 1")
         info = read_info(sample.images[0])
         hw = info.hw
         model_hw = stamp.policy.model_size(*hw)
-
-        truth = [_to_orig(item.coords, stamp, hw, model_hw) for item in sample.items if item.kind == "bbox_2d"]
-        score = score_grounding(truth, _prediction_text(row, index),
-                                lambda coords: _to_orig(coords, stamp, hw, model_hw))
+        truth_boxes = [_to_orig(item.coords, stamp, hw, model_hw) for item in sample.items if item.kind == "bbox_2d"]
+        score = score_grounding(truth_boxes, text, lambda coords: _to_orig(coords, stamp, hw, model_hw))
         overall.add(score)
         buckets.setdefault(_bucket(info.width, info.height), Tally()).add(score)
-    return {
-        "dataset": str(ref.path),
-        "predictions": str(predictions),
-        "iou_threshold": f"IoU >= {IOU_THRESHOLD}",
-        "overall": overall.to_dict(),
-        "by_size": {name: buckets[name].to_dict() for _, name in BUCKETS if name in buckets},
-    }
+    result: dict[str, Any] = {"dataset": str(ref.path), "predictions": str(predictions), "records": index + 1,
+                              "skipped_other": skipped}
+    if overall.samples:
+        result.update({
+            "iou_threshold": f"IoU >= {IOU_THRESHOLD}",
+            "overall": overall.to_dict(),
+            "by_size": {name: buckets[name].to_dict() for _, name in BUCKETS if name in buckets},
+        })
+    if fields.samples:
+        result["fields"] = fields.to_dict()
+    return result
 
 
 def format_table(result: dict[str, Any]) -> str:
+    sections = []
+    if "overall" in result:
+        sections.append(_grounding_table(result))
+    if "fields" in result:
+        sections.append(_fields_table(result["fields"]))
+    if not sections:
+        sections.append(f"no grounding or field-extraction records ({result['skipped_other']} other records)")
+    return "\n\n".join(sections)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def _grounding_table(result: dict[str, Any]) -> str:
     acc = f"acc@{IOU_THRESHOLD}"
     header = f"{'bucket':<10} {'samples':>7} {'boxes':>6} {'Acc@0.5':>8} {'mIoU':>7} {'parse fail':>10} {'offset px':>10}"
     lines = [f"Acc@0.5 counts a ground-truth box as found when its matched prediction has {result['iou_threshold']}",
              header]
-
-    def fmt(value: Any, spec: str) -> str:
-        return format(value, spec) if value is not None else "-"
-
     for name, row in [("overall", result["overall"]), *result["by_size"].items()]:
-        lines.append(f"{name:<10} {row['samples']:>7} {row['truth_boxes']:>6} {fmt(row[acc], '8.3f')} "
-                     f"{fmt(row['mean_iou'], '7.3f')} {fmt(row['parse_failure_rate'], '10.3f')} "
-                     f"{fmt(row['mean_centre_offset_orig_px'], '10.1f')}")
+        lines.append(f"{name:<10} {row['samples']:>7} {row['truth_boxes']:>6} {_fmt(row[acc], '8.3f')} "
+                     f"{_fmt(row['mean_iou'], '7.3f')} {_fmt(row['parse_failure_rate'], '10.3f')} "
+                     f"{_fmt(row['mean_centre_offset_orig_px'], '10.1f')}")
+    return "\n".join(lines)
+
+
+def _fields_table(fields: dict[str, Any]) -> str:
+    lines = [f"field extraction: {fields['samples']} records; all fields exact {_fmt(fields['all_fields_exact'], '.3f')}, "
+             f"format valid {_fmt(fields['format_valid_rate'], '.3f')}, parse failures "
+             f"{_fmt(fields['parse_failure_rate'], '.3f')}, mean fields reward {_fmt(fields['mean_fields_reward'], '.3f')}",
+             f"{'field':<32} {'accuracy':>8}"]
+    lines += [f"{path:<32} {accuracy:>8.3f}" for path, accuracy in fields["per_field_accuracy"].items()]
     return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Bar charts: grounding accuracy by original image size, and field accuracy per field."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["by_size"])
-    acc = [result["by_size"][n][f"acc@{IOU_THRESHOLD}"] or 0 for n in names]
-    miou = [result["by_size"][n]["mean_iou"] or 0 for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], acc, 0.4, label="Acc@0.5")
-    ax.bar([x + 0.2 for x in xs], miou, 0.4, label="mean IoU")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title("Grounding accuracy by original image size")
+    panels = [key for key in ("by_size", "fields") if key in result]
+    if not panels:
+        raise ValueError("nothing to plot: no grounding or field-extraction records")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "by_size":
+            names = list(result["by_size"])
+            acc = [result["by_size"][n][f"acc@{IOU_THRESHOLD}"] or 0 for n in names]
+            miou = [result["by_size"][n]["mean_iou"] or 0 for n in names]
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs], acc, 0.4, label="Acc@0.5")
+            ax.bar([x + 0.2 for x in xs], miou, 0.4, label="mean IoU")
+            ax.set_xticks(list(xs), names)
+            ax.legend()
+            ax.set_title("Grounding accuracy by original image size")
+        else:
+            per_field = result["fields"]["per_field_accuracy"]
+            ax.bar(range(len(per_field)), list(per_field.values()))
+            ax.set_xticks(list(range(len(per_field))), list(per_field), rotation=30, ha="right")
+            ax.set_title("Field accuracy")
+        ax.set_ylim(0, 1)
     fig.tight_layout()
     with atomic_writer(path, "wb") as f:
         fig.savefig(f, format="png")

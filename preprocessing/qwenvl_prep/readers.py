@@ -57,7 +57,7 @@ def detect_format(path: Path) -> str:
                 return "sharegpt"
             if "instruction" in value or "output" in value:
                 return "alpaca"
-            if "question" in value or "answer" in value:
+            if "question" in value or "answer" in value or "image_path" in value:
                 return "jsonl"
         break
     raise RecordError(f"{path}: cannot tell the format from the first record; pass --format")
@@ -80,7 +80,7 @@ def _sharegpt(record: dict) -> dict:
 
 
 def _images(record: dict) -> list[str]:
-    images = record.get("images", record.get("image", []))
+    images = record.get("images", record.get("image", record.get("image_path", [])))
     if isinstance(images, str):
         images = [images]
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
@@ -106,14 +106,38 @@ def _alpaca(record: dict) -> dict:
     return {"messages": messages, "images": images}
 
 
+def _answer_text(answer: Any) -> str:
+    """A string answer as is; a JSON object or array (field extraction) as compact JSON text, keys in order."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, (dict, list)):
+        try:
+            return json.dumps(answer, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            raise RecordError("'answer' contains NaN or Infinity, which is not JSON") from None
+    raise RecordError(f"'answer' must be text or a JSON object/array, got {type(answer).__name__}")
+
+
 def _plain(record: dict) -> dict:
-    if not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
-        raise RecordError("record needs string 'image', 'question' and 'answer'")
+    """``{"image" | "images" | "image_path": ..., "question": str, "answer": str | object | array, "meta": ...}``."""
+    if not isinstance(record.get("question"), str) or "answer" not in record:
+        raise RecordError("record needs 'image' (or 'image_path'), a string 'question' and an 'answer'")
     images = _images(record)
     if not images:
-        raise RecordError("record needs an 'image'")
+        raise RecordError("record needs an 'image' or 'image_path'")
     return {"messages": [{"role": "user", "content": _with_image_tags(record["question"], len(images))},
-                         {"role": "assistant", "content": record["answer"]}], "images": images}
+                         {"role": "assistant", "content": _answer_text(record["answer"])}], "images": images}
+
+
+def meta_text(meta: Any) -> str:
+    """``meta`` as JSON text: LF ignores the column, and a text column loads whatever each record's ``meta`` holds
+    (an object column whose types differ between records stops ``datasets`` from loading the file)."""
+    if isinstance(meta, str):
+        return meta
+    try:
+        return json.dumps(meta, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        raise RecordError("'meta' is not JSON-serialisable") from None
 
 
 _NORMALIZE = {"sharegpt": _sharegpt, "alpaca": _alpaca, "jsonl": _plain}
@@ -129,7 +153,10 @@ def to_record(raw: Any, fmt: str) -> dict | RecordError:
     if fmt == "canonical":
         return value
     try:
-        return _NORMALIZE[fmt](value)
+        record = _NORMALIZE[fmt](value)
+        if value.get("meta") is not None:
+            record["meta"] = meta_text(value["meta"])
+        return record
     except RecordError as exc:
         return exc
 
