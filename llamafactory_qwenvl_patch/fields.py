@@ -24,8 +24,8 @@ from typing import Any
 FOUND, EQUAL, FORMAT = 0.3, 0.7, 1.0
 _FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
-_CURRENCY = re.compile(r"^(?:[$€£¥₹]|USD|EUR|GBP|CNY|RMB|JPY|CHF|INR)\s*|\s*(?:[$€£¥₹]|USD|EUR|GBP|CNY|RMB|JPY|CHF|INR)$",
-                       re.IGNORECASE)
+_UNIT = r"(?:[$€£¥₹]|USD|EUR|GBP|CNY|RMB|JPY|CHF|INR)"
+_CURRENCY = re.compile(rf"^{_UNIT}\s*|\s*{_UNIT}$", re.IGNORECASE)
 _YMD = re.compile(r"(\d{4})[-/.](\d{1,2})[-/.](\d{1,2})")
 _DMY_NAMED = re.compile(r"(\d{1,2})\s+([A-Za-z]{3,9})\.?,?\s+(\d{4})")
 _MDY_NAMED = re.compile(r"([A-Za-z]{3,9})\.?\s+(\d{1,2}),?\s+(\d{4})")

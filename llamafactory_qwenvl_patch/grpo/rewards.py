@@ -1,13 +1,14 @@
 """Verifiable rewards (pure functions) and the loader for ``reward_funcs``.
 
-The reward API: ``fn(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, coords)
--> list[float]`` with one entry per completion. ``references`` is the dataset's last assistant turn and ``prompts``
-the prompt as the model read it (special tokens kept, each image's pads shown once); ``orig_sizes`` and
+The reward API: ``fn(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, metas,
+coords) -> list[float]`` with one entry per completion. ``references`` is the dataset's last assistant turn and
+``prompts`` the prompt as the model read it (special tokens kept, each image's pads shown once); ``orig_sizes`` and
 ``model_sizes`` are (height, width) of the first image, the latter read from ``image_grid_thw`` (what the model
-really saw); ``resize_policy`` is the run's ResizePolicy; ``indices`` are dataset indices; ``coords`` is the
-convention the model answers in (``model`` for Qwen2.5-VL, ``rel1000`` for Qwen2-VL and Qwen3-VL). Built-ins never
-raise on garbage; a custom reward that raises or returns NaN scores 0 for the completions concerned (the batch is
-scored again one completion at a time to find them), and each is counted.
+really saw); ``resize_policy`` is the run's ResizePolicy; ``indices`` are dataset indices; ``metas`` each record's
+``meta`` (kept by ``qwenvl-prep convert``; None when it has none); ``coords`` is the convention the model answers
+in (``model`` for Qwen2.5-VL, ``rel1000`` for Qwen2-VL and Qwen3-VL). Built-ins never raise on garbage; a custom
+reward that raises or returns NaN scores 0 for the completions concerned (the batch is scored again one completion
+at a time to find them), and each is counted.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ class SampleMeta:
     orig_hw: tuple[int, int] | None
     model_hw: tuple[int, int] | None = None
     blank: bool = False  # sampled with every image blanked (image-reliance control)
+    meta: Any = None  # the record's ``meta`` (qwenvl-prep convert keeps it), decoded
 
 
 @dataclass

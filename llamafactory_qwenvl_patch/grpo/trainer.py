@@ -26,6 +26,7 @@ from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
+from llamafactory_qwenvl_patch.grpo.record_meta import META_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, confident_answer, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
@@ -62,14 +63,16 @@ class GRPOCollator:
             feature = dict(feature)
             index = int(feature.pop("grpo_index"))
             blank = bool(feature.pop("grpo_blank", False))
+            record_meta = decode_meta(feature.pop(META_COLUMN, None))
             labels = [t for t in feature.get("labels") or [] if t >= 0]
             images = feature.get("images") or []
             orig_hw = None
             if images:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
-            meta.append(SampleMeta(index, prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id}),
-                                   decode_kept(self.tokenizer, labels, drop).strip(), orig_hw, blank=blank))
+            prompt = prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id})
+            meta.append(SampleMeta(index, prompt, decode_kept(self.tokenizer, labels, drop).strip(), orig_hw,
+                                   blank=blank, meta=record_meta))
             stripped.append(feature)
         return self.collator(stripped), meta
 
@@ -258,6 +261,7 @@ class GRPOTrainer(Trainer):
             orig_sizes=[m.orig_hw for m in meta for _ in range(repeat)],
             model_sizes=[m.model_hw for m in meta for _ in range(repeat)],
             indices=[m.index for m in meta for _ in range(repeat)],
+            metas=[m.meta for m in meta for _ in range(repeat)],
         )
         return columns, dict(resize_policy=self.resize_policy, coords=self.coords)
 

@@ -80,6 +80,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     constants = lf_compat.require_module("llamafactory.extras.constants", ["IGNORE_INDEX"])
     logging_mod = lf_compat.require_module("llamafactory.extras.logging", ["get_logger"])
 
+    from llamafactory_qwenvl_patch.grpo.record_meta import carrying_meta
     from llamafactory_qwenvl_patch.grpo.reference import add_reference_adapter, record_trainable_adapter_loads
     from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
     from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
@@ -94,7 +95,9 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     tokenizer_module = model_mod.load_tokenizer(model_args)
     tokenizer, processor = tokenizer_module["tokenizer"], tokenizer_module["processor"]
     template = data.get_template_and_fix_tokenizer(tokenizer, data_args)
-    dataset_module = data.get_dataset(template, model_args, data_args, training_args, stage="ppo", **tokenizer_module)
+    with carrying_meta():
+        dataset_module = data.get_dataset(template, model_args, data_args, training_args, stage="ppo",
+                                          **tokenizer_module)
     train_dataset = _index(dataset_module["train_dataset"])
     eval_dataset = dataset_module.get("eval_dataset")
     if isinstance(eval_dataset, dict):

@@ -113,7 +113,8 @@ def _fmt(value: Any, spec: str) -> str:
 
 def _grounding_table(result: dict[str, Any]) -> str:
     acc = f"acc@{IOU_THRESHOLD}"
-    header = f"{'bucket':<10} {'samples':>7} {'boxes':>6} {'Acc@0.5':>8} {'mIoU':>7} {'parse fail':>10} {'offset px':>10}"
+    header = (f"{'bucket':<10} {'samples':>7} {'boxes':>6} {'Acc@0.5':>8} {'mIoU':>7} {'parse fail':>10} "
+              f"{'offset px':>10}")
     lines = [f"Acc@0.5 counts a ground-truth box as found when its matched prediction has {result['iou_threshold']}",
              header]
     for name, row in [("overall", result["overall"]), *result["by_size"].items()]:
@@ -124,9 +125,10 @@ def _grounding_table(result: dict[str, Any]) -> str:
 
 
 def _fields_table(fields: dict[str, Any]) -> str:
-    lines = [f"field extraction: {fields['samples']} records; all fields exact {_fmt(fields['all_fields_exact'], '.3f')}, "
-             f"format valid {_fmt(fields['format_valid_rate'], '.3f')}, parse failures "
-             f"{_fmt(fields['parse_failure_rate'], '.3f')}, mean fields reward {_fmt(fields['mean_fields_reward'], '.3f')}",
+    lines = [f"field extraction: {fields['samples']} records; all fields exact "
+             f"{_fmt(fields['all_fields_exact'], '.3f')}, format valid {_fmt(fields['format_valid_rate'], '.3f')}, "
+             f"parse failures {_fmt(fields['parse_failure_rate'], '.3f')}, mean fields reward "
+             f"{_fmt(fields['mean_fields_reward'], '.3f')}",
              f"{'field':<32} {'accuracy':>8}"]
     lines += [f"{path:<32} {accuracy:>8.3f}" for path, accuracy in fields["per_field_accuracy"].items()]
     return "\n".join(lines)
