@@ -303,7 +303,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         if error_rows and not opts.skip_bad:
             stats["dropped"] = len(error_rows)
             _write_errors(errors_path, error_rows)
-            raise _Abort(_summary(opts, stats, errors_path, written=False))
+            raise Abort(_summary(opts, stats, errors_path, written=False))
     stats["dropped"] = len(error_rows)
     if error_rows:
         _write_errors(errors_path, error_rows)
@@ -313,8 +313,9 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     return _summary(opts, stats, errors_path if error_rows else None, written=True)
 
 
-class _Abort(Exception):
-    """Raised inside the atomic writer so that the partial output is discarded; carries the summary."""
+class Abort(Exception):
+    """Bad records and no --skip-bad: raised inside the atomic writer so that the partial output is discarded;
+    carries the summary."""
 
     def __init__(self, summary: dict[str, Any]) -> None:
         super().__init__("records were dropped")
@@ -368,6 +369,6 @@ def convert(opts: ConvertOptions) -> tuple[dict[str, Any], int]:
     """Run and map to an exit code: 0 when nothing was dropped (or --skip-bad), 1 otherwise."""
     try:
         summary = run_convert(opts)
-    except _Abort as abort:
+    except Abort as abort:
         return abort.summary, 1
     return summary, 0
