@@ -44,3 +44,21 @@ def test_export_reloads_with_the_pinned_bounds(demo):
     assert preprocessor["size"] == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     record = json.loads((out / "exported" / "qwenvl_policy.json").read_text())
     assert (record["min_pixels"], record["max_pixels"], record["factor"]) == (MIN_PIXELS, MAX_PIXELS, 28)
+
+
+@pytest.mark.slow
+def test_fields_demo_runs_end_to_end(tmp_path):
+    """The field-extraction demo: curriculum stages in their own frames, SFT resuming, GRPO with the blank-image
+    control, export, predict and field metrics."""
+    out = tmp_path / "fields"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "fields"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert [s["image_max_pixels"] for s in summary["stages"]] == [64 * 28 * 28, 256 * 28 * 28]
+    assert all(len(s["sft_loss"]) == 4 for s in summary["stages"])
+    second = (out / "curriculum" / "stage2.yaml").read_text()
+    assert str(out / "sft" / "stage1") in second  # stage 2 resumes stage 1's adapter
+    assert summary["metrics"]["samples"] == 4 and set(summary["metrics"]["per_field_accuracy"]) == {
+        "invoice_number", "date", "total"}
+    assert len(summary["grpo_reward"]) == 2 and (out / "exported" / "qwenvl_policy.json").is_file()
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == 4

@@ -185,7 +185,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from qwenvl_prep.demo import run_demo
 
-    summary = run_demo(args.out, steps=args.steps)
+    summary = run_demo(args.out, steps=args.steps, task=args.task)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -358,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
         "into OUT.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--steps", type=int, default=4, help="training steps")
+    demo.add_argument("--steps", type=int, default=4, help="SFT training steps (per stage for fields)")
+    demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",
+                      help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "
+                      "a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the blank-image "
+                      "control, field metrics")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -50,12 +50,12 @@ def synthesise(folder: Path, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
+def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-def _run(step: str, args: list[str], log_dir: Path) -> None:
+def run_step(step: str, args: list[str], log_dir: Path) -> None:
     """Run one step as its own process (as a user would), logging to a file; fail with the log's tail."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
@@ -69,24 +69,31 @@ def _run(step: str, args: list[str], log_dir: Path) -> None:
         raise RuntimeError(f"demo step {step} failed (exit {code}); end of {log}:\n{tail}")
 
 
-def _yaml(path: Path, config: dict[str, Any]) -> Path:
+def write_yaml(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
-def run_demo(out: Path, steps: int = 4) -> dict[str, Any]:
+def run_demo(out: Path, steps: int = 4, task: str = "grounding") -> dict[str, Any]:
+    """The grounding demo, or with ``task="fields"`` the field-extraction one (``demo_fields``)."""
+    if task == "fields":
+        from qwenvl_prep.demo_fields import run_fields_demo
+
+        return run_fields_demo(out, steps)
+    if task != "grounding":
+        raise ValueError(f"demo task must be grounding or fields, got {task!r}")
     out = out.resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
     logs, data = out / "logs", out / "data"
     logs.mkdir(parents=True)
     records = synthesise(out / "raw")
-    _write_jsonl(out / "raw" / "train.jsonl", records)
-    _write_jsonl(out / "raw" / "eval.jsonl", records[:6])
-    _run("tiny-model", ["qwenvl-prep", "tiny-model", str(out / "model")], logs)
+    write_jsonl(out / "raw" / "train.jsonl", records)
+    write_jsonl(out / "raw" / "eval.jsonl", records[:6])
+    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(out / "model")], logs)
     common = {"model_name_or_path": str(out / "model"), "template": "qwen2_vl", "qwenvl_patch": True,
               "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS}
-    sft_yaml = _yaml(out / "sft.yaml", {
+    sft_yaml = write_yaml(out / "sft.yaml", {
         **common, "stage": "sft", "do_train": True, "finetuning_type": "lora", "lora_target": "all",
         "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 1024, "overwrite_cache": True,
         "preprocessing_num_workers": 1, "output_dir": str(out / "sft"), "logging_steps": 1, "save_steps": steps,
@@ -94,12 +101,12 @@ def run_demo(out: Path, steps: int = 4) -> dict[str, Any]:
         "use_cpu": True, "plot_loss": True,
     })
     for split in ("train", "eval"):
-        _run(f"convert-{split}", ["qwenvl-prep", "convert", str(out / "raw" / f"{split}.jsonl"), "-o",
+        run_step(f"convert-{split}", ["qwenvl-prep", "convert", str(out / "raw" / f"{split}.jsonl"), "-o",
                                   str(data / f"demo_{split}.json"), "--from-yaml", str(sft_yaml), "--input-coords",
                                   "abs", "-q"], logs)
-    _run("check", ["qwenvl-prep", "check", "--yaml", str(sft_yaml), "--decode"], logs)
-    _run("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
-    grpo_yaml = _yaml(out / "grpo.yaml", {
+    run_step("check", ["qwenvl-prep", "check", "--yaml", str(sft_yaml), "--decode"], logs)
+    run_step("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
+    grpo_yaml = write_yaml(out / "grpo.yaml", {
         **common, "stage": "grpo", "do_train": True, "finetuning_type": "lora", "lora_target": "all",
         "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 24,
         "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 1024, "preprocessing_num_workers": 1,
@@ -107,19 +114,19 @@ def run_demo(out: Path, steps: int = 4) -> dict[str, Any]:
         "per_device_train_batch_size": 1, "learning_rate": 1.0e-4, "report_to": "none", "use_cpu": True,
         "grpo_log_completions": True,
     })
-    _run("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
-    export_yaml = _yaml(out / "export.yaml", {
+    run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
+    export_yaml = write_yaml(out / "export.yaml", {
         **common, "adapter_name_or_path": str(out / "sft"), "finetuning_type": "lora",
         "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
     })
-    _run("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
-    _run("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(sft_yaml)], logs)
+    run_step("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
+    run_step("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(sft_yaml)], logs)
     predictions = out / "predictions.jsonl"
-    _run("predict", ["qwenvl-prep", "predict", str(out / "exported"), "--dataset", str(data / "demo_eval.json"),
+    run_step("predict", ["qwenvl-prep", "predict", str(out / "exported"), "--dataset", str(data / "demo_eval.json"),
                      "-o", str(predictions), "--max-new-tokens", "48"], logs)
-    _run("eval", ["qwenvl-prep", "eval", str(data / "demo_eval.json"), "--predictions", str(predictions),
+    run_step("eval", ["qwenvl-prep", "eval", str(data / "demo_eval.json"), "--predictions", str(predictions),
                   "--json-out", str(out / "eval.json"), "--plot", str(out / "eval.png")], logs)
-    _run("draw", ["qwenvl-prep", "draw", str(data / "demo_eval.json"), "-o", str(out / "drawn"), "--sample", "0",
+    run_step("draw", ["qwenvl-prep", "draw", str(data / "demo_eval.json"), "-o", str(out / "drawn"), "--sample", "0",
                   "--predictions", str(predictions)], logs)
     summary = {
         "data": str(data), "model": str(out / "model"), "sft_checkpoint": str(out / "sft"),
