@@ -9,6 +9,7 @@ from llamafactory_qwenvl_patch.cheats import CheatRules
 from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
+ROLLOUT_BACKENDS = ("hf", "vllm")
 
 
 def extend_finetuning_arguments(base: type) -> type:
@@ -72,6 +73,22 @@ def extend_finetuning_arguments(base: type) -> type:
         grpo_blank_image_penalty: float = field(
             default=1.0, metadata={"help": "Penalty (negative advantage) of a confident answer on a blank image."}
         )
+        grpo_rollout_backend: str = field(
+            default="hf", metadata={"help": "Rollout sampler: hf (transformers generate) or vllm (colocated engine)."}
+        )
+        grpo_vllm_gpu_memory_utilization: float = field(
+            default=0.4, metadata={"help": "vllm backend: share of GPU memory for the engine (weights + KV cache)."}
+        )
+        grpo_vllm_tensor_parallel_size: int = field(
+            default=1, metadata={"help": "vllm backend: tensor parallel size of the engine (1 is supported)."}
+        )
+        grpo_vllm_is_correction: bool = field(
+            default=False, metadata={"help": "vllm backend: weight each token by min(p_train / p_vllm, cap) "
+                                     "(truncated importance sampling)."}
+        )
+        grpo_vllm_is_cap: float = field(
+            default=2.0, metadata={"help": "vllm backend: cap of the importance weight."}
+        )
         grpo_log_completions: bool = field(
             default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
         )
@@ -100,6 +117,14 @@ def extend_finetuning_arguments(base: type) -> type:
                 raise ValueError(f"grpo_blank_image_ratio must be in [0, 1], got {self.grpo_blank_image_ratio}")
             if self.grpo_blank_image_penalty < 0:
                 raise ValueError("grpo_blank_image_penalty must be >= 0 (it is subtracted)")
+            if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
+                raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
+                                 f"got {self.grpo_rollout_backend!r}")
+            if self.grpo_rollout_backend == "vllm" and self.grpo_vllm_tensor_parallel_size != 1:
+                raise ValueError("grpo_vllm_tensor_parallel_size > 1 is not supported yet: each training rank runs "
+                                 "its own engine; use 1")
+            if self.grpo_vllm_is_cap <= 0:
+                raise ValueError("grpo_vllm_is_cap must be > 0")
             if self.no_cheat_ngram < 1:
                 raise ValueError("no_cheat_ngram must be at least 1")
 

@@ -79,6 +79,7 @@ def policy_loss(
     token_normalizer: float | None = None,
     seq_normalizer: float | None = None,
     importance: str = "token",
+    sampling_weights: torch.Tensor | None = None,
 ) -> LossParts:
     """Clipped surrogate with an optional k3 KL term, aggregated per ``loss_type``.
 
@@ -88,6 +89,8 @@ def policy_loss(
     the sequences of this batch that enter the loss); ``bnpo``: token mean over this batch; ``dapo``: token sum over
     ``token_normalizer`` (default: this batch's tokens); ``dr_grpo``: token sum over N * max_completion_length.
     ``step_normalizers`` gives the normalisers that make ``grpo`` and ``dapo`` means over a whole optimiser step.
+    ``sampling_weights`` (N, T): truncated importance weights for a sampler that is not the training model (vLLM),
+    applied to the policy term before the KL term is added, as trl does.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
@@ -103,6 +106,8 @@ def policy_loss(
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
     per_token = -torch.min(unclipped, clipped).expand_as(logps)
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights
     kl = torch.zeros_like(logps)
     if ref_logps is not None and beta != 0:
         delta = ref_logps - logps

@@ -22,6 +22,7 @@ class SampleMeta:
     model_hw: tuple[int, int] | None = None
     blank: bool = False  # sampled with every image blanked (image-reliance control)
     meta: Any = None  # the record's ``meta`` (qwenvl-prep convert keeps it), decoded
+    images: list[Any] | None = None  # model-input images, for a vLLM rollout
 
 
 @dataclass
@@ -36,6 +37,7 @@ class MicroBatch:
     ref_logps: torch.Tensor | None
     token_normalizer: float
     seq_normalizer: float
+    sampling_logps: torch.Tensor | None = None  # the sampler's (vLLM's) log-probs, when it is not the model
 
 
 def completion_mask(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ from llamafactory_qwenvl_patch.grpo.rollout import (
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
-from llamafactory_qwenvl_patch.images import blank_like, open_image
+from llamafactory_qwenvl_patch.images import blank_like, model_input_image, open_image
 from llamafactory_qwenvl_patch.fields import reference_value, score_fields
 from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
 from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
@@ -100,7 +100,8 @@ class _SamplerEpoch(TrainerCallback):
 class GRPOTrainer(Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
-                 suppress_token_ids: list[int], processor: Any, tokenizer: Any, **kwargs: Any) -> None:
+                 suppress_token_ids: list[int], processor: Any, tokenizer: Any, vllm_engine: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(processing_class=processor or tokenizer, **kwargs)
         self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
         self.fa = finetuning_args
@@ -136,6 +137,9 @@ class GRPOTrainer(Trainer):
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
         self.rollout_sampler: RolloutSampler | None = None
+        self.vllm = vllm_engine
+        self._vllm_step = -1  # the global step whose weights the engine holds
+        self._first_pass = True
         self.add_callback(_SamplerEpoch(self))
         if self.args.load_best_model_at_end and self.args.metric_for_best_model in (None, "loss", "eval_loss"):
             raise ValueError("stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model "
@@ -178,6 +182,9 @@ class GRPOTrainer(Trainer):
 
     def _collate(self, features: list[dict[str, Any]]) -> tuple[dict[str, Any], list[SampleMeta]]:
         batch, meta = self.data_collator.collate(features, self.drop_ids)
+        if self.vllm is not None:  # the exact images the loss sees, for vLLM
+            for sample, feature in zip(meta, features):
+                sample.images = [model_input_image(src, self.resize_policy) for src in feature.get("images") or []]
         if "pixel_values_videos" in batch:
             raise ValueError("stage: grpo supports still images and text; this batch has videos")
         batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
@@ -206,6 +213,24 @@ class GRPOTrainer(Trainer):
             finally:
                 unwrapped.train(was_training)
         return out[:, batch["input_ids"].shape[1]:]
+
+    def _sample(self, model: Any, batch: dict[str, torch.Tensor], meta: list[SampleMeta], greedy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(completion ids, the sampler's log-probs or None): HF ``generate`` or the vLLM engine."""
+        if self.vllm is None:
+            return self._generate(model, batch, self.greedy_config if greedy else self.generation_config), None
+        if self._vllm_step != self.state.global_step:
+            self.vllm.load_weights(self.accelerator.unwrap_model(model), zero3=self._zero3())
+            self._vllm_step = self.state.global_step
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        out = self.vllm.generate(prompts, [m.images or [] for m in meta], [m.index for m in meta],
+                                 self.tokenizer.pad_token_id, greedy=greedy)
+        device = batch["input_ids"].device
+        return out.ids.to(device), out.logps.to(device)
+
+    def _zero3(self) -> bool:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return plugin is not None and plugin.zero_stage == 3
 
     def _completions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], int]:
         """(ids, attention mask, stopped, texts, rows cut): cut at the stop token and before any vision placeholder
@@ -320,15 +345,15 @@ class GRPOTrainer(Trainer):
             batch, meta = self._collate(self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j))
             if "image_grid_thw" in batch:
                 self._check_blank_frame(batch, meta)
-            ids, attention, stopped, texts, cut = self._completions(
-                self._generate(model, batch, self.generation_config))
+            sampled, sampling_logps = self._sample(model, batch, meta)
+            ids, attention, stopped, texts, cut = self._completions(sampled)
             self._metrics["vision_tokens_cut"].append(float(cut))
             inputs = self._forward_inputs(batch, ids, attention)
             with torch.no_grad():
                 old = self._token_logps(model, inputs, ids) if self.off_policy else None
                 ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
             parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
-                              old=old, ref=ref))
+                              old=old, ref=ref, sampling=sampling_logps))
         meta = [m for part in parts for m in part["meta"]]
         texts = [t for part in parts for t in part["texts"]]
         device = parts[0]["ids"].device
@@ -361,7 +386,7 @@ class GRPOTrainer(Trainer):
         self._record_rollout(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta)
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
                            advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
-                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1])
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
                 for j, part in enumerate(parts)]
 
     # --- optimisation --------------------------------------------------------------------------------------------
@@ -375,6 +400,7 @@ class GRPOTrainer(Trainer):
         if self._buffer is None or position == 0:
             self._buffer = self._rollout(model, inputs["grpo_features"])
         micro = self._buffer[position % self.steps_per_generation]
+        self._first_pass = position < self.steps_per_generation
         self._micro_step += 1
         return super().training_step(model, {"grpo": micro}, num_items_in_batch)
 
@@ -382,13 +408,29 @@ class GRPOTrainer(Trainer):
         micro: MicroBatch = inputs["grpo"]
         logps = self._token_logps(model, micro.inputs, micro.completion_ids)
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
+        weights = self._sampling_weights(old, micro) if micro.sampling_logps is not None else None
         parts = policy_loss(logps, old, micro.ref_logps, micro.advantages, micro.mask, self.fa.grpo_beta,
                             self.fa.grpo_epsilon, self.fa.grpo_epsilon_high, self.fa.grpo_loss_type,
                             self.max_new_tokens, micro.token_normalizer, micro.seq_normalizer,
-                            self.fa.grpo_importance_sampling)
+                            self.fa.grpo_importance_sampling, weights)
         self._metrics["kl"].append(parts.kl)
         self._metrics["clip_ratio"].append(parts.clip_ratio)
         return parts.loss
+
+    def _sampling_weights(self, old: torch.Tensor, micro: MicroBatch) -> torch.Tensor | None:
+        """Log how far vLLM's sampling log-probs are from the training model's (first pass over a rollout) and, with
+        ``grpo_vllm_is_correction``, the truncated importance weights min(p_train / p_vllm, cap) per token."""
+        mask = micro.mask.bool()
+        if self._first_pass and mask.any():
+            diff = (old - micro.sampling_logps).abs()[mask]
+            self._metrics["vllm/logp_diff/mean"].append(float(diff.mean()))
+            self._metrics["vllm/logp_diff/max"].append(float(diff.max()))
+        if not self.fa.grpo_vllm_is_correction:
+            return None
+        weights = torch.exp(old - micro.sampling_logps).clamp(max=self.fa.grpo_vllm_is_cap)
+        if self._first_pass and mask.any():
+            self._metrics["vllm/is_weight/mean"].append(float(weights[mask].mean()))
+        return weights
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         with saving_trained_adapter_only(self.accelerator.unwrap_model(self.model)):
@@ -415,7 +457,7 @@ class GRPOTrainer(Trainer):
                 features = features + [dict(f, images=[blank_like(i) for i in f["images"]], grpo_blank=True)
                                        for f in features if f.get("images")]
             batch, meta = self._collate(features)
-            texts = self._completions(self._generate(model, batch, self.greedy_config))[3]
+            texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
             rows += list(zip(meta, texts))
         # drop even_batches padding: one row per (record, blank or not)
         unique = {(sample.index, sample.blank): (sample, text) for sample, text in gather_object(rows)}

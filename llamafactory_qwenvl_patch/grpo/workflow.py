@@ -3,6 +3,7 @@ loading and callbacks, with our GRPOTrainer."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections import deque
 from typing import Any
 
@@ -69,6 +70,32 @@ def _index(dataset: Any) -> Any:
     return dataset.add_column("grpo_index", list(range(len(dataset))))
 
 
+def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, sampling, template, tokenizer,
+                 model) -> Any:
+    """The colocated vLLM engine, in the run's frame (so it needs the pinned policy of ``qwenvl_patch: true``)."""
+    if policy is None:
+        raise ValueError("grpo_rollout_backend: vllm needs `qwenvl_patch: true` (with image_min_pixels / "
+                         "image_max_pixels): vLLM must resize exactly as training does")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("grpo_rollout_backend: vllm needs vLLM: build its environment with `scripts/vllm_env.sh` "
+                         "(see README, 'GRPO rollouts on vLLM')")
+    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
+    from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
+
+    prompts = training_args.per_device_train_batch_size * (finetuning_args.grpo_steps_per_generation or 1)
+    settings = VLLMSettings(
+        gpu_memory_utilization=finetuning_args.grpo_vllm_gpu_memory_utilization,
+        tensor_parallel_size=finetuning_args.grpo_vllm_tensor_parallel_size,
+        max_model_len=data_args.cutoff_len + sampling["max_new_tokens"],
+        max_num_seqs=max(prompts, training_args.per_device_eval_batch_size) * finetuning_args.grpo_num_generations * 2,
+        seed=training_args.seed + training_args.process_index,
+        dtype=str(model.dtype).removeprefix("torch."),
+    )
+    return VLLMEngine(model_args.model_name_or_path, policy, settings, sampling,
+                      template.get_stop_token_ids(tokenizer), vision_token_ids(tokenizer),
+                      finetuning_args.grpo_num_generations, model.config.image_token_id)
+
+
 def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
              explicit: set[str] = frozenset()) -> None:
     """``explicit``: the sampling keys the user set (the others get GRPO's no-truncation defaults)."""
@@ -118,10 +145,15 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     training_args.remove_unused_columns = False
     if processor is not None:
         callbacks.append(lf_callbacks.SaveProcessorCallback(processor))
+    policy = getattr(processor, "qwenvl_policy", None)
+    engine = None
+    if finetuning_args.grpo_rollout_backend == "vllm":
+        engine = _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, sampling, template,
+                              tokenizer, model)
     trainer = GRPOTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, callbacks=callbacks, finetuning_args=finetuning_args, sampling=sampling,
-        reward_funcs=rewards, ref_model=ref_model, resize_policy=getattr(processor, "qwenvl_policy", None),
+        reward_funcs=rewards, ref_model=ref_model, resize_policy=policy, vllm_engine=engine,
         coords=FAMILY_CONVENTION[_family(model_args, data_args)], stop_token_ids=template.get_stop_token_ids(tokenizer),
         suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )

@@ -59,6 +59,7 @@ FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 def build_tokenizer(vocab_size: int = 1024):
     """A byte-level BPE tokenizer trained on a small embedded corpus, with the Qwen special tokens."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +73,10 @@ def build_tokenizer(vocab_size: int = 1024):
         show_progress=False,
     )
     backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    cls = PreTrainedTokenizerFast
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x processors insist on the Qwen2 class
+        cls = transformers.Qwen2TokenizerFast
+    return cls(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -81,6 +85,18 @@ def build_tokenizer(vocab_size: int = 1024):
         chat_template=CHAT_TEMPLATE,
         model_max_length=32768,
     )
+
+
+def _set_rope(text: dict, theta: float, section: list[int], **extra: object) -> None:
+    """M-RoPE settings in the installed transformers' own keys (5.x: ``rope_parameters``; 4.x: ``rope_theta`` and
+    ``rope_scaling``), so the checkpoint is what that version writes for a real Qwen-VL."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "mrope_section": section, **extra}
+    else:
+        text["rope_theta"] = theta
+        text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": section, **extra}
 
 
 def _model_and_processor(family: str, tokenizer):
@@ -108,7 +124,7 @@ def _model_and_processor(family: str, tokenizer):
         vision_end_token_id=ids["<|vision_end|>"],
     )
     if family == "qwen2_5_vl":
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+        _set_rope(text, 1000000.0, [2, 3, 3])
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       fullatt_block_indexes=[1], window_size=112, patch_size=14)
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
@@ -120,8 +136,7 @@ def _model_and_processor(family: str, tokenizer):
         if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
             raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3-VL; install >= 4.57")
         text["head_dim"] = 16
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
-                                   "mrope_interleaved": True}
+        _set_rope(text, 5000000.0, [2, 3, 3], mrope_interleaved=True)
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[1])
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
