@@ -58,15 +58,16 @@ def _compact(reference: str) -> str:
 
 
 def cheats(answer: str, reference: str, prompt: str = "", rules: CheatRules = CheatRules()) -> list[str]:
-    """Names of the hacks ``answer`` shows: ``too_short``, ``empty_fields``, ``no_reference_keys``, ``repetition``,
-    ``prompt_copy``; [] for an honest answer."""
+    """Names of the hacks ``answer`` shows: ``too_short`` (an answer not in the reference's JSON structure, much
+    shorter than it), ``empty_fields``, ``no_reference_keys``, ``repetition``, ``prompt_copy``; [] for an honest
+    answer."""
     found = []
-    text = answer.strip()
-    if len(text) < rules.min_length_ratio * len(_compact(reference)):
-        found.append("too_short")
     truth = reference_value(reference)
     parsed = find_json(answer)
     value = parsed[0] if parsed else None
+    structured = truth is not None and isinstance(value, type(truth))
+    if not structured and len(answer.strip()) < rules.min_length_ratio * len(_compact(reference)):
+        found.append("too_short")  # a partial answer in the reference's structure is judged by the checks below
     if truth is not None and isinstance(value, (dict, list)):
         if is_empty(value) and not is_empty(truth):
             found.append("empty_fields")

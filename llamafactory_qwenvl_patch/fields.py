@@ -35,6 +35,10 @@ _MONTHS = {name: i for i, names in enumerate(
      ("dec", "december")], start=1) for name in names}
 _MISSING = object()
 _MAX_STARTS = 16  # JSON start positions tried in prose; bounds the work on long hostile outputs
+_MAX_VALUE_CHARS = 64  # longer text is never a number or a date (and regexes stay linear)
+_MAX_EXTRA_ITEMS = 4  # answer items considered for matching, in multiples of the reference's list length
+ABSTENTIONS = frozenset({"n/a", "na", "none", "null", "unknown", "not visible", "not found", "unreadable",
+                         "illegible", "-", "?", "not available", "cannot read", "can't read"})
 
 
 def normalize(text: Any) -> str:
@@ -51,9 +55,11 @@ def as_number(value: Any) -> Decimal | None:
     identifiers, not numbers."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return Decimal(value)
+    if isinstance(value, float):
         return Decimal(str(value)) if math.isfinite(value) else None
-    if not isinstance(value, str):
+    if not isinstance(value, str) or len(value) > _MAX_VALUE_CHARS:
         return None
     text = _CURRENCY.sub("", unicodedata.normalize("NFKC", value).strip()).strip()
     if not _NUMBER.fullmatch(text):
@@ -70,7 +76,7 @@ def as_number(value: Any) -> Decimal | None:
 def as_date(value: Any) -> dt.date | None:
     """A calendar day written year first (``2024-06-18``, ``2024/6/18``, ``2024.06.18``) or with an English month
     name (``18 June 2024``, ``Jun 18, 2024``); ambiguous day/month orders such as ``06/07/2024`` are not dates."""
-    if not isinstance(value, str):
+    if not isinstance(value, str) or len(value) > _MAX_VALUE_CHARS:
         return None
     text = value.strip()
     for pattern, order in ((_YMD, "ymd"), (_DMY_NAMED, "dmy"), (_MDY_NAMED, "mdy")):
@@ -88,11 +94,12 @@ def as_date(value: Any) -> dt.date | None:
 
 
 def is_empty(value: Any) -> bool:
-    """No content: null, blank text, or a container whose leaves are all empty."""
+    """No content: null, blank text, an abstention such as ``N/A`` or ``unknown`` (``ABSTENTIONS``), or a
+    container whose leaves are all empty."""
     if value is None or value is _MISSING:
         return True
     if isinstance(value, str):
-        return not value.strip()
+        return not value.strip() or normalize(value) in ABSTENTIONS
     if isinstance(value, dict):
         return all(is_empty(v) for v in value.values())
     if isinstance(value, list):
@@ -115,26 +122,26 @@ def values_equal(reference: Any, answer: Any) -> bool:
 
 def find_json(text: str) -> tuple[Any, bool] | None:
     """(the JSON value of an answer, whether the answer is exactly that value): a code fence, the whole text, or
-    else the first object or array embedded in prose; None when there is none."""
+    else the first object or array embedded in prose; None when there is none (or it nests too deep to parse)."""
     stripped = text.strip()
     fences = _FENCE.findall(text)
     if fences:
         try:
             value = json.loads(fences[0])
-        except ValueError:
+        except (ValueError, RecursionError):
             value = _MISSING
         if value is not _MISSING:
             return value, len(fences) == 1 and _FENCE.fullmatch(stripped) is not None
     try:
         return json.loads(stripped), True
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"[\[{]", text)][:_MAX_STARTS]
     for start in starts:
         try:
             return decoder.raw_decode(text, start)[0], False
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     return None
 
@@ -182,17 +189,24 @@ def compare(reference: Any, answer: Any, path: str = "") -> list[Leaf]:
 
 def _compare_lists(reference: list, answer: list, path: str) -> list[Leaf]:
     """Line items matched one-to-one (maximum total credit, so their order does not matter); unmatched reference
-    items are compared with nothing."""
-    if not answer:
-        return [leaf for item in reference for leaf in compare(item, _MISSING, path)]
-    from scipy.optimize import linear_sum_assignment
+    items are compared with nothing, and each answer item beyond the reference's count adds wrong leaves (the
+    shape of a reference item), so padding a list with guesses never pays."""
+    extra = max(0, len(answer) - len(reference))
+    answer = answer[:_MAX_EXTRA_ITEMS * len(reference)]  # bounds the matching work; the rest are extra anyway
+    leaves: list[Leaf] = []
+    matched: dict[int, int] = {}
+    pairs: list[list[list[Leaf]]] = []
+    if answer:
+        from scipy.optimize import linear_sum_assignment
 
-    pairs = [[compare(r, a, path) for a in answer] for r in reference]
-    scores = [[sum(leaf.credit for leaf in leaves) for leaves in row] for row in pairs]
-    rows, cols = linear_sum_assignment(scores, maximize=True)
-    matched = dict(zip(rows.tolist(), cols.tolist()))
-    return [leaf for i, item in enumerate(reference)
-            for leaf in (pairs[i][matched[i]] if i in matched else compare(item, _MISSING, path))]
+        pairs = [[compare(r, a, path) for a in answer] for r in reference]
+        scores = [[sum(leaf.credit for leaf in pair) for pair in row] for row in pairs]
+        rows, cols = linear_sum_assignment(scores, maximize=True)
+        matched = dict(zip(rows.tolist(), cols.tolist()))
+    for i, item in enumerate(reference):
+        leaves += pairs[i][matched[i]] if i in matched else compare(item, _MISSING, path)
+    shape = [Leaf(leaf.path, False, False) for leaf in compare(reference[0], _MISSING, path)]
+    return leaves + shape * extra
 
 
 @dataclass(frozen=True)

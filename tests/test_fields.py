@@ -73,13 +73,19 @@ def test_nested_objects_and_line_items_get_credit_per_leaf_in_any_order():
     assert vat.credit == 0
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text("abcdefgh_", min_size=1, max_size=8),
-                       st.one_of(st.integers(-10**6, 10**6), st.text(min_size=1, max_size=12)), min_size=1,
-                       max_size=6),
-       st.data())
-def test_credit_bounds_and_exact_answer_scores_one(truth, data):
-    answer = data.draw(st.dictionaries(st.sampled_from(sorted(truth)), st.text(max_size=6), max_size=len(truth)))
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=10),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text("abcdef", min_size=1, max_size=4),
+                                                                     children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.dictionaries(st.text("abcdefgh_", min_size=1, max_size=8), JSON_VALUES, min_size=1, max_size=6),
+       JSON_VALUES)
+def test_credit_bounds_and_exact_answer_scores_one(truth, answer):
+    """Any answer (nested, lists of any length, wrong types) scores within [0, 1], and never above the reference
+    itself, which scores 1."""
     score = score_fields(json.dumps(answer), truth)
     assert 0 <= score.normalised <= 1
     assert score_fields(json.dumps(truth), truth).normalised == pytest.approx(1.0)
@@ -129,12 +135,22 @@ def test_no_cheat_never_penalises_honest_answers(name):
 def test_no_cheat_honest_line_items_are_not_repetition():
     items = [{"description": f"item {i}", "qty": 1, "unit_price": "9.99"} for i in range(15)]
     reference = json.dumps({"invoice_number": "A1", "items": items})
-    assert cheats(reference, reference, PROMPT) == []
+    answer = {"items": [{**item, "qty": 2} if i % 4 == 0 else item for i, item in enumerate(reversed(items))],
+              "invoice_number": "A7"}
+    assert cheats(json.dumps(answer, indent=1), reference, PROMPT) == []
+
+
+def test_no_cheat_partial_structured_answers_are_not_too_short():
+    reference = json.dumps({"seller_address": "Musterstrasse 1, 12345 Berlin, Germany", "notes": "Payable within "
+                            "30 days of receipt, bank transfer only, quote the invoice number", "total": 300})
+    for answer in ('{"total": 300}', '{"seller_address": null, "notes": null, "total": 300}'):
+        assert "too_short" not in cheats(answer, reference)
+    assert "too_short" in cheats("300", reference)
 
 
 def test_no_cheat_thresholds_come_from_the_yaml_keys():
     strict = CheatRules(min_length_ratio=0.9)
-    short = '{"invoice_number": "INV-2024-0042"}'
+    short = "INV-2024-0042, 2024-06-18, 1,234.50"
     assert cheats(short, REFERENCE, "", CheatRules()) == []
     assert "too_short" in cheats(short, REFERENCE, "", strict)
     reward = next(r for r in load_rewards("no_cheat", None, strict) if r.name == "no_cheat")
@@ -155,6 +171,35 @@ def test_confident_answer(answer, reference, expected):
     assert confident_answer(answer, reference) is expected
 
 
-def test_find_json_bounds_work_on_long_hostile_text():
+def test_hostile_answers_never_raise_or_stall():
+    """Deep nesting (RecursionError inside json), a 400-digit integer (float overflow), a long run of spaces (the
+    currency pattern) and a padded list: each scores quickly, without an exception."""
     assert find_json("{" * 20000) is None
+    assert find_json("[" * 5000 + "]" * 5000) is None
     assert find_json("[" + "1," * 5 + "2]") == ([1, 1, 1, 1, 1, 2], True)
+    truth = {"total": 300}
+    assert score_fields('{"total": ' + "9" * 400 + "}", truth).raw == pytest.approx(1.3)
+    assert confident_answer('{"total": ' + "9" * 400 + "}", json.dumps(truth))
+    assert as_number("1" + " " * 50000 + "1") is None and as_date(" " * 50000) is None
+    assert fields_reward(["[" * 5000], references=[REFERENCE]) == [0.0]
+
+
+def test_padding_a_list_with_guesses_does_not_pay():
+    truth = {"items": [{"qty": 1}, {"qty": 2}]}
+    exact = score_fields(json.dumps(truth), truth)
+    padded = score_fields(json.dumps({"items": [{"qty": q} for q in range(100)]}), truth)
+    assert exact.normalised == pytest.approx(1.0) and exact.exact
+    assert padded.normalised < 0.2 and not padded.exact
+    letters = score_fields(json.dumps(list("abcdefghijklmnopqrstuvwxyz")), ["a", "b"])
+    assert letters.normalised < 0.5 and not letters.exact
+
+
+@pytest.mark.parametrize("value", ["N/A", "unknown", "Not visible", None, ""])
+def test_written_abstentions_are_not_confident(value):
+    assert not confident_answer(json.dumps({"invoice_number": value, "date": value}), REFERENCE)
+
+
+def test_format_wants_the_json_alone():
+    refs = [REFERENCE] * 3
+    answers = [REFERENCE, "```json\n" + REFERENCE + "\n```", "Sure, here it is: " + REFERENCE + " hope this helps"]
+    assert BUILTIN["format"](answers, references=refs) == [1.0, 1.0, 0.0]

@@ -56,8 +56,8 @@ def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: An
 
 
 def format_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """1 when the answer parses into the reference's structure: grounding items, a JSON object or array, or any
-    text."""
+    """1 when the answer parses into the reference's structure: grounding items; for a JSON object or array, exactly
+    one JSON value of its type (bare or in one code fence, no prose around it); else any text."""
     out = []
     for completion, reference in zip(completions, references):
         ref_items = _items(reference)
@@ -66,7 +66,7 @@ def format_reward(completions: Sequence[str], *, references: Sequence[str], **_:
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)
         elif (truth := reference_value(reference)) is not None:
-            out.append(1.0 if score_fields(completion, truth).parsed else 0.0)
+            out.append(1.0 if score_fields(completion, truth).format_ok else 0.0)
         else:
             out.append(1.0 if completion.strip() else 0.0)
     return out

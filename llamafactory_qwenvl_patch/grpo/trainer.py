@@ -366,9 +366,11 @@ class GRPOTrainer(Trainer):
             batch_std = float(self.accelerator.gather(rewards).std())
         adv = torch.zeros(len(texts), device=device)
         adv[~blank] = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
+        every_reward = adv.clone()
+        every_reward[~blank] = rewards
         if blank.any():  # baseline 0, not group-relative: a model that answers every blank image gets a signal
-            adv[blank] = self._blank_rewards([t for t, b in zip(texts, blank.tolist()) if b],
-                                             [m for m in meta if m.blank]).to(device)
+            adv[blank] = every_reward[blank] = self._blank_rewards(
+                [t for t, b in zip(texts, blank.tolist()) if b], [m for m in meta if m.blank]).to(device)
         keep = torch.ones(len(texts), dtype=torch.bool, device=device)
         if self.fa.grpo_skip_zero_std_groups:
             flat = zero_std_groups(rewards, G)
@@ -384,6 +386,8 @@ class GRPOTrainer(Trainer):
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
         self._record_rollout(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta)
+        if self.fa.grpo_log_completions:
+            self._log_completions(texts, every_reward.tolist(), meta)
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
                            advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
@@ -517,15 +521,14 @@ class GRPOTrainer(Trainer):
         m["truncated_ratio"].append(float((~stopped).float().mean()))
         grounded = [not _unparsed(sample.reference) for sample in meta]  # once per prompt, not per completion
         m["parse_failures"].append(float(sum(_unparsed(text) for i, text in enumerate(texts) if grounded[i // G])))
-        if self.fa.grpo_log_completions:
-            self._log_completions(texts, rewards.tolist(), meta)
 
     def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta]) -> None:
         from accelerate.utils import gather_object
 
         G = self.num_generations
         rows = [{"step": self.state.global_step, "index": meta[i // G].index, "prompt": meta[i // G].prompt,
-                 "reference": meta[i // G].reference, "completion": text, "reward": reward}
+                 "reference": meta[i // G].reference, "completion": text, "reward": reward,
+                 "blank": meta[i // G].blank}
                 for i, (text, reward) in enumerate(zip(texts, rewards))]
         rows = gather_object(rows)
         if self.accelerator.is_main_process:

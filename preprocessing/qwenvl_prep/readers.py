@@ -151,6 +151,8 @@ def to_record(raw: Any, fmt: str) -> dict | RecordError:
     if not isinstance(value, dict):
         return RecordError(f"record is a {type(value).__name__}, not an object")
     if fmt == "canonical":
+        if value.get("meta") is not None:
+            value["meta"] = meta_text(value["meta"])
         return value
     try:
         record = _NORMALIZE[fmt](value)
