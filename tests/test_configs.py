@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -17,7 +19,8 @@ def test_yaml_parses_with_lf(path):
 
     config = yaml.safe_load(path.read_text())
     config["bf16"] = False  # transformers refuses bf16 without a GPU; every other key is checked as shipped
-    model_args, _, _, finetuning_args, _ = _parse_train_args(config)
+    with mock.patch.dict(os.environ):  # transformers 4.x exports ACCELERATE_USE_DEEPSPEED for later Trainers
+        model_args, _, _, finetuning_args, _ = _parse_train_args(config)
     assert model_args.qwenvl_patch is True
     if finetuning_args.stage == "grpo":
         assert finetuning_args.reward_funcs

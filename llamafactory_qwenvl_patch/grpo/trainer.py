@@ -539,6 +539,8 @@ class GRPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
+        if "loss" in logs and torch.cuda.is_available():
+            logs["memory/max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if "loss" in logs and self._metrics:
             for reduction, names in (("mean", [n for n in sorted(self._metrics) if not n.endswith(COUNTERS)]),
                                      ("sum", [n for n in sorted(self._metrics) if n.endswith(COUNTERS)])):
