@@ -151,15 +151,15 @@ def grpo_data(tmp_path_factory):
     return root, data_dir
 
 
-def grpo_run(tiny_model, root, data_dir, name, **overrides):
+def grpo_run(tiny_model, root, data_dir, name, env=None, **overrides):
     from helpers import read_log, run_cli, train_config
 
-    config = train_config(tiny_model, data_dir, root / name, stage="grpo", image_min_pixels=64 * 28 * 28,
-                          image_max_pixels=256 * 28 * 28, max_steps=3, save_steps=3, grpo_num_generations=4,
-                          max_new_tokens=12, temperature=1.0, per_device_train_batch_size=2,
-                          gradient_accumulation_steps=2, seed=7,
-                          reward_funcs=f"iou,format,{root / 'rewards.py'}:length", **overrides)
-    result = run_cli(["llamafactory-cli", "train"], config, root / f"{name}-run")
+    settings = dict(stage="grpo", image_min_pixels=64 * 28 * 28, image_max_pixels=256 * 28 * 28, max_steps=3,
+                    save_steps=3, grpo_num_generations=4, max_new_tokens=12, temperature=1.0,
+                    per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=7,
+                    reward_funcs=f"iou,format,{root / 'rewards.py'}:length")
+    config = train_config(tiny_model, data_dir, root / name, **{**settings, **overrides})
+    result = run_cli(["llamafactory-cli", "train"], config, root / f"{name}-run", env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return [row for row in read_log(root / name) if "loss" in row]
 
@@ -184,3 +184,15 @@ def test_llamafactory_cli_grpo_on_vllm_matches_hf(tiny_model, grpo_data, finetun
     gap = abs(sum(means[0]) / 3 - sum(means[1]) / 3)
     noise = (sum(s * s for s in stds[0] + stds[1]) / 3 / n) ** 0.5
     assert gap < 4 * noise + 1e-6, (means, stds)
+
+
+@pytest.mark.slow
+def test_two_ranks_each_with_its_engine(tiny_model, grpo_data):
+    """torchrun with 2 ranks: one colocated engine per rank, each sampling its own prompts from the current
+    weights."""
+    from helpers import torchrun_env
+
+    root, data_dir = grpo_data
+    steps = grpo_run(tiny_model, root, data_dir, "vllm-2ranks", grpo_rollout_backend="vllm",
+                     per_device_train_batch_size=1, gradient_accumulation_steps=1, env=torchrun_env(2))
+    assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
