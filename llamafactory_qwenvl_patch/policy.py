@@ -179,6 +179,22 @@ def convert_coords(
     return finalize_coords(map_coords(coords, src, dst, orig_hw, model_hw), dst, orig_hw, model_hw, ndigits)
 
 
+def keep_extent(box: Sequence[int], convention: str, orig_hw: tuple[int, int], model_hw: tuple[int, int]
+                ) -> list[int]:
+    """A rounded box with at least one unit of extent per axis: a valid 1-3 px box on a 4032x3024 photo rounds to
+    zero width in a 28-px-multiple frame, which no check, loss or IoU can use. The lost unit is added away from the
+    frame's edge."""
+    out = list(box)
+    for axis, limit in zip((0, 1), _frame_scale(convention, orig_hw, model_hw)):
+        low, high = out[axis], out[axis + 2]
+        if high - low < 1:
+            if low + 1 <= limit:
+                out[axis + 2] = low + 1
+            else:
+                out[axis] = high - 1
+    return out
+
+
 def check_box(box: Sequence[float], convention: str, orig_hw: tuple[int, int], model_hw: tuple[int, int]) -> None:
     """Raise PolicyError for a box that is not finite, inverted, empty or outside its frame."""
     if len(box) != 4:

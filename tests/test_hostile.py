@@ -119,3 +119,82 @@ def test_broken_registry_is_reported_before_anything_is_written(tmp_path, regist
     assert code == 2
     assert sorted(p.name for p in data.iterdir()) == ["dataset_info.json"]  # no output renamed into place
     assert (data / "dataset_info.json").read_text() == registry
+
+
+def run_convert(tmp_path, records, *extra, name="train.json"):
+    from qwenvl_prep.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    out = tmp_path / "data" / name
+    code = main(["convert", str(src), "-o", str(out), "--min-pixels", str(POLICY.min_pixels), "--max-pixels",
+                 str(POLICY.max_pixels), "-q", "--workers", "1", *extra])
+    return code, out
+
+
+def test_tiny_boxes_keep_one_model_pixel_and_pass_check(tmp_path, capsys):
+    """Class 3: a valid 1-3 px box on a 4032x3024 photo rounded to zero area (then `check` refused the output).
+    Rule: every converted box keeps at least 1 unit of extent per axis, and check agrees."""
+    from llamafactory_qwenvl_patch.answers import parse_items
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "photo.jpg", 4032, 3024)
+    boxes = [[100, 100, 101, 101], [0, 0, 2, 1], [4029, 3021, 4032, 3024], [2000, 10, 2003, 2000]]
+    code, out = run_convert(tmp_path, [{"image": "photo.jpg", "question": "Q",
+                                        "answer": json.dumps([{"bbox_2d": b} for b in boxes])}],
+                            "--input-coords", "abs")
+    assert code == 0
+    h, w = POLICY.model_size(3024, 4032)
+    items = parse_items(json.loads(out.read_text())[0]["messages"][1]["content"])
+    for item in items:
+        x1, y1, x2, y2 = item.coords
+        assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h, item.coords
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text(f"qwenvl_patch: true\nimage_min_pixels: {POLICY.min_pixels}\nimage_max_pixels: "
+                         f"{POLICY.max_pixels}\ntemplate: qwen2_vl\ndataset_dir: {out.parent}\ndataset: train\n")
+    capsys.readouterr()
+    assert main(["check", "--yaml", str(yaml_path), "--json"]) == 0, capsys.readouterr().out
+
+
+def write_coco(tmp_path, images, annotations):
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations,
+                                "categories": [{"id": 1, "name": "cat"}]}))
+    return path
+
+
+def test_coco_is_absolute_by_definition_and_its_sizes_are_checked(tmp_path, capsys):
+    """Class 2: COCO with --input-coords rel1000 produced wrong boxes; a declared size that differs from the file
+    (a swapped or resized folder) was never checked."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "a.jpg", 640, 480)
+    save_image(tmp_path / "b.jpg", 480, 640)
+    coco = write_coco(tmp_path, [{"id": 1, "file_name": "a.jpg", "width": 640, "height": 480},
+                                 {"id": 2, "file_name": "b.jpg", "width": 640, "height": 480}],
+                      [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 50, 50]},
+                       {"id": 2, "image_id": 2, "category_id": 1, "bbox": [10, 10, 50, 50]}])
+    flags = ["--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels), "-q", "--workers", "1"]
+    assert main(["convert", str(coco), "-o", str(tmp_path / "out.json"), "--input-coords", "rel1000", *flags]) == 2
+    assert "absolute pixels of the original image by definition" in capsys.readouterr().err
+    assert main(["convert", str(coco), "-o", str(tmp_path / "out.json"), *flags]) == 1  # abs implied
+    [row] = [json.loads(line) for line in (tmp_path / "out.json.errors.jsonl").read_text().splitlines()]
+    assert row["record"] == 1 and "declares image" in row["error"] and "640x480, the file is 480x640" in row["error"]
+
+
+def test_coco_with_missing_or_null_fields_lists_each_and_converts_the_rest(tmp_path, capsys):
+    """Class 7: COCO with missing or null fields aborted the run with a traceback."""
+    from qwenvl_prep.cli import main
+
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        save_image(tmp_path / name, 640, 480)
+    coco = write_coco(tmp_path, [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": None},
+                                 {"id": 3, "file_name": "c.jpg"}],
+                      [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 1, 5, 5]},
+                       {"id": 2, "image_id": 3, "category_id": 1, "bbox": None}])
+    code = main(["convert", str(coco), "-o", str(tmp_path / "out.json"), "--skip-bad", "--min-pixels",
+                 str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels), "-q", "--workers", "1"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["written"] == 1 and summary["dropped"] == 2
+    errors = [json.loads(line)["error"] for line in (tmp_path / "out.json.errors.jsonl").read_text().splitlines()]
+    assert "no 'id' or string 'file_name'" in errors[0] and "bbox None" in errors[1]

@@ -24,6 +24,7 @@ from llamafactory_qwenvl_patch.policy import (
     check_box,
     check_point,
     convert_coords,
+    keep_extent,
     load_backend,
     map_coords,
 )
@@ -120,10 +121,13 @@ def _transformer(job: Job, hw: tuple[int, int]):
     src, dst = job.source.coords, job.target.coords
 
     def transform(item: Item) -> list[int]:
-        (check_box if item.kind == "bbox_2d" else check_point)(item.coords, src, hw, source_hw)
+        box = item.kind == "bbox_2d"
+        (check_box if box else check_point)(item.coords, src, hw, source_hw)
         if source_hw == target_hw:
-            return convert_coords(item.coords, src, dst, hw, target_hw)
-        return convert_coords(map_coords(item.coords, src, "orig", hw, source_hw), "orig", dst, hw, target_hw)
+            out = convert_coords(item.coords, src, dst, hw, target_hw)
+        else:
+            out = convert_coords(map_coords(item.coords, src, "orig", hw, source_hw), "orig", dst, hw, target_hw)
+        return keep_extent(out, dst, hw, target_hw) if box else out
 
     return transform
 
@@ -153,6 +157,11 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
             info = infos[0]
             hw = info.hw
+            declared = record.get("coco_size")
+            if declared and tuple(declared) != (info.width, info.height):
+                raise RecordError(
+                    f"COCO declares image {image} as {declared[0]}x{declared[1]}, the file is {info.width}x"
+                    f"{info.height}: a swapped or resized image folder? Boxes would land in the wrong place")
             if info.orientation != 1:
                 if job.exif == "error":
                     raise RecordError(
@@ -214,7 +223,12 @@ def _input_stamp(path: Path) -> Stamp | None:
     return None
 
 
-def _source(opts: ConvertOptions) -> Source:
+def _source(opts: ConvertOptions, fmt: str) -> Source:
+    if fmt == "coco":  # COCO boxes are original-image pixels by definition
+        if opts.input_coords not in (None, "abs"):
+            raise ConvertError(f"COCO boxes are absolute pixels of the original image by definition; "
+                               f"--input-coords {opts.input_coords} contradicts that (drop it or pass abs)")
+        return Source("orig")
     stamp = _input_stamp(opts.input)
     if stamp is not None:
         if opts.input_coords is not None:
@@ -276,7 +290,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     read_dataset_info(opts.output.parent)  # a broken registry is reported before anything is written
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
-    job = Job(opts.target, _source(opts), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
+    job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
               str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
