@@ -198,3 +198,83 @@ def test_coco_with_missing_or_null_fields_lists_each_and_converts_the_rest(tmp_p
     assert code == 0 and summary["written"] == 1 and summary["dropped"] == 2
     errors = [json.loads(line)["error"] for line in (tmp_path / "out.json.errors.jsonl").read_text().splitlines()]
     assert "no 'id' or string 'file_name'" in errors[0] and "bbox None" in errors[1]
+
+
+RECORD = {"image": "ok.jpg", "question": "Find it.", "answer": '[{"bbox_2d": [1, 2, 30, 40]}]'}
+
+
+def test_outputs_never_clobber_inputs_the_registry_or_each_other(tmp_path, capsys):
+    """Class 4: `-o data/dataset_info.json` replaced the registry; --errors pointing at the input, an image or -o
+    overwrote it."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(RECORD) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text("{}")
+    before = {p: p.read_bytes() for p in (src, tmp_path / "ok.jpg", data / "dataset_info.json")}
+    flags = ["--input-coords", "abs", "-q", "--min-pixels", str(POLICY.min_pixels), "--max-pixels",
+             str(POLICY.max_pixels)]
+    cases = [(["-o", str(data / "dataset_info.json")], "would replace the dataset registry"),
+             (["-o", str(data / "t.json"), "--errors", str(src)], "is the input"),
+             (["-o", str(data / "t.json"), "--errors", str(tmp_path / "ok.jpg")], "must end in .jsonl"),
+             (["-o", str(data / "t.jsonl"), "--errors", str(data / "t.jsonl")], "is the output"),
+             (["-o", str(data)], "must end in .json"),
+             (["-o", str(data / "sub.json")], None)]
+    (data / "sub.json").mkdir()
+    for args, message in cases:
+        assert main(["convert", str(src), *args, *flags]) == 2, args
+        err = capsys.readouterr().err
+        assert message is None and "is a directory" in err or message in err, (args, err)
+    assert all(path.read_bytes() == content for path, content in before.items())
+
+
+def test_registry_entries_links_and_modes_are_respected(tmp_path, capsys):
+    """Class 4: an existing entry is replaced only with --overwrite; a symlinked registry stays a link (written
+    through); a read-only registry is refused and left as it is."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(RECORD) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    shared = tmp_path / "shared_info.json"
+    shared.write_text('{"other": {"file_name": "other.json"}}')
+    os.chmod(shared, 0o664)
+    (data / "dataset_info.json").symlink_to(shared)
+    args = ["convert", str(src), "-o", str(data / "train.json"), "--input-coords", "abs", "-q", "--min-pixels",
+            str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)]
+    assert main(args) == 0
+    assert (data / "dataset_info.json").is_symlink() and set(json.loads(shared.read_text())) == {"other", "train"}
+    assert os.stat(shared).st_mode & 0o777 == 0o664
+    capsys.readouterr()
+    assert main(args) == 2 and "pass --overwrite to replace it" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    os.chmod(shared, 0o444)
+    try:
+        content = shared.read_text()
+        assert main([*args, "--overwrite", "--dataset-name", "third"]) == 2
+        assert "is read-only" in capsys.readouterr().err and shared.read_text() == content
+    finally:
+        os.chmod(shared, 0o644)
+
+
+def test_draw_never_writes_outside_its_folder(tmp_path):
+    from llamafactory_qwenvl_patch.stamp import Stamp
+    from qwenvl_prep.dataset import DatasetRef
+    from qwenvl_prep.draw import draw
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"messages": [{"role": "user", "content": "<image>Q"},
+                                              {"role": "assistant", "content": '[{"bbox_2d": [1, 2, 30, 40]}]'}],
+                                 "images": ["ok.jpg"]}]))
+    ref = DatasetRef("../../escape", data, tmp_path, None)
+    out = tmp_path / "a" / "b" / "drawn"
+    result = draw(ref, Stamp(POLICY, "model", "qwen2_5_vl"), out, sample=0)
+    assert all(Path(p).resolve().parent == out.resolve() for p in [*result["images"], result["contact_sheet"]])
+    assert sorted(p.name for p in out.iterdir()) == ["escape-000000-original.jpg", "escape-contact-sheet-original.jpg"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,14 +14,18 @@ from typing import IO, Any, Iterator
 
 @contextmanager
 def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Yield a file that replaces ``path`` on success and vanishes on any error."""
-    target = Path(path)
+    """Yield a file that replaces ``path`` on success and vanishes on any error. A symlink is written through (its
+    target is replaced, the link stays a link) and an existing file keeps its permission bits."""
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a file to write")
     target.parent.mkdir(parents=True, exist_ok=True)
+    keep = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, keep)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -55,7 +55,7 @@ def _convert(args: argparse.Namespace) -> int:
         input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
         skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, coco_prompt=args.coco_prompt,
-        coco_group=args.coco_group, progress=not args.quiet,
+        coco_group=args.coco_group, progress=not args.quiet, overwrite=args.overwrite,
     )
     summary, code = convert(opts)
     if summary["dropped"]:
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--skip-bad", action="store_true", help="drop bad records (listed in the error report), exit 0")
     conv.add_argument("--errors", type=Path, help="error report path (default: OUTPUT.errors.jsonl)")
     conv.add_argument("--dataset-name", help="dataset_info.json entry name (default: the output's stem)")
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace an existing dataset_info.json entry of the same name (refused otherwise)")
     conv.add_argument("--coco-prompt", help="COCO prompt template, {category} is replaced")
     conv.add_argument("--coco-group", choices=["category", "image"], default="category",
                       help="COCO: one conversation per (image, category) or per image")

@@ -209,6 +209,7 @@ class ConvertOptions:
     coco_prompt: str | None = None
     coco_group: str = "category"
     progress: bool = True
+    overwrite: bool = False
 
 
 def _input_stamp(path: Path) -> Stamp | None:
@@ -286,9 +287,9 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError("output must differ from input: input files are never modified")
     if opts.output.suffix not in (".json", ".jsonl"):
         raise ConvertError(f"output {opts.output} must end in .json or .jsonl")
+    _check_outputs(opts)
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
-    read_dataset_info(opts.output.parent)  # a broken registry is reported before anything is written
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
               str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
@@ -325,6 +326,35 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         errors_path.unlink()
     _register(opts)
     return _summary(opts, stats, errors_path if error_rows else None, written=True)
+
+
+def _check_outputs(opts: ConvertOptions) -> None:
+    """Refuse, before anything is written, outputs that would clobber an input, the registry or each other."""
+    output, registry = opts.output.resolve(), (opts.output.parent / "dataset_info.json").resolve()
+    errors = (opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl"))
+    if output.is_dir():
+        raise ConvertError(f"output {opts.output} is a directory")
+    if output == registry or opts.output.name == "dataset_info.json":
+        raise ConvertError(f"output {opts.output} would replace the dataset registry dataset_info.json")
+    if errors.suffix != ".jsonl":
+        raise ConvertError(f"--errors {errors} must end in .jsonl (it is a JSONL report; this also keeps it from "
+                           "ever naming an image)")
+    taken = {opts.input.resolve(): "the input", output: "the output (-o)", registry: "the registry dataset_info.json"}
+    if errors.resolve() in taken:
+        raise ConvertError(f"--errors {errors} is {taken[errors.resolve()]}; it would be overwritten")
+    if errors.resolve().is_dir():
+        raise ConvertError(f"--errors {errors} is a directory")
+    folder = output.parent if output.parent.exists() else None
+    if folder is not None and not os.access(folder, os.W_OK):
+        raise ConvertError(f"output folder {folder} is not writable")
+    if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
+        raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
+    name = opts.dataset_name or opts.output.stem
+    entry = read_dataset_info(opts.output.parent).get(name)
+    if entry is not None and not opts.overwrite:
+        file_name = entry.get("file_name") if isinstance(entry, dict) else None
+        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); "
+                           "pass --overwrite to replace it, or --dataset-name to add another")
 
 
 class Abort(Exception):

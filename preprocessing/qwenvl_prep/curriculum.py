@@ -100,7 +100,8 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
                 summary = run_convert(ConvertOptions(
                     input=Path(source), output=data_dir / f"{dataset}.jsonl", target=target,
                     input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir or Path(source).parent,
-                    exif=opts.exif, workers=opts.workers, dataset_name=dataset, progress=opts.progress))
+                    exif=opts.exif, workers=opts.workers, dataset_name=dataset, progress=opts.progress,
+                    overwrite=opts.overwrite))
             except Abort as abort:
                 raise CurriculumError(f"stage {k}: {abort.summary['dropped']} bad record(s) in {source}, nothing "
                                       f"written for this stage; see {abort.summary['error_report']}") from None

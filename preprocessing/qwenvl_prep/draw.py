@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,8 +62,12 @@ def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = No
     return canvas
 
 
-def contact_sheet(images: list[np.ndarray], columns: int = 4) -> np.ndarray:
-    thumbs = [cv2.resize(im, (max(1, round(im.shape[1] * THUMB_HEIGHT / im.shape[0])), THUMB_HEIGHT)) for im in images]
+def thumbnail(image: np.ndarray) -> np.ndarray:
+    return cv2.resize(image, (max(1, round(image.shape[1] * THUMB_HEIGHT / image.shape[0])), THUMB_HEIGHT))
+
+
+def contact_sheet(thumbs: list[np.ndarray], columns: int = 4) -> np.ndarray:
+    """Thumbnails (``thumbnail``) in rows of ``columns``: only thumbnails are kept, so memory stays flat."""
     rows = [thumbs[i:i + columns] for i in range(0, len(thumbs), columns)]
     width = max(sum(t.shape[1] for t in row) for row in rows)
     sheet = np.full((THUMB_HEIGHT * len(rows), width, 3), 255, np.uint8)
@@ -82,6 +87,22 @@ def _write_image(path: Path, image: np.ndarray) -> None:
         f.write(data.tobytes())
 
 
+def safe_stem(name: str) -> str:
+    """A dataset name as a file-name stem: no separators or ``..`` (a name like ``../x`` wrote outside -o)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
+    return stem or "dataset"
+
+
+def _output(out_dir: Path, name: str, inputs: set[Path]) -> Path:
+    path = Path(out_dir) / name
+    resolved = path.resolve()
+    if Path(out_dir).resolve() not in resolved.parents:
+        raise ValueError(f"refusing to write {path}: outside the output folder {out_dir}")
+    if resolved in inputs:
+        raise ValueError(f"refusing to write {path}: it is an input of this run (the dataset or one of its images)")
+    return path
+
+
 def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", sample: int = 16, seed: int = 0,
          predictions: Path | None = None) -> dict[str, Any]:
     """Draw a random sample of N records (all if N <= 0) and a contact sheet; returns the written paths."""
@@ -89,16 +110,18 @@ def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", 
     preds = [row.get("predict", row.get("prediction", "")) for row in load_jsonl(predictions)] if predictions else None
     chosen = samples if sample <= 0 or sample >= len(samples) else random.Random(seed).sample(samples, sample)
     chosen.sort(key=lambda s: s.index)
+    stem = safe_stem(ref.name)
+    inputs = {Path(p).resolve() for s in samples for p in s.images} | {ref.path.resolve()}
     written, drawn = [], []
     for s in chosen:
         canvas = render(s, stamp, frame, preds[s.index] if preds and s.index < len(preds) else None)
-        path = out_dir / f"{ref.name}-{s.index:06d}-{frame}.jpg"
+        path = _output(out_dir, f"{stem}-{s.index:06d}-{frame}.jpg", inputs)
         _write_image(path, canvas)
         written.append(str(path))
-        drawn.append(canvas)
+        drawn.append(thumbnail(canvas))
     sheet = None
     if drawn:
-        sheet = out_dir / f"{ref.name}-contact-sheet-{frame}.jpg"
+        sheet = _output(out_dir, f"{stem}-contact-sheet-{frame}.jpg", inputs)
         _write_image(sheet, contact_sheet(drawn))
     return {"images": written, "contact_sheet": str(sheet) if sheet else None}
 
