@@ -69,12 +69,22 @@ def open_image(source: Any) -> Image.Image:
         raise ImageError(f"image {name}: cannot open ({exc})") from None
 
 
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
 def decode(image: Image.Image, name: str) -> Image.Image:
-    """Decode all pixels now, so a truncated or corrupt file fails here with its name, not deep in PIL later."""
+    """Decode all pixels now, so a truncated or corrupt file fails here with its name, not deep in PIL later.
+    16-bit grey images (PIL modes ``I;16`` / ``I``) come back as 8-bit ``L`` scaled by 1/257: PIL's own RGB
+    conversion clips them, and a 16-bit PNG would train as a near-white image."""
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(f"image {name}: cannot decode pixels ({exc}); the file is truncated or corrupt") from None
+    if image.mode in _WIDE_MODES:
+        import numpy as np
+
+        values = np.asarray(image, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8))
     return image
 
 

@@ -153,8 +153,11 @@ BAD = [
     ("not json", "{this is not json", "not valid JSON"),
     ("no messages", {"images": ["wide.jpg"]}, "no 'messages'"),
     ("bad answer json", sharegpt("wide.jpg", '[{"bbox_2d": [1, 2, 3}]'), "does not parse"),
-    ("two images", {**sharegpt("wide.jpg", '[{"bbox_2d": [1, 1, 5, 5]}]'), "images": ["wide.jpg", "wide.jpg"]},
-     "exactly 1"),
+    ("two images", {"messages": [{"role": "user", "content": "<image><image>Find it."},
+                                 {"role": "assistant", "content": '[{"bbox_2d": [1, 1, 5, 5]}]'}],
+                    "images": ["wide.jpg", "wide.jpg"]}, "exactly 1"),
+    ("tags and images differ", {**sharegpt("wide.jpg", "no boxes"), "images": ["wide.jpg", "wide.jpg"]},
+     "2 image(s) but 1 <image> tag(s)"),
 ]
 
 

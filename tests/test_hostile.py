@@ -278,3 +278,67 @@ def test_draw_never_writes_outside_its_folder(tmp_path):
     result = draw(ref, Stamp(POLICY, "model", "qwen2_5_vl"), out, sample=0)
     assert all(Path(p).resolve().parent == out.resolve() for p in [*result["images"], result["contact_sheet"]])
     assert sorted(p.name for p in out.iterdir()) == ["escape-000000-original.jpg", "escape-contact-sheet-original.jpg"]
+
+
+def test_smaller_record_problems_are_named_error_rows(tmp_path):
+    """Class 12: tag/image count mismatch, bad alpaca history, invalid UTF-8, URLs, data URIs, file://localhost and
+    NUL bytes each get an error row naming the record; the good records still convert."""
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    box = '[{"bbox_2d": [1, 2, 30, 40]}]'
+
+    def sharegpt(user, images):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": box}],
+                "images": images}
+
+    lines = [json.dumps(sharegpt("<image>Find it.", ["ok.jpg"])),
+             json.dumps(sharegpt("Find it.", ["ok.jpg"])),
+             json.dumps(sharegpt("<image><image>Find it.", ["ok.jpg"])),
+             json.dumps(sharegpt("<image>Find it.", ["https://example.com/a.jpg"])),
+             json.dumps(sharegpt("<image>Find it.", ["data:image/png;base64,AAAA"])),
+             json.dumps(sharegpt("<image>Find it.", [f"file://localhost{tmp_path / 'ok.jpg'}"])),
+             json.dumps(sharegpt("<image>Find it.", ["o\u0000k.jpg"]))]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b'\n{"messages": "\xff\xfe"}\n')
+    from qwenvl_prep.cli import main
+
+    out = tmp_path / "data" / "t.json"
+    code = main(["convert", str(src), "-o", str(out), "--input-coords", "abs", "-q", "--workers", "1", "--skip-bad",
+                 "--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)])
+    assert code == 0 and len(json.loads(out.read_text())) == 2  # the BOM line and the file://localhost one
+    rows = {row["record"]: row["error"] for row in map(json.loads, Path(f"{out}.errors.jsonl").read_text().splitlines())}
+    assert "1 image(s) but 0 <image> tag(s)" in rows[1] and "1 image(s) but 2 <image> tag(s)" in rows[2]
+    assert "https URLs are not supported" in rows[3] and "data URLs are not supported" in rows[4]
+    assert "NUL byte" in rows[6] and "not valid UTF-8" in rows[7]
+
+
+def test_alpaca_history_must_be_pairs(tmp_path):
+    from qwenvl_prep.readers import RecordError, to_record
+
+    bad = to_record({"instruction": "Q", "output": "A", "history": ["just one string"]}, "alpaca")
+    assert isinstance(bad, RecordError) and "[prompt, answer] string pairs" in str(bad)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", '{"images": [], "annotations": [], "categories": []}'])
+def test_an_empty_input_registers_nothing(tmp_path, capsys, content):
+    from qwenvl_prep.cli import main
+
+    src = tmp_path / ("in.json" if content.startswith("{") else "in.jsonl")
+    src.write_text(content)
+    data = tmp_path / "data"
+    code = main(["convert", str(src), "-o", str(data / "t.json"), "--min-pixels", str(POLICY.min_pixels),
+                 "--max-pixels", str(POLICY.max_pixels), "-q", "--workers", "1", "--format",
+                 "coco" if content.startswith("{") else "sharegpt"])
+    assert code == 2 and "no records to write" in capsys.readouterr().err
+    assert not (data / "t.json").exists() and not (data / "dataset_info.json").exists()
+
+
+def test_sixteen_bit_grey_pngs_are_scaled_not_clipped(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    values = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)  # 0 .. 65520
+    path = tmp_path / "deep.png"
+    Image.fromarray(values).save(path)
+    image = model_input_image(str(path), ResizePolicy(56 * 56, 64 * 64 * 4))
+    pixels = np.asarray(image.convert("L"), dtype=np.float64)
+    assert image.mode == "RGB" and 100 < pixels.mean() < 155  # clipping gave a mean near 255

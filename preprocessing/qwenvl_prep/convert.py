@@ -103,8 +103,17 @@ def _info(path: str) -> ImageInfo:
 
 
 def _resolve(path: str, job: Job) -> str:
-    if path.startswith("file://"):
+    """A local path for an image reference; URLs and data URIs are refused by name (never a mangled path)."""
+    if path.startswith("file://localhost/"):
+        path = path[len("file://localhost"):]
+    elif path.startswith("file://"):
         path = path[len("file://"):]
+    scheme = path.split(":", 1)[0].lower() if ":" in path[:12] else ""
+    if scheme in ("http", "https", "ftp", "s3", "gs", "data"):
+        raise RecordError(f"image {path[:80]!r}: {scheme} URLs are not supported; download the images and use "
+                          "local paths")
+    if "\0" in path:
+        raise RecordError(f"image path {path[:80]!r} contains a NUL byte")
     return os.path.normpath(os.path.join(job.image_root, path))
 
 
@@ -319,6 +328,11 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
             stats["dropped"] = len(error_rows)
             _write_errors(errors_path, error_rows)
             raise Abort(_summary(opts, stats, errors_path, written=False))
+        if not stats["written"]:  # raised inside the writer: an existing output stays as it was
+            if error_rows:
+                _write_errors(errors_path, error_rows)
+            raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, {len(error_rows)} "
+                               "bad): nothing was written or registered")
     stats["dropped"] = len(error_rows)
     if error_rows:
         _write_errors(errors_path, error_rows)

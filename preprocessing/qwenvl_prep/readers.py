@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -18,21 +19,39 @@ class RecordError(ValueError):
     """A record whose structure cannot be understood (message says what is missing)."""
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def iter_raw(path: Path) -> Iterator[Any]:
-    """JSONL lines (unparsed ``str``, so workers parse them), or the items of a top-level JSON array, streamed."""
+    """JSONL lines (unparsed ``str``, so workers parse them), or the items of a top-level JSON array, streamed. A
+    UTF-8 byte-order mark is skipped; a line that is not UTF-8 is a RecordError (never silently replaced)."""
     with open(path, "rb") as f:
+        start = 3 if f.read(3) == _BOM else 0
+        f.seek(start)
         head = f.read(1)
         while head and head.isspace():
             head = f.read(1)
-        f.seek(0)
+        f.seek(start)
         if head == b"[":
-            import ijson
-
-            yield from ijson.items(f, "item", use_float=True)
+            yield from _array_items(f, path)
             return
         for line in f:
-            if line.strip():
-                yield line.decode("utf-8", errors="replace")
+            if not line.strip():
+                continue
+            try:
+                yield line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RecordError(f"line is not valid UTF-8 (byte {exc.start}: {line[exc.start:exc.start + 1]!r})")
+
+
+def _array_items(f: Any, path: Path) -> Iterator[Any]:
+    """The items of a top-level JSON array; a syntax error ends the stream with one RecordError naming where."""
+    import ijson
+
+    try:
+        yield from ijson.items(f, "item", use_float=True)
+    except (ijson.JSONError, UnicodeDecodeError) as exc:
+        yield RecordError(f"{path} is not a valid JSON array from here on ({exc}); the records before it are read")
 
 
 def _value(raw: Any) -> Any:
@@ -51,7 +70,9 @@ def detect_format(path: Path) -> str:
     if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
         if not path.suffix == ".jsonl":
             return "coco"
-    for value in map(_value, iter_raw(path)):
+    for value in itertools.islice(map(_value, iter_raw(path)), 20):
+        if isinstance(value, RecordError):
+            continue  # a bad first line is its own error row; the format comes from the next good one
         if isinstance(value, dict):
             if "messages" in value or "conversations" in value:
                 return "sharegpt"
@@ -60,7 +81,8 @@ def detect_format(path: Path) -> str:
             if "question" in value or "answer" in value or "image_path" in value:
                 return "jsonl"
         break
-    raise RecordError(f"{path}: cannot tell the format from the first record; pass --format")
+    raise RecordError(f"{path}: cannot tell the format from its first records (empty, or none of sharegpt, alpaca, "
+                      "plain JSONL or COCO); pass --format")
 
 
 def _sharegpt(record: dict) -> dict:
@@ -76,7 +98,12 @@ def _sharegpt(record: dict) -> dict:
         if role not in ROLE_MAP or not isinstance(content, str):
             raise RecordError(f"turn with role {role!r} and content of type {type(content).__name__} is not usable")
         messages.append({"role": ROLE_MAP[role], "content": content})
-    return {"messages": messages, "images": _images(record)}
+    images = _images(record)
+    tags = sum(m["content"].count("<image>") for m in messages)
+    if tags != len(images):
+        raise RecordError(f"the record has {len(images)} image(s) but {tags} <image> tag(s) in its messages; "
+                          "LLaMA-Factory needs one tag per image")
+    return {"messages": messages, "images": images}
 
 
 def _images(record: dict) -> list[str]:
@@ -99,7 +126,11 @@ def _alpaca(record: dict) -> dict:
     images = _images(record)
     prompt = record["instruction"] + (("\n" + record["input"]) if record.get("input") else "")
     messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-    for old_prompt, old_answer in record.get("history") or []:
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(turn, list) and len(turn) == 2 and all(isinstance(t, str) for t in turn) for turn in history):
+        raise RecordError("alpaca 'history' must be a list of [prompt, answer] string pairs")
+    for old_prompt, old_answer in history:
         messages += [{"role": "user", "content": old_prompt}, {"role": "assistant", "content": old_answer}]
     messages += [{"role": "user", "content": _with_image_tags(prompt, len(images))},
                  {"role": "assistant", "content": record["output"]}]
