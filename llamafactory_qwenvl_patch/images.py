@@ -65,6 +65,8 @@ def open_image(source: Any) -> Image.Image:
         raise ImageError(f"image {name}: file not found") from None
     except UnidentifiedImageError:
         raise ImageError(f"image {name}: not a readable image file") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image {name}: refused as a decompression bomb ({exc})") from None
     except (OSError, KeyError, TypeError) as exc:
         raise ImageError(f"image {name}: cannot open ({exc})") from None
 
@@ -78,6 +80,8 @@ def decode(image: Image.Image, name: str) -> Image.Image:
     conversion clips them, and a 16-bit PNG would train as a near-white image."""
     try:
         image.load()
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image {name}: refused as a decompression bomb ({exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(f"image {name}: cannot decode pixels ({exc}); the file is truncated or corrupt") from None
     if image.mode in _WIDE_MODES:

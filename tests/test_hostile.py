@@ -1,5 +1,7 @@
-"""Hostile input built on the fly: image paths that are not regular files (a FIFO would block forever, a
-directory is not an image) are named errors everywhere an image is opened, and never a hang."""
+"""Hostile input built on the fly (issue 11's classes): paths that are not regular files, frames that are wrong,
+boxes that collapse, outputs that would clobber inputs, records that are odd, corrupt images the pre-flight must
+catch, EXIF layouts the fast header reader must read as PIL does. Each is a named error, never a hang or a
+traceback, and the rest of the records still convert."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, save_image
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llamafactory_qwenvl_patch.images import ImageError, model_input_image, open_image
 from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
@@ -342,3 +346,138 @@ def test_sixteen_bit_grey_pngs_are_scaled_not_clipped(tmp_path):
     image = model_input_image(str(path), ResizePolicy(56 * 56, 64 * 64 * 4))
     pixels = np.asarray(image.convert("L"), dtype=np.float64)
     assert image.mode == "RGB" and 100 < pixels.mean() < 155  # clipping gave a mean near 255
+
+
+def _segments(data: bytes) -> tuple[list[bytes], bytes]:
+    """A JPEG's header segments (after SOI, before the first scan) and the rest from the scan on."""
+    segments, i = [], 2
+    while data[i + 1] != 0xDA:
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        segments.append(data[i:i + 2 + length])
+        i += 2 + length
+    return segments, data[i:]
+
+
+def _exif_segment(orientation: int) -> bytes:
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    payload = b"Exif\x00\x00" + exif.tobytes()
+    return b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(8, 2000), h=st.integers(8, 2000), orientations=st.lists(st.sampled_from([1, 3, 6, 8]),
+                                                                                  max_size=2),
+       position=st.integers(0, 20), data=st.data())
+def test_exif_anywhere_before_the_scan_agrees_with_pil(tmp_path_factory, w, h, orientations, position, data):
+    """Class 10: the fast header reader stopped at the frame header, so an EXIF segment after it (orientation 6
+    for PIL) read as 1 and `--exif error` never fired. Now it agrees with PIL on every layout: EXIF before or after
+    the frame header or the tables, several EXIF segments (the first wins), or XMP (handed to PIL)."""
+    from PIL import Image
+
+    from qwenvl_prep.imageinfo import _jpeg_info, read_info
+
+    buffer = tmp_path_factory.mktemp("exif") / "x.jpg"
+    Image.new("RGB", (w, h), (10, 20, 30)).save(buffer, quality=50)
+    segments, rest = _segments(buffer.read_bytes())
+    extra = [_exif_segment(o) for o in orientations]
+    xmp = data.draw(st.booleans())
+    if xmp:
+        payload = b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta><tiff:Orientation>6</tiff:Orientation></x:xmpmeta>"
+        extra.append(b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload)
+    for segment in extra:
+        segments.insert(min(position, len(segments)), segment)
+        position = data.draw(st.integers(0, len(segments)))
+    buffer.write_bytes(b"\xff\xd8" + b"".join(segments) + rest)
+    with Image.open(buffer) as pil:
+        expected = (pil.width, pil.height, int(pil.getexif().get(0x0112, 1) or 1))
+    info = read_info(buffer)
+    assert (info.width, info.height, info.orientation) == expected
+    fast = _jpeg_info(buffer.read_bytes())
+    assert (fast is None) == xmp  # the fast path answers every plain layout itself
+
+
+def _corrupt_images(tmp_path) -> dict[str, Path]:
+    """Class 9: files the old pre-flight passed and the tokenizer then died on, one per training attempt."""
+    import zlib
+
+    from PIL import Image
+
+    out = {}
+    for fmt in ("gif", "tiff", "bmp"):
+        good = tmp_path / f"good.{fmt}"
+        Image.effect_noise((300, 200), 64).convert("RGB" if fmt != "gif" else "P").save(good)
+        bad = tmp_path / f"truncated.{fmt}"
+        bad.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+        out[fmt] = bad
+    png = tmp_path / "good.png"
+    Image.effect_noise((300, 200), 64).convert("RGB").save(png)
+    raw = bytearray(png.read_bytes())
+    i = raw.index(b"IDAT") - 4
+    length = int.from_bytes(raw[i:i + 4], "big")
+    body = bytearray(raw[i + 8:i + 8 + length])
+    body[length // 2:length // 2 + 40] = bytes(40)  # damaged compressed data ...
+    raw[i + 8:i + 8 + length] = body
+    raw[i + 8 + length:i + 12 + length] = zlib.crc32(bytes(raw[i + 4:i + 8 + length])).to_bytes(4, "big")  # ... valid CRC
+    out["png"] = tmp_path / "crc_ok.png"
+    out["png"].write_bytes(bytes(raw))
+    jpeg = tmp_path / "good.jpg"
+    Image.effect_noise((300, 200), 64).convert("RGB").save(jpeg, quality=90)
+    data = jpeg.read_bytes()
+    comment = b"\xff\xfe\x00\x06\xff\xd9\x00\x00"  # a comment whose text holds an end-of-image marker
+    sos = data.index(b"\xff\xda")
+    out["jpg"] = tmp_path / "truncated_comment.jpg"
+    out["jpg"].write_bytes(data[:sos] + comment + data[sos:sos + 600])
+    return out
+
+
+def test_preflight_catches_corrupt_files_of_every_format(tmp_path):
+    from llamafactory_qwenvl_patch.preflight import check_image
+
+    for kind, path in _corrupt_images(tmp_path).items():
+        with pytest.raises(ImageError, match=path.name):
+            check_image(str(path), POLICY)
+        assert (tmp_path / f"good.{kind}").exists()
+        check_image(str(tmp_path / f"good.{kind}"), POLICY)
+
+
+def test_preflight_reports_all_bad_files_at_once(tmp_path):
+    import datasets
+
+    from llamafactory_qwenvl_patch.preflight import DatasetImageError, check_dataset_images
+
+    bad = [str(p) for p in _corrupt_images(tmp_path).values()]
+    dataset = datasets.Dataset.from_dict({"_images": [[p] for p in bad + [str(tmp_path / "good.png")]],
+                                          "_prompt": [[{"role": "user", "content": "Q"}]] * (len(bad) + 1)})
+    with pytest.raises(DatasetImageError, match=f"{len(bad)} image problem") as caught:
+        check_dataset_images(dataset, POLICY)
+    assert all(Path(p).name in str(caught.value) for p in bad)
+
+
+def test_a_decompression_bomb_is_an_error_row_and_the_rest_convert(tmp_path):
+    """Class 7: PIL's pixel limit held, but its DecompressionBombError aborted the whole run listing nothing."""
+    import zlib
+
+    from PIL import Image
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    width = height = 20000  # 400 MP of one grey value: a few hundred KB of PNG
+    row = b"\x00" + b"\x80" * width
+    idat = zlib.compress(row * height, 9)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 0, 0, 0, 0])
+    (tmp_path / "bomb.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat)
+                                        + chunk(b"IEND", b""))
+    with pytest.raises(ImageError, match="bomb.png: refused as a decompression bomb"):
+        open_image(str(tmp_path / "bomb.png"))
+    code, out = run_convert(tmp_path, [RECORD, {**RECORD, "image": "bomb.png"}], "--input-coords", "abs",
+                            "--skip-bad")
+    assert code == 0 and len(json.loads(out.read_text())) == 1
+    [row] = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert row["record"] == 1 and "decompression bomb" in row["error"]
+    assert Image.MAX_IMAGE_PIXELS < width * height / 2  # the limit itself is PIL's, untouched

@@ -22,7 +22,7 @@ def test_truncated_jpeg_caught_trailer_accepted(tmp_path):
     check_image(str(good), POLICY)
     check_image(str(trailer), POLICY)
     check_image({"bytes": data, "path": None}, POLICY)
-    with pytest.raises(ImageError, match="truncated.jpg: cannot decode .* truncated"):
+    with pytest.raises(ImageError, match="truncated.jpg: .*truncated"):
         check_image(str(truncated), POLICY)
 
 

@@ -39,14 +39,16 @@ _JPEG_SCAN_BYTES = 1 << 16
 
 
 def _jpeg_info(data: bytes) -> ImageInfo | None:
-    """Size and EXIF orientation from a JPEG's leading bytes, walking markers up to the frame header.
+    """Size and EXIF orientation from a JPEG's leading bytes, walking every marker segment up to the first scan.
 
     PIL's JPEG open parses every table before it reports a size, which dominates ``convert``'s time; this reads
-    only the SOF and APP1 segments (the EXIF payload itself is parsed by PIL). None: not a plain case, use PIL.
+    only the SOF and APP1 segments (the EXIF payload itself is parsed by PIL). Like PIL it reads the segments before
+    the first scan, wherever the EXIF sits relative to the frame header, and the first EXIF wins. None: not a plain
+    case (XMP, which PIL also reads an orientation from; bytes ending before the scan), use PIL.
     """
     if data[:2] != b"\xff\xd8":
         return None
-    orientation, i, end = 1, 2, len(data)
+    orientation, size, i, end = None, None, 2, len(data)
     while i + 4 <= end:
         if data[i] != 0xFF:
             return None
@@ -58,18 +60,29 @@ def _jpeg_info(data: bytes) -> ImageInfo | None:
             i += 2
             continue
         length = int.from_bytes(data[i + 2:i + 4], "big")
-        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+        if marker == 0xDA:  # first scan: every header segment has been seen
+            if size is None:
+                return None
+            return ImageInfo(size[0], size[1], orientation or 1)
+        if marker == 0xE1:
             if i + 2 + length > end:
                 return None
-            exif = Image.Exif()
-            exif.load(data[i + 4:i + 2 + length])
-            orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
-        elif marker in _SOF:
+            payload = data[i + 4:i + 2 + length]
+            if payload.startswith(b"Exif\x00\x00"):
+                if orientation is None:
+                    exif = Image.Exif()
+                    exif.load(payload)
+                    orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+            elif b"xap/1.0" in payload[:64] or b"xmp" in payload[:64].lower():
+                return None
+        elif marker in _SOF and size is None:
             if i + 9 > end:
                 return None
             height = int.from_bytes(data[i + 5:i + 7], "big")
             width = int.from_bytes(data[i + 7:i + 9], "big")
-            return ImageInfo(width, height, orientation) if width and height else None
+            if not (width and height):
+                return None
+            size = (width, height)
         i += 2 + length
     return None
 
