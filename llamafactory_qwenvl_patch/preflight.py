@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from PIL import Image
 
+from llamafactory_qwenvl_patch import jpeg
 from llamafactory_qwenvl_patch.images import ImageError, describe, open_image
 from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
 
@@ -23,44 +24,6 @@ MAX_LISTED = 20
 
 class DatasetImageError(ValueError):
     """One or more samples of the training data have unusable images."""
-
-
-_RST = frozenset(range(0xD0, 0xD8))
-
-
-def jpeg_complete(data: bytes | mmap.mmap) -> bool:
-    """True when a JPEG's marker structure is whole: segments walked by their lengths (so an end marker inside a
-    comment does not count), each scan's entropy-coded data skipped to its next marker, up to the end-of-image
-    marker. A truncated download ends inside a scan. Byte searches run in C; nothing is decoded."""
-    end, i = len(data), 2
-    if data[:2] != b"\xff\xd8":
-        return False
-    while i + 2 <= end:
-        if data[i] != 0xFF:
-            return False
-        marker = data[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker == 0xD9:
-            return True
-        if marker in _RST or marker == 0x01:
-            i += 2
-            continue
-        if i + 4 > end:
-            return False
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
-        if marker != 0xDA:
-            continue
-        while True:  # entropy-coded data: the next 0xFF not followed by a stuffed 0x00 or a restart marker
-            i = data.find(b"\xff", i)
-            if i < 0 or i + 1 >= end:
-                return False
-            if data[i + 1] == 0x00 or data[i + 1] in _RST:
-                i += 2
-                continue
-            break
-    return False
 
 
 def png_complete(data: bytes | mmap.mmap) -> bool:
@@ -106,14 +69,14 @@ def _file_bytes(source: Any) -> Iterator[bytes | mmap.mmap | None]:
         yield data
 
 
-_STRUCTURAL = {"JPEG": jpeg_complete, "PNG": png_complete}
+_STRUCTURAL = {"JPEG": jpeg.is_complete, "PNG": png_complete}
 
 
 def check_image(source: Any, policy: ResizePolicy) -> None:
     """Raise ImageError if the image is missing, unreadable, truncated, corrupt or outside the policy's aspect limit.
 
     Fast for healthy data, since it runs at every training start: JPEG and PNG get a structural check that reads the
-    file but decodes nothing (``jpeg_complete``, ``png_complete``); other formats (GIF, TIFF, BMP, WebP, ...) have no
+    file but decodes nothing (``jpeg.is_complete``, ``png_complete``); other formats (GIF, TIFF, BMP, WebP, ...) have no
     cheap check and are decoded.
     """
     name = describe(source)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from llamafactory_qwenvl_patch import jpeg
 from llamafactory_qwenvl_patch.images import ImageError, open_image, require_regular_file
 
 EXIF_ORIENTATION = 0x0112
@@ -33,7 +34,6 @@ class ImageInfo:
 
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01, 0xD8}
 _JPEG_FIRST_READ = 1 << 12
 _JPEG_SCAN_BYTES = 1 << 16
 
@@ -48,42 +48,23 @@ def _jpeg_info(data: bytes) -> ImageInfo | None:
     """
     if data[:2] != b"\xff\xd8":
         return None
-    orientation, size, i, end = None, None, 2, len(data)
-    while i + 4 <= end:
-        if data[i] != 0xFF:
+    orientation, size = None, None
+    for marker, start, after in jpeg.segments(data):
+        payload = data[start:after]
+        if marker == jpeg.SOS:  # first scan: every header segment has been seen
+            return ImageInfo(size[0], size[1], orientation or 1) if size else None
+        if marker == 0xE1 and payload.startswith(b"Exif\x00\x00"):
+            if orientation is None:
+                exif = Image.Exif()
+                exif.load(payload)
+                orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+        elif marker == 0xE1 and (b"xap/1.0" in payload[:64] or b"xmp" in payload[:64].lower()):
             return None
-        marker = data[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker in _STANDALONE:
-            i += 2
-            continue
-        length = int.from_bytes(data[i + 2:i + 4], "big")
-        if marker == 0xDA:  # first scan: every header segment has been seen
-            if size is None:
-                return None
-            return ImageInfo(size[0], size[1], orientation or 1)
-        if marker == 0xE1:
-            if i + 2 + length > end:
-                return None
-            payload = data[i + 4:i + 2 + length]
-            if payload.startswith(b"Exif\x00\x00"):
-                if orientation is None:
-                    exif = Image.Exif()
-                    exif.load(payload)
-                    orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
-            elif b"xap/1.0" in payload[:64] or b"xmp" in payload[:64].lower():
-                return None
-        elif marker in _SOF and size is None:
-            if i + 9 > end:
-                return None
-            height = int.from_bytes(data[i + 5:i + 7], "big")
-            width = int.from_bytes(data[i + 7:i + 9], "big")
+        elif marker in _SOF and size is None and len(payload) >= 5:
+            height, width = int.from_bytes(payload[1:3], "big"), int.from_bytes(payload[3:5], "big")
             if not (width and height):
                 return None
             size = (width, height)
-        i += 2 + length
     return None
 
 
