@@ -1,7 +1,9 @@
-"""Finding and rewriting coordinates in grounding answers (pure functions, shared by convert, rewards and eval).
+"""Finding and rewriting coordinates in grounding texts (pure functions, shared by convert, rewards and eval).
 
-Formats: Qwen2.5-VL / Qwen3-VL JSON ``[{"bbox_2d": [x1, y1, x2, y2], "label": ...}]`` (also ``point_2d``), bare or
-inside a json code fence; Qwen2-VL ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>``.
+Formats: Qwen2.5-VL / Qwen3-VL JSON ``[{"bbox_2d": [x1, y1, x2, y2], "label": ...}]`` (also ``point_2d``), bare,
+in code fences or embedded in prose, under any key and even double-encoded; Qwen2-VL
+``<|box_start|>(x1,y1),(x2,y2)<|box_end|>``. Every coordinate the parser can see is an item; coordinate-like text
+it cannot place is an AnswerError, so no coordinate is ever silently left in another frame.
 """
 
 from __future__ import annotations
@@ -34,29 +36,132 @@ class Item:
     label: str | None = None
 
 
-def _json_payload(text: str) -> tuple[Any, tuple[int, int]] | None:
-    """The JSON value of the answer (fenced or bare) and its character span, or None if it is not JSON."""
-    fence = _FENCE.search(text)
-    region_start, region = (fence.start(1), fence.group(1)) if fence else (0, text)
-    body = region.strip()
-    if not fence and not body.startswith(("[", "{")):
-        return None
-    start = region_start + region.index(body[0]) if body else region_start
-    span = (start, start + len(body))
+_MAX_STARTS = 64  # JSON start positions tried in prose (bounds the work on long hostile text)
+# What a coordinate looks like outside readable JSON: a key with a number after it, or a box token. The bare words
+# (prompts say "output the bbox_2d coordinates") are not coordinates.
+_COORD_TEXT = re.compile(r"(?:bbox_2d|point_2d)[\"']?\s*[:=]\s*[\[(]?\s*[-+]?\.?\d|<\|box_start\|>|<\|box_end\|>")
+
+
+def _has_coords(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(k in COORD_KEYS for k in value) or any(_has_coords(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_coords(v) for v in value)
+    if isinstance(value, str) and any(k in value for k in COORD_KEYS):
+        inner = _loads(value)
+        return inner is not None and _has_coords(inner)
+    return False
+
+
+def _loads(text: str) -> Any:
     try:
-        return json.loads(body), span
-    except json.JSONDecodeError as exc:
-        if any(key in body for key in COORD_KEYS):
-            raise AnswerError(f"answer JSON does not parse: {exc.msg} at position {exc.pos}") from None
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return None
 
 
-def _entries(payload: Any) -> list[dict]:
-    if isinstance(payload, dict):
-        payload = [payload]
-    if not isinstance(payload, list):
-        return []
-    return [entry for entry in payload if isinstance(entry, dict) and any(k in entry for k in COORD_KEYS)]
+def _walk(value: Any, visit: Callable[[str, Any, dict], Any]) -> Any:
+    """``value`` with every coordinate list replaced by ``visit(kind, coords, entry)``, in a fixed order: dict keys
+    in order (a ``bbox_2d`` and a ``point_2d`` of one object are both visited), lists in order, and JSON text inside
+    a string (double-encoded JSON) decoded, walked and encoded again."""
+    if isinstance(value, dict):
+        return {k: visit(k, v, value) if k in COORD_KEYS else _walk(v, visit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, visit) for v in value]
+    if isinstance(value, str) and any(k in value for k in COORD_KEYS):
+        inner = _loads(value)
+        if inner is not None and _has_coords(inner):
+            return json.dumps(_walk(inner, visit), ensure_ascii=False)
+    return value
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where coordinates sit in the text: a JSON value (``value``) or Qwen2-VL box tokens (``value`` None)."""
+
+    start: int
+    end: int
+    value: Any = None
+
+
+def _json_sites(text: str) -> list[_Site]:
+    """Every JSON value with coordinates: the whole text (even a double-encoded string), or each code fence's body,
+    then values embedded in the remaining text."""
+    stripped = text.strip()
+    whole = _loads(stripped) if stripped[:1] in ('"', "[", "{") else None
+    if whole is not None and _has_coords(whole):
+        start = text.index(stripped[0])
+        return [_Site(start, start + len(stripped), whole)]
+    sites: list[_Site] = []
+    for fence in _FENCE.finditer(text):
+        body = fence.group(1)
+        stripped = body.strip()
+        value = _loads(stripped)
+        if value is None:
+            if _COORD_TEXT.search(body):
+                raise AnswerError(f"a code fence with coordinates does not parse as JSON: {stripped[:80]!r}")
+            continue
+        if _has_coords(value):
+            start = fence.start(1) + body.index(stripped[0]) if stripped else fence.start(1)
+            sites.append(_Site(start, start + len(stripped), value))
+    fenced = [(f.start(), f.end()) for f in _FENCE.finditer(text)]
+    decoder, i, tries = json.JSONDecoder(), 0, 0
+    while tries < _MAX_STARTS:
+        starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
+        if not starts:
+            break
+        j = min(starts)
+        if any(a <= j < b for a, b in fenced):
+            i = next(b for a, b in fenced if a <= j < b)
+            continue
+        tries += 1
+        try:
+            value, end = decoder.raw_decode(text, j)
+        except (ValueError, RecursionError):
+            i = j + 1
+            continue
+        if _has_coords(value):
+            sites.append(_Site(j, end, value))
+        i = end
+    return sites
+
+
+def _token_sites(text: str, taken: list[_Site]) -> list[_Site]:
+    return [_Site(m.start(), m.end()) for m in _BOX_TOKENS.finditer(text)
+            if not any(s.start <= m.start() < s.end for s in taken)]
+
+
+def _check_nothing_left(text: str, sites: list[_Site]) -> None:
+    """Coordinate-like text outside every site it could read is an error, never a silent pass-through."""
+    rest, last = [], 0
+    for site in sorted(sites, key=lambda s: s.start):
+        rest.append(text[last:site.start])
+        last = site.end
+    rest.append(text[last:])
+    leftover = _COORD_TEXT.search("".join(rest))
+    if leftover:
+        joined = "".join(rest)
+        around = joined[max(0, leftover.start() - 30):leftover.end() + 30]
+        raise AnswerError(f"the text has coordinates that cannot be read as bbox_2d / point_2d JSON or box tokens: "
+                          f"{around!r}")
+
+
+def _entry_item(kind: str, values: Any, entry: dict) -> Item:
+    arity = 4 if kind == "bbox_2d" else 2
+    if not isinstance(values, list) or len(values) != arity:
+        raise AnswerError(f"{kind} must be a list of {arity} numbers, got {values!r}")
+    label = entry.get("label")
+    return Item(kind, tuple(_number(v) for v in values), None if label is None else str(label))
+
+
+def _token_item(text: str, site: _Site) -> Item:
+    match = _BOX_TOKENS.match(text, site.start)
+    try:
+        coords = tuple(_number(float(v)) for v in match.groups())
+    except ValueError:
+        raise AnswerError(f"box {match.group(0)!r} has a non-number") from None
+    ref = _REF.search(text[: site.start])
+    return Item("bbox_2d", coords, ref.group(1).strip() if ref else None)
 
 
 def _number(value: Any) -> float:
@@ -67,58 +172,46 @@ def _number(value: Any) -> float:
     return float(value)
 
 
-def _item(entry: dict) -> Item:
-    kind = "bbox_2d" if "bbox_2d" in entry else "point_2d"
-    values = entry[kind]
-    arity = 4 if kind == "bbox_2d" else 2
-    if not isinstance(values, list) or len(values) != arity:
-        raise AnswerError(f"{kind} must be a list of {arity} numbers, got {values!r}")
-    label = entry.get("label")
-    return Item(kind, tuple(_number(v) for v in values), None if label is None else str(label))
-
-
 @dataclass
 class ParsedAnswer:
-    """An answer parsed once: its items, and what is needed to rewrite their coordinates in its own syntax."""
+    """A text parsed once: every coordinate site in text order, its items, and how to write them back."""
 
     text: str
     items: list[Item]
-    payload: Any = None
-    span: tuple[int, int] | None = None
+    sites: list[_Site]
 
     def rewrite(self, transform: Callable[[Item], Sequence[float]]) -> str:
-        """The answer with every item's coordinates replaced by ``transform(item)``; unchanged if it has none."""
+        """The text with every item's coordinates replaced by ``transform(item)``; unchanged if it has none."""
         if not self.items:
             return self.text
-        if self.span is not None:
-            for entry, item in zip(_entries(self.payload), self.items):
-                entry[item.kind] = [_format_number(v) for v in transform(item)]
-            start, end = self.span
-            return self.text[:start] + json.dumps(self.payload, ensure_ascii=False) + self.text[end:]
-        coords = iter([[_format_number(v) for v in transform(item)] for item in self.items])
-
-        def replace(match: re.Match) -> str:
-            x1, y1, x2, y2 = next(coords)
-            return f"<|box_start|>({x1},{y1}),({x2},{y2})<|box_end|>"
-
-        return _BOX_TOKENS.sub(replace, self.text)
+        new = iter([[_format_number(v) for v in transform(item)] for item in self.items])
+        out, last = [], 0
+        for site in self.sites:
+            out.append(self.text[last:site.start])
+            if site.value is None:
+                x1, y1, x2, y2 = next(new)
+                out.append(f"<|box_start|>({x1},{y1}),({x2},{y2})<|box_end|>")
+            else:
+                out.append(json.dumps(_walk(site.value, lambda kind, values, entry: next(new)), ensure_ascii=False))
+            last = site.end
+        out.append(self.text[last:])
+        return "".join(out)
 
 
 def parse_answer(text: str) -> ParsedAnswer:
-    """Parse boxes and points; AnswerError when they are malformed."""
-    found = _json_payload(text)
-    if found is not None:
-        payload, span = found
-        return ParsedAnswer(text, [_item(entry) for entry in _entries(payload)], payload, span)
-    items = []
-    for match in _BOX_TOKENS.finditer(text):
-        try:
-            coords = tuple(_number(float(v)) for v in match.groups())
-        except ValueError:
-            raise AnswerError(f"box {match.group(0)!r} has a non-number") from None
-        ref = _REF.search(text[: match.start()])
-        items.append(Item("bbox_2d", coords, ref.group(1).strip() if ref else None))
-    return ParsedAnswer(text, items)
+    """Every box and point in a text: JSON (bare, fenced, several fences, embedded in prose, nested under any key,
+    double-encoded) and Qwen2-VL box tokens. AnswerError when coordinates are malformed or when coordinate-like text
+    is left that none of these forms can read."""
+    sites = _json_sites(text)
+    sites = sorted(sites + _token_sites(text, sites), key=lambda site: site.start)
+    _check_nothing_left(text, sites)
+    items: list[Item] = []
+    for site in sites:
+        if site.value is None:
+            items.append(_token_item(text, site))
+        else:
+            _walk(site.value, lambda kind, values, entry: items.append(_entry_item(kind, values, entry)) or values)
+    return ParsedAnswer(text, items, sites)
 
 
 def parse_items(text: str) -> list[Item]:

@@ -152,7 +152,7 @@ BAD = [
     ("aspect ratio", sharegpt("thin.png", '[{"bbox_2d": [1, 1, 5, 5]}]'), "aspect ratio 250.0"),
     ("not json", "{this is not json", "not valid JSON"),
     ("no messages", {"images": ["wide.jpg"]}, "no 'messages'"),
-    ("bad answer json", sharegpt("wide.jpg", '[{"bbox_2d": [1, 2, 3}]'), "does not parse"),
+    ("bad answer json", sharegpt("wide.jpg", '[{"bbox_2d": [1, 2, 3}]'), "cannot be read"),
     ("two images", {"messages": [{"role": "user", "content": "<image><image>Find it."},
                                  {"role": "assistant", "content": '[{"bbox_2d": [1, 1, 5, 5]}]'}],
                     "images": ["wide.jpg", "wide.jpg"]}, "exactly 1"),

@@ -481,3 +481,53 @@ def test_a_decompression_bomb_is_an_error_row_and_the_rest_convert(tmp_path):
     [row] = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
     assert row["record"] == 1 and "decompression bomb" in row["error"]
     assert Image.MAX_IMAGE_PIXELS < width * height / 2  # the limit itself is PIL's, untouched
+
+
+BOX, POINT = [100, 200, 300, 400], [500, 600]
+FORMS = {
+    "json after prose": f'The object is at {json.dumps([{"bbox_2d": BOX}])}.',
+    "under another key": json.dumps({"objects": [{"bbox_2d": BOX, "label": "a"}]}),
+    "double-encoded": json.dumps(json.dumps([{"bbox_2d": BOX}])),
+    "second fence": f'```json\n{json.dumps([{"bbox_2d": BOX}])}\n```\nand\n```json\n{json.dumps([{"point_2d": POINT}])}\n```',
+    "point with a box": json.dumps([{"bbox_2d": BOX, "point_2d": POINT}]),
+    "tokens after a fence": f'```json\n{json.dumps([{"point_2d": POINT}])}\n```'
+                            "<|object_ref_start|>cat<|object_ref_end|><|box_start|>(100,200),(300,400)<|box_end|>",
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_coordinate_anywhere_is_converted(tmp_path, form):
+    """Class 1: each of these was left in original pixels with exit 0 (and `check` then said OK)."""
+    from llamafactory_qwenvl_patch.answers import parse_items
+    from llamafactory_qwenvl_patch.policy import convert_coords
+
+    save_image(tmp_path / "wide.jpg", 2000, 1000)
+    text = FORMS[form]
+    before = parse_items(text)
+    assert before, "the parser shared by rewards and eval sees the coordinates"
+    code, out = run_convert(tmp_path, [{"image": "wide.jpg", "question": "Q", "answer": text}], "--input-coords", "abs")
+    assert code == 0
+    converted = json.loads(out.read_text())[0]["messages"][1]["content"]
+    model_hw = POLICY.model_size(1000, 2000)
+    expected = [tuple(convert_coords(item.coords, "orig", "model", (1000, 2000), model_hw)) for item in before]
+    assert [item.coords for item in parse_items(converted)] == expected
+    assert all(a != b for a, b in zip(expected, (item.coords for item in before)))
+
+
+def test_boxes_in_the_user_turn_are_converted_and_unreadable_ones_are_errors(tmp_path):
+    from llamafactory_qwenvl_patch.answers import parse_items
+
+    save_image(tmp_path / "wide.jpg", 2000, 1000)
+    records = [{"messages": [{"role": "user", "content": f'<image>What is at {json.dumps({"bbox_2d": BOX})}? '
+                                                         "Output the bbox_2d coordinates in JSON."},
+                             {"role": "assistant", "content": "A cat."}], "images": ["wide.jpg"]},
+               *[{"messages": [{"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": answer}],
+                  "images": ["wide.jpg"]}
+                 for answer in ("the box is bbox_2d: (100, 200, 300, 400)", "<|box_start|>(100,200)<|box_end|>")]]
+    code, out = run_convert(tmp_path, records, "--input-coords", "abs", "--skip-bad")
+    assert code == 0
+    [record] = json.loads(out.read_text())
+    [item] = parse_items(record["messages"][0]["content"])
+    assert list(item.coords) != BOX and "Output the bbox_2d coordinates" in record["messages"][0]["content"]
+    errors = {row["record"]: row["error"] for row in map(json.loads, Path(f"{out}.errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {1, 2} and all("cannot be read" in e for e in errors.values())

@@ -55,7 +55,8 @@ def test_a_prompt_in_another_frame_is_refused(parts):
 
     engine, _, tokenizer = parts
     image = Image.new("RGB", (280, 280), (10, 200, 30))  # 10 x 10 merged 28-px patches -> 100 tokens
-    with pytest.raises(FrameMismatchError, match="dataset record 7: vLLM's prompt has image tokens \\[100\\], the training batch \\[30\\]"):
+    expected = "dataset record 7: vLLM's prompt has image tokens \\[100\\], the training batch \\[30\\]"
+    with pytest.raises(FrameMismatchError, match=expected):
         engine.generate([prompt(tokenizer, 30)], [[image]], [7], tokenizer.pad_token_id)
 
 

@@ -151,7 +151,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
             raise record
         images = [_resolve(p, job) for p in record["images"]]
         image = images[0] if images else None
-        answers = [m for m in record["messages"] if m["role"] == "assistant"]
+        answers = [m for m in record["messages"] if m["role"] in ("user", "assistant")]  # boxes in prompts too
         parsed = [parse_answer(m["content"]) for m in answers]
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
