@@ -531,3 +531,40 @@ def test_boxes_in_the_user_turn_are_converted_and_unreadable_ones_are_errors(tmp
     assert list(item.coords) != BOX and "Output the bbox_2d coordinates" in record["messages"][0]["content"]
     errors = {row["record"]: row["error"] for row in map(json.loads, Path(f"{out}.errors.jsonl").read_text().splitlines())}
     assert set(errors) == {1, 2} and all("cannot be read" in e for e in errors.values())
+
+
+def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path):
+    """Class 8: after SIGTERM a hidden temp file stayed in the dataset folder and workers printed BrokenPipe
+    tracebacks; after SIGKILL nothing can clean up, so temp names carry the PID and the next run removes those of
+    dead processes."""
+    import signal
+    import time
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    src = tmp_path / "in.jsonl"
+    with open(src, "w") as f:
+        for i in range(60000):
+            f.write(json.dumps({**RECORD, "question": f"Find it {i}."}) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    process = subprocess.Popen([str(BIN / "qwenvl-prep"), "convert", str(src), "-o", str(data / "train.json"),
+                                "--input-coords", "abs", "-q", "--workers", "2", "--min-pixels",
+                                str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(data.glob(".train.json.*.tmp")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "convert finished before it could be interrupted; give it more records"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+    assert sorted(p.name for p in data.iterdir()) == []
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = data / f".train.json.{dead.pid}.abc123.tmp"
+    stale.write_text("half a file")
+    mine = data / f".train.json.{os.getpid()}.def456.tmp"  # a live process's temp file is never touched
+    mine.write_text("in progress")
+    code, _ = run_convert(tmp_path, [RECORD], "--input-coords", "abs")
+    assert code == 0 and not stale.exists() and mine.exists()

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
+import signal
 import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block is done (their handlers then run as usual)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextmanager
@@ -21,7 +34,9 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
         raise IsADirectoryError(f"{path} is a directory, not a file to write")
     target.parent.mkdir(parents=True, exist_ok=True)
     keep = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    remove_stale_temps(target)
+    with _signals_deferred():  # a SIGTERM between creating the temp file and entering ``try`` would leak it
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
@@ -30,6 +45,28 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(target: Path) -> list[Path]:
+    """Delete temp files of ``target`` left by runs that were killed (``.NAME.PID.*.tmp`` whose PID is gone): a
+    SIGKILL leaves no chance to clean up, so the next run does it."""
+    removed = []
+    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = tmp.name[len(target.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:

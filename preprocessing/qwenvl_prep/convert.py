@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -88,7 +89,10 @@ _info_cache: dict[str, ImageInfo] = {}
 
 
 def _init_worker(job: Job) -> None:
+    """Workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or SIGTERM)."""
     global _job
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _job = job
     _info_cache.clear()
 
