@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from statistics import mean
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
@@ -76,31 +75,34 @@ def score_grounding(truth: Sequence[Box], prediction: str, to_frame: Callable[[S
 
 @dataclass
 class Tally:
-    """Running totals behind Acc@0.5 (IoU >= 0.5 after one-to-one matching), mean IoU and parse failures."""
+    """Running sums behind Acc@0.5 (IoU >= 0.5 after one-to-one matching), mean IoU and parse failures: constant
+    memory however many records are scored."""
 
     samples: int = 0
     parse_failures: int = 0
     truth_boxes: int = 0
     hits: int = 0
-    ious: list[float] = field(default_factory=list)
-    offsets: list[float] = field(default_factory=list)
+    iou_sum: float = 0.0
+    offset_sum: float = 0.0
+    offsets: int = 0
 
     def add(self, score: GroundingScore) -> None:
         self.samples += 1
         self.parse_failures += score.failed
         self.truth_boxes += len(score.ious)
         self.hits += sum(value >= IOU_THRESHOLD for value in score.ious)
-        self.ious += score.ious
-        self.offsets += score.offsets
+        self.iou_sum += sum(score.ious)
+        self.offset_sum += sum(score.offsets)
+        self.offsets += len(score.offsets)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "samples": self.samples,
             "truth_boxes": self.truth_boxes,
             f"acc@{IOU_THRESHOLD}": round(self.hits / self.truth_boxes, 4) if self.truth_boxes else None,
-            "mean_iou": round(mean(self.ious), 4) if self.ious else None,
+            "mean_iou": round(self.iou_sum / self.truth_boxes, 4) if self.truth_boxes else None,
             "parse_failure_rate": round(self.parse_failures / self.samples, 4) if self.samples else None,
-            "mean_centre_offset_orig_px": round(mean(self.offsets), 2) if self.offsets else None,
+            "mean_centre_offset_orig_px": round(self.offset_sum / self.offsets, 2) if self.offsets else None,
         }
 
 

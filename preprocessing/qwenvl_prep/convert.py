@@ -11,6 +11,7 @@ import json
 import os
 import signal
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -291,8 +292,6 @@ def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
 
 def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     """Convert; returns the summary. Output and dataset_info are written only if nothing was dropped or skip_bad."""
-    from tqdm import tqdm
-
     opts.input, opts.output = Path(opts.input), Path(opts.output)
     if not opts.input.is_file():
         raise ConvertError(f"input {opts.input} not found")
@@ -308,42 +307,50 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
               str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
-    error_rows: list[dict] = []
-    as_array = opts.output.suffix == ".json"
-    with atomic_writer(opts.output) as out:
-        out.write("[\n" if as_array else "")
-        first = True
-        bar = tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True)
-        for result in bar:
-            stats["records"] += 1
-            for key in ("passthrough", "boxes", "points", "exif_baked"):
-                stats[key] += getattr(result, key)
-            if result.error is not None:
-                error_rows.append(result.error)
-                continue
-            stats["written"] += 1
-            if as_array:
-                out.write(("" if first else ",\n") + result.line)
-            else:
-                out.write(result.line + "\n")
-            first = False
-        out.write("\n]\n" if as_array else "")
-        if error_rows and not opts.skip_bad:
-            stats["dropped"] = len(error_rows)
-            _write_errors(errors_path, error_rows)
-            raise Abort(_summary(opts, stats, errors_path, written=False))
-        if not stats["written"]:  # raised inside the writer: an existing output stays as it was
-            if error_rows:
-                _write_errors(errors_path, error_rows)
-            raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, {len(error_rows)} "
-                               "bad): nothing was written or registered")
-    stats["dropped"] = len(error_rows)
-    if error_rows:
-        _write_errors(errors_path, error_rows)
-    elif errors_path.exists():
+    stopped: Exception | None = None
+    with ExitStack() as stack:  # the error report is streamed and committed even when the output is discarded
+        try:
+            with atomic_writer(opts.output) as out:
+                first = _write_records(opts, job, out, stats, stack, errors_path)
+                if stats["dropped"] and not opts.skip_bad:
+                    raise Abort(_summary(opts, stats, errors_path, written=False))
+                if first:  # raised inside the writer: an existing output stays as it was
+                    raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, "
+                                       f"{stats['dropped']} bad): nothing was written or registered")
+        except (Abort, ConvertError) as exc:
+            stopped = exc
+    if stopped is not None:
+        raise stopped
+    if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
     _register(opts)
-    return _summary(opts, stats, errors_path if error_rows else None, written=True)
+    return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True)
+
+
+def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, stack: ExitStack, errors_path: Path
+                   ) -> bool:
+    """Stream converted records to ``out`` and bad ones to the error report (opened at the first bad record), so
+    memory stays flat however many records are bad. Returns True when nothing was written."""
+    from tqdm import tqdm
+
+    as_array = opts.output.suffix == ".json"
+    out.write("[\n" if as_array else "")
+    first, errors = True, None
+    for result in tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True):
+        stats["records"] += 1
+        for key in ("passthrough", "boxes", "points", "exif_baked"):
+            stats[key] += getattr(result, key)
+        if result.error is not None:
+            if errors is None:
+                errors = stack.enter_context(atomic_writer(errors_path))
+            errors.write(json.dumps(result.error, ensure_ascii=False) + "\n")
+            stats["dropped"] += 1
+            continue
+        stats["written"] += 1
+        out.write((("" if first else ",\n") + result.line) if as_array else result.line + "\n")
+        first = False
+    out.write("\n]\n" if as_array else "")
+    return first
 
 
 def _check_outputs(opts: ConvertOptions) -> None:
@@ -382,12 +389,6 @@ class Abort(Exception):
     def __init__(self, summary: dict[str, Any]) -> None:
         super().__init__("records were dropped")
         self.summary = summary
-
-
-def _write_errors(path: Path, rows: list[dict]) -> None:
-    with atomic_writer(path) as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def _register(opts: ConvertOptions) -> None:
