@@ -167,9 +167,13 @@ def _token_item(text: str, site: _Site) -> Item:
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AnswerError(f"coordinate {value!r} is not a number")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:
+        raise AnswerError(f"coordinate {str(value)[:20]}... is too large") from None
+    if not math.isfinite(number):
         raise AnswerError(f"coordinate {value!r} is not finite")
-    return float(value)
+    return number
 
 
 @dataclass

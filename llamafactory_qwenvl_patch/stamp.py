@@ -30,13 +30,26 @@ class Stamp:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stamp":
-        policy = ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
+        """A stamp read back; a stamp missing a field or holding a non-integer is a StampError naming it (it was
+        edited by hand, or written by something else)."""
+        missing = [key for key in ("min_pixels", "max_pixels", "factor", "coords") if key not in data]
+        if missing:
+            raise StampError(f"the {STAMP_KEY} stamp {data!r} lacks {', '.join(missing)}; convert the data again "
+                             "with qwenvl-prep convert")
+        try:
+            policy = ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
+        except (TypeError, ValueError) as exc:
+            raise StampError(f"the {STAMP_KEY} stamp {data!r} is malformed ({exc})") from None
         return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")))
 
     def describe(self) -> str:
         p = self.policy
         return (f"min_pixels={p.min_pixels}, max_pixels={p.max_pixels}, factor={p.factor}, "
                 f"coords={self.coords} ({self.family or 'unknown family'})")
+
+
+class StampError(ValueError):
+    """A ``qwenvl_policy`` stamp that cannot be read."""
 
 
 def run_stamp(policy: ResizePolicy, family: str) -> Stamp:

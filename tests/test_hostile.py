@@ -568,3 +568,34 @@ def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path
     mine.write_text("in progress")
     code, _ = run_convert(tmp_path, [RECORD], "--input-coords", "abs")
     assert code == 0 and not stale.exists() and mine.exists()
+
+
+def test_malformed_exif_huge_integers_and_broken_stamps_are_named(tmp_path, capsys):
+    """Class 7: a malformed EXIF segment, integers too large for a float and a stamp without `factor` raised from
+    deep inside PIL, float() or int() and aborted the run."""
+    from PIL import Image
+
+    from qwenvl_prep.cli import main
+    from qwenvl_prep.imageinfo import read_info
+
+    path = tmp_path / "exif.jpg"
+    Image.new("RGB", (64, 48)).save(path)
+    data = path.read_bytes()
+    payload = b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\xff\xff" + b"\x01\x12" * 8  # offsets pointing nowhere
+    segment = b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload
+    path.write_bytes(data[:2] + segment + data[2:])
+    info = read_info(path)
+    assert (info.width, info.height, info.orientation) == (64, 48, 1)
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    huge = '[{"bbox_2d": [1, 2, ' + "9" * 400 + ", 40]}]"
+    code, out = run_convert(tmp_path, [RECORD, {**RECORD, "answer": huge}], "--input-coords", "abs", "--skip-bad")
+    assert code == 0
+    [row] = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert row["record"] == 1 and "too large" in row["error"]
+    info_path = out.parent / "dataset_info.json"
+    registry = json.loads(info_path.read_text())
+    del registry["train"]["qwenvl_policy"]["factor"]
+    info_path.write_text(json.dumps(registry))
+    capsys.readouterr()
+    assert main(["eval", str(out), "--predictions", str(tmp_path / "none.jsonl")]) == 2
+    assert "qwenvl_policy stamp" in (err := capsys.readouterr().err) and "lacks factor" in err

@@ -55,9 +55,12 @@ def _jpeg_info(data: bytes) -> ImageInfo | None:
             return ImageInfo(size[0], size[1], orientation or 1) if size else None
         if marker == 0xE1 and payload.startswith(b"Exif\x00\x00"):
             if orientation is None:
-                exif = Image.Exif()
-                exif.load(payload)
-                orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+                try:
+                    exif = Image.Exif()
+                    exif.load(payload)
+                    orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+                except Exception:  # noqa: BLE001 - malformed EXIF: PIL's own reading below decides
+                    return None
         elif marker == 0xE1 and (b"xap/1.0" in payload[:64] or b"xmp" in payload[:64].lower()):
             return None
         elif marker in _SOF and size is None and len(payload) >= 5:
@@ -84,7 +87,7 @@ def read_info(path: str | os.PathLike) -> ImageInfo:
     with open_image(str(path)) as image:
         try:
             orientation = int(image.getexif().get(EXIF_ORIENTATION, 1) or 1)
-        except (OSError, SyntaxError, ValueError):
+        except Exception:  # noqa: BLE001 - a malformed EXIF segment (struct errors, bad offsets) has no orientation
             orientation = 1
         return ImageInfo(image.width, image.height, orientation)
 
