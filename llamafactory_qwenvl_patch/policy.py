@@ -11,14 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 MAX_ASPECT_RATIO = 200
 MERGE_SIZE = 2
 
 # Coordinate conventions: ``orig`` original-image pixels, ``model`` absolute pixels of the resized model input
 # (Qwen2.5-VL), ``rel1000`` relative 0-1000 (Qwen2-VL, Qwen3-VL), ``rel1`` relative 0-1.
-Convention = Literal["orig", "model", "rel1000", "rel1"]
 CONVENTIONS: tuple[str, ...] = ("orig", "model", "rel1000", "rel1")
 _REL_SCALE = {"rel1000": 1000.0, "rel1": 1.0}
 

@@ -11,6 +11,8 @@ from helpers import grounding_record, save_image, train_config, write_sharegpt
 
 from llamafactory_qwenvl_patch.policy import ResizePolicy, stock_llamafactory_size
 
+pytestmark = pytest.mark.slow  # LF's dataset pipeline and model, about two minutes
+
 MIN_PIXELS, MAX_PIXELS = 256 * 28 * 28, 1024 * 28 * 28
 
 

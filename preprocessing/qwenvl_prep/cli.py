@@ -120,16 +120,16 @@ def _draw(args: argparse.Namespace) -> int:
 
 
 def _fix_config(args: argparse.Namespace) -> int:
-    from qwenvl_prep.fixconfig import inspect, rewrite_flat
+    from qwenvl_prep.fixconfig import inspect_model, rewrite_flat
 
     bounds = None
     if args.yaml:
         stamp = _spec(argparse.Namespace(from_yaml=args.yaml, family=None)).stamp
         bounds = (stamp.policy.min_pixels, stamp.policy.max_pixels)
-    report = inspect(args.model_dir, bounds)
+    report = inspect_model(args.model_dir, bounds)
     if args.flatten:
         report["rewrite"] = rewrite_flat(args.model_dir)
-        report = {**inspect(args.model_dir, bounds), "rewrite": report["rewrite"]}
+        report = {**inspect_model(args.model_dir, bounds), "rewrite": report["rewrite"]}
     print(json.dumps(report, indent=2))
     return 1 if report["problems"] else 0
 

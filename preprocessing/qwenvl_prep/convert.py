@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator
 import orjson
 
 from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_answer
+from llamafactory_qwenvl_patch.images import ImageError
 from llamafactory_qwenvl_patch.policy import (
     PolicyError,
     ResizePolicy,
@@ -33,7 +34,7 @@ from llamafactory_qwenvl_patch.policy import (
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
-from qwenvl_prep.imageinfo import ImageInfo, ImageInfoError, bake_exif, read_info
+from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
@@ -196,7 +197,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         if record.get("meta") is not None:
             out["meta"] = record["meta"]
         result.line = orjson.dumps(out).decode()
-    except (RecordError, AnswerError, PolicyError, ImageInfoError, ConvertError, KeyError, TypeError) as exc:
+    except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
         result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
     return result

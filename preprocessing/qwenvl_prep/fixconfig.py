@@ -73,7 +73,7 @@ def read_processor_bounds(model_dir: str | Path) -> tuple[int, int] | None:
     return None
 
 
-def inspect(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
+def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
     """Report on a model folder: layout, sub-config types, transformers versions, processor bounds vs the YAML."""
     import transformers
     from transformers import CONFIG_MAPPING

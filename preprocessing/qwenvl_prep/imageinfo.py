@@ -14,7 +14,6 @@ from llamafactory_qwenvl_patch import jpeg
 from llamafactory_qwenvl_patch.images import ImageError, open_image, require_regular_file
 
 EXIF_ORIENTATION = 0x0112
-ImageInfoError = ImageError
 
 
 @dataclass(frozen=True)
@@ -115,5 +114,5 @@ def bake_exif(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
     except (OSError, SyntaxError, ValueError) as exc:
-        raise ImageInfoError(f"image {src}: cannot bake EXIF orientation ({exc})") from None
+        raise ImageError(f"image {src}: cannot bake EXIF orientation ({exc})") from None
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
 from llamafactory_qwenvl_patch.images import model_input_image
@@ -71,9 +71,3 @@ class Predictor:
         except AnswerError as exc:
             row["parse_error"] = str(exc)
         return row
-
-
-def predict(model_dir: str | Path, images: list[str], prompt: str, max_new_tokens: int = 128) -> Iterator[dict]:
-    predictor = Predictor(model_dir, max_new_tokens)
-    for image in images:
-        yield predictor(image, prompt)

@@ -9,7 +9,6 @@ from pathlib import Path
 import orjson
 from typing import Any, Iterator
 
-FORMATS = ("auto", "sharegpt", "alpaca", "jsonl", "coco")
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
             "observation": "observation", "function_call": "function_call"}
 DEFAULT_COCO_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
