@@ -174,12 +174,11 @@ def _warn_unpinned(model_args: Any) -> None:
 
 
 def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
-    from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
+    from llamafactory_qwenvl_patch.families import resolve_family
     from llamafactory_qwenvl_patch.serving import ServingFrame
-    from llamafactory_qwenvl_patch.stamp import family_of_model
 
-    family = family_of_model(model_args.model_name_or_path) or ("qwen3_vl" if policy.factor == 32 else "qwen2_5_vl")
-    return ServingFrame(policy, FAMILY_CONVENTION[family], getattr(model_args, "qwenvl_answer_coords", "model"))
+    family = resolve_family(model_args.model_name_or_path, factor=policy.factor)
+    return ServingFrame(policy, family.coords, getattr(model_args, "qwenvl_answer_coords", "model"))
 
 
 def patch_model_loader(loader: ModuleType) -> None:
@@ -238,12 +237,12 @@ def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy) 
     """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run; warn about unstamped ones."""
     from llamafactory.extras import logging as lf_logging
 
-    from llamafactory_qwenvl_patch.policy import family_for_template
-    from llamafactory_qwenvl_patch.stamp import differences, family_of_model, read_dataset_info, run_stamp, stamp_of
+    from llamafactory_qwenvl_patch.families import resolve_family
+    from llamafactory_qwenvl_patch.stamp import differences, read_dataset_info, run_stamp, stamp_of
 
     names = [*(data_args.dataset or []), *(data_args.eval_dataset or [])]
     info = read_dataset_info(data_args.dataset_dir) if names else {}
-    family = family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template or "")
+    family = resolve_family(model_args.model_name_or_path, data_args.template).name
     run = run_stamp(policy, family)
     logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
     for name in names:

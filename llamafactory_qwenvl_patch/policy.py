@@ -21,9 +21,6 @@ MERGE_SIZE = 2
 CONVENTIONS: tuple[str, ...] = ("orig", "model", "rel1000", "rel1")
 _REL_SCALE = {"rel1000": 1000.0, "rel1": 1.0}
 
-# Model families and what they are trained on: the factor (2 * vision patch size) and the coordinate convention.
-FAMILY_FACTOR = {"qwen2_vl": 28, "qwen2_5_vl": 28, "qwen3_vl": 32}
-FAMILY_CONVENTION = {"qwen2_vl": "rel1000", "qwen2_5_vl": "model", "qwen3_vl": "rel1000"}
 
 
 class PolicyError(ValueError):
@@ -103,13 +100,6 @@ def _model_size(policy: ResizePolicy, height: int, width: int) -> tuple[int, int
             f"over the limit of {MAX_ASPECT_RATIO} that the HF processor enforces"
         )
     return out_h, out_w
-
-
-def family_for_template(template: str) -> str:
-    """Best guess of the model family from an LF template name; ``qwen2_vl`` is shared, Qwen2.5-VL is the default."""
-    if template.startswith(("qwen3_vl", "qwen3_5", "qwen3_6")):
-        return "qwen3_vl"
-    return "qwen2_5_vl"
 
 
 def _frame_scale(convention: str, orig_hw: tuple[int, int], model_hw: tuple[int, int]) -> tuple[float, float]:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, ResizePolicy
+from llamafactory_qwenvl_patch.families import FAMILIES
+from llamafactory_qwenvl_patch.policy import ResizePolicy
 
 STAMP_KEY = "qwenvl_policy"
 
@@ -54,7 +55,7 @@ class StampError(ValueError):
 
 def run_stamp(policy: ResizePolicy, family: str) -> Stamp:
     """What a dataset must be stamped with to train under ``policy`` for this model family."""
-    return Stamp(policy, FAMILY_CONVENTION[family], family)
+    return Stamp(policy, FAMILIES[family].coords, family)
 
 
 def differences(data: Stamp, run: Stamp) -> list[str]:
@@ -90,13 +91,3 @@ def stamp_of(entry: dict[str, Any]) -> Stamp | None:
     return Stamp.from_dict(data) if isinstance(data, dict) else None
 
 
-def family_of_model(model_dir: str | os.PathLike) -> str | None:
-    """Model family from a local checkpoint's ``config.json`` (None for hub names or unknown types)."""
-    path = Path(model_dir, "config.json")
-    if not path.is_file():
-        return None
-    model_type = json.loads(path.read_text()).get("model_type", "")
-    for family in ("qwen2_5_vl", "qwen3_vl", "qwen2_vl"):
-        if model_type.startswith(family):
-            return family
-    return None

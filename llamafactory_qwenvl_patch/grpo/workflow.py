@@ -60,13 +60,6 @@ def grpo_training_function(config: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def _family(model_args: Any, data_args: Any) -> str:
-    from llamafactory_qwenvl_patch.policy import family_for_template
-    from llamafactory_qwenvl_patch.stamp import family_of_model
-
-    return family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template or "")
-
-
 def _index(dataset: Any) -> Any:
     return dataset.add_column("grpo_index", list(range(len(dataset))))
 
@@ -113,7 +106,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
     from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
     from llamafactory_qwenvl_patch.grpo.trainer import GRPOCollator, GRPOTrainer
-    from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION
+    from llamafactory_qwenvl_patch.families import resolve_family
 
     logger = logging_mod.get_logger("llamafactory.qwenvl_patch.grpo")
     rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights, finetuning_args.cheat_rules)
@@ -155,7 +148,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, callbacks=callbacks, finetuning_args=finetuning_args, sampling=sampling,
         reward_funcs=rewards, ref_model=ref_model, resize_policy=policy, vllm_engine=engine,
-        coords=FAMILY_CONVENTION[_family(model_args, data_args)], stop_token_ids=template.get_stop_token_ids(tokenizer),
+        coords=resolve_family(model_args.model_name_or_path, data_args.template).coords, stop_token_ids=template.get_stop_token_ids(tokenizer),
         suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )
     if training_args.do_train:

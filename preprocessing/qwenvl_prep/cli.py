@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
+from llamafactory_qwenvl_patch.families import DEFAULT, FAMILIES
+
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from qwenvl_prep.tiny_model import build_tiny_model
@@ -32,7 +34,7 @@ def _spec(args: argparse.Namespace):
         return spec
     if args.min_pixels is None or args.max_pixels is None:
         raise ValueError("give --from-yaml TRAIN.yaml, or both --min-pixels and --max-pixels")
-    return spec_from_flags(args.min_pixels, args.max_pixels, args.family or "qwen2_5_vl")
+    return spec_from_flags(args.min_pixels, args.max_pixels, args.family or DEFAULT)
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -198,7 +200,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
                        "and the model family from the LLaMA-Factory training YAML (recommended)")
     group.add_argument("--min-pixels", type=int, help="pinned image_min_pixels (without --from-yaml)")
     group.add_argument("--max-pixels", type=int, help="pinned image_max_pixels (without --from-yaml)")
-    group.add_argument("--family", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
+    group.add_argument("--family", choices=list(FAMILIES),
                        help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL and Qwen3-VL on "
                        "relative 0-1000 (default: from the YAML's model config or template, else qwen2_5_vl)")
 
@@ -218,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer with the Qwen special tokens, processor, chat template) that LLaMA-Factory loads.",
     )
     tiny.add_argument("out", help="output folder (must not exist or be empty)")
-    tiny.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
+    tiny.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny_model)
 

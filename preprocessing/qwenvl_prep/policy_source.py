@@ -8,8 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, FAMILY_FACTOR, ResizePolicy, family_for_template
-from llamafactory_qwenvl_patch.stamp import Stamp, family_of_model
+from llamafactory_qwenvl_patch.families import FAMILIES, resolve_family
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.stamp import Stamp
 
 # LLaMA-Factory 0.9.5 defaults for the keys a YAML may omit (hparams/model_args.py).
 LF_DEFAULT_MIN_PIXELS = 32 * 32
@@ -53,17 +54,17 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
     config = load_yaml(path)
     template = config.get("template")
     model = config.get("model_name_or_path")
-    family = family or (family_of_model(model) if model else None) or family_for_template(template or "")
+    family = FAMILIES[family] if family else resolve_family(model, template)
     policy = ResizePolicy(
         int(config.get("image_min_pixels", LF_DEFAULT_MIN_PIXELS)),
         int(config.get("image_max_pixels", LF_DEFAULT_MAX_PIXELS)),
-        FAMILY_FACTOR[family],
+        family.factor,
     )
     dataset_dir = config.get("dataset_dir", "data")
     if dataset_dir and not os.path.isabs(dataset_dir):
         dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir
     return RunSpec(
-        stamp=Stamp(policy, FAMILY_CONVENTION[family], family),
+        stamp=Stamp(policy, family.coords, family.name),
         template=template,
         cutoff_len=int(config["cutoff_len"]) if "cutoff_len" in config else 2048,
         patched=bool(config.get("qwenvl_patch", False)),
@@ -73,7 +74,7 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
 
 
 def spec_from_flags(min_pixels: int, max_pixels: int, family: str) -> RunSpec:
-    if family not in FAMILY_FACTOR:
-        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILY_FACTOR)}")
-    policy = ResizePolicy(min_pixels, max_pixels, FAMILY_FACTOR[family])
-    return RunSpec(stamp=Stamp(policy, FAMILY_CONVENTION[family], family))
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    policy = ResizePolicy(min_pixels, max_pixels, FAMILIES[family].factor)
+    return RunSpec(stamp=Stamp(policy, FAMILIES[family].coords, family))

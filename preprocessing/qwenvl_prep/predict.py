@@ -10,8 +10,8 @@ from typing import Any
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
 from llamafactory_qwenvl_patch.images import model_input_image
 from llamafactory_qwenvl_patch.lf_patch import POLICY_FILE
-from llamafactory_qwenvl_patch.policy import FAMILY_CONVENTION, ResizePolicy, convert_coords
-from llamafactory_qwenvl_patch.stamp import family_of_model
+from llamafactory_qwenvl_patch.families import FAMILIES, family_of_model
+from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
 
 
 def model_policy(model_dir: str | Path, processor: Any) -> ResizePolicy:
@@ -38,7 +38,7 @@ class Predictor:
         family = family_of_model(model_dir)
         if family is None:
             raise ValueError(f"{model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
-        self.convention = FAMILY_CONVENTION[family]
+        self.convention = FAMILIES[family].coords
         self.max_new_tokens = max_new_tokens
 
     def __call__(self, image_path: str, prompt: str) -> dict[str, Any]:

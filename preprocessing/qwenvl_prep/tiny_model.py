@@ -11,6 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from llamafactory_qwenvl_patch.families import FAMILIES
+
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -54,7 +56,6 @@ _CORPUS = [
     "You are a helpful assistant. system user assistant",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 def build_tokenizer(vocab_size: int = 1024):
@@ -145,7 +146,7 @@ def _model_and_processor(family: str, tokenizer):
         video_processor = transformers.Qwen3VLVideoProcessor()
         processor_cls = transformers.Qwen3VLProcessor
     else:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+        raise ValueError(f"the tiny builder makes {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, not {family!r}")
     processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,

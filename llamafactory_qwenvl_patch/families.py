@@ -1,0 +1,70 @@
+"""The model-family registry: everything that differs between Qwen-VL generations, in one place.
+
+A new generation is one ``register(Family(...))`` here (and a test): the resize factor, the coordinate convention it
+answers in, how to recognise it from a checkpoint's ``config.json`` or an LLaMA-Factory template, and LF's plugin.
+Every caller resolves a family with ``resolve_family``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    factor: int  # vision patch size x spatial merge size: model-input sides are multiples of it
+    coords: str  # the convention its answers use: ``model`` (absolute model-input pixels) or ``rel1000``
+    model_types: tuple[str, ...]  # HF ``model_type`` prefixes of its checkpoints
+    templates: tuple[str, ...]  # LF template name prefixes
+    lf_plugin: str  # LF's mm_plugin class for its templates
+    tiny: bool = False  # ``qwenvl-prep tiny-model`` can build it
+
+
+FAMILIES: dict[str, Family] = {}
+DEFAULT = "qwen2_5_vl"
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", tiny=True))
+register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin"))
+register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl", "qwen3_5", "qwen3_6"), "Qwen3VLPlugin",
+                tiny=True))
+
+
+def family_of_model(model_dir: str | os.PathLike | None) -> str | None:
+    """The family of a local checkpoint from its ``config.json`` (None for hub names or unknown types); the
+    longest matching ``model_type`` prefix wins (``qwen2_5_vl`` before ``qwen2_vl``)."""
+    if not model_dir:
+        return None
+    path = Path(model_dir, "config.json")
+    if not path.is_file():
+        return None
+    model_type = json.loads(path.read_text()).get("model_type", "")
+    matches = [(len(prefix), f.name) for f in FAMILIES.values() for prefix in f.model_types
+               if model_type.startswith(prefix)]
+    return max(matches)[1] if matches else None
+
+
+def family_for_template(template: str | None) -> str | None:
+    """The family an LF template belongs to (the longest matching prefix), None if none claims it."""
+    matches = [(len(prefix), f.name) for f in FAMILIES.values() for prefix in f.templates
+               if (template or "").startswith(prefix)]
+    return max(matches)[1] if matches else None
+
+
+def resolve_family(model_dir: str | os.PathLike | None = None, template: str | None = None,
+                   factor: int | None = None) -> Family:
+    """The one way to tell a run's family: the checkpoint's config, else the LF template, else the family with
+    that resize factor, else Qwen2.5-VL."""
+    name = family_of_model(model_dir) or family_for_template(template)
+    if name is None and factor is not None:
+        name = next((f.name for f in FAMILIES.values() if f.factor == factor), None)
+    return FAMILIES[name or DEFAULT]

@@ -1,0 +1,53 @@
+"""The family registry: one place for everything that differs between Qwen-VL generations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import save_image
+
+from llamafactory_qwenvl_patch.families import FAMILIES, Family, register, resolve_family
+
+
+@pytest.fixture()
+def qwen9():
+    """A made-up next generation: factor 56, relative coordinates, its own model type and template."""
+    family = register(Family("qwen9_vl", 56, "rel1000", ("qwen9_vl",), ("qwen9",), "Qwen3VLPlugin"))
+    yield family
+    del FAMILIES["qwen9_vl"]
+
+
+def test_resolution_order(tmp_path, qwen9):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert resolve_family(model, "qwen9_vl").name == "qwen2_5_vl"  # the checkpoint wins over the template
+    assert resolve_family(tmp_path / "hub/name", "qwen9_vl").name == "qwen9_vl"
+    assert resolve_family(None, "qwen2_vl").name == "qwen2_5_vl"  # LF's qwen2_vl template serves Qwen2.5-VL
+    assert resolve_family(None, "qwen3_vl_nothink").name == "qwen3_vl"
+    assert resolve_family(None, "unknown", factor=56).name == "qwen9_vl"
+    assert resolve_family().name == "qwen2_5_vl"
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    assert resolve_family(model).name == "qwen2_vl"
+
+
+def test_a_new_family_is_one_registration_away(tmp_path, qwen9, capsys):
+    """Registered in one place, the family reaches the CLI's choices, the policy (factor 56), convert's
+    conventions and the stamp."""
+    from llamafactory_qwenvl_patch.answers import parse_items
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "wide.jpg", 2000, 1000)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"image": "wide.jpg", "question": "Where?",
+                                                   "answer": '[{"bbox_2d": [0, 0, 1000, 500]}]'}) + "\n")
+    out = tmp_path / "data" / "t.jsonl"
+    assert main(["convert", str(tmp_path / "in.jsonl"), "-o", str(out), "--input-coords", "abs", "--family",
+                 "qwen9_vl", "--min-pixels", str(56 * 56 * 4), "--max-pixels", str(56 * 56 * 64), "-q"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["stamp"]["factor"], summary["stamp"]["coords"], summary["stamp"]["family"]) == (
+        56, "rel1000", "qwen9_vl")
+    [item] = parse_items(json.loads(out.read_text().splitlines()[0])["messages"][1]["content"])
+    assert item.coords == (0, 0, 500, 500)  # relative 0-1000, whatever the factor
+    stamp = json.loads((out.parent / "dataset_info.json").read_text())["t"]["qwenvl_policy"]
+    assert stamp["factor"] == 56
