@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-_FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
+FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)  # a code fence and its body
 _BOX_TOKENS = re.compile(
     r"<\|box_start\|>\s*\(\s*([-+0-9.eE]+)\s*,\s*([-+0-9.eE]+)\s*\)\s*,\s*\(\s*([-+0-9.eE]+)\s*,\s*([-+0-9.eE]+)\s*\)"
     r"\s*<\|box_end\|>"
@@ -93,7 +93,7 @@ def _json_sites(text: str) -> list[_Site]:
         start = text.index(stripped[0])
         return [_Site(start, start + len(stripped), whole)]
     sites: list[_Site] = []
-    for fence in _FENCE.finditer(text):
+    for fence in FENCE.finditer(text):
         body = fence.group(1)
         stripped = body.strip()
         value = _loads(stripped)
@@ -104,7 +104,7 @@ def _json_sites(text: str) -> list[_Site]:
         if _has_coords(value):
             start = fence.start(1) + body.index(stripped[0]) if stripped else fence.start(1)
             sites.append(_Site(start, start + len(stripped), value))
-    fenced = [(f.start(), f.end()) for f in _FENCE.finditer(text)]
+    fenced = [(f.start(), f.end()) for f in FENCE.finditer(text)]
     decoder, i, tries = json.JSONDecoder(), 0, 0
     while tries < _MAX_STARTS:
         starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
@@ -221,6 +221,15 @@ def parse_answer(text: str) -> ParsedAnswer:
 def parse_items(text: str) -> list[Item]:
     """All boxes and points in an answer; [] when it has none; AnswerError when they are malformed."""
     return parse_answer(text).items
+
+
+def try_parse_items(text: str) -> list[Item] | None:
+    """All boxes and points of a model's answer, or None when they are malformed (rewards, metrics and drawings
+    score such an answer as a parse failure instead of stopping)."""
+    try:
+        return parse_answer(text).items
+    except AnswerError:
+        return None
 
 
 def _format_number(value: float) -> int | float:

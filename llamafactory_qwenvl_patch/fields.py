@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from llamafactory_qwenvl_patch.answers import FENCE
+
 FOUND, EQUAL, FORMAT = 0.3, 0.7, 1.0
-_FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
 _UNIT = r"(?:[$€£¥₹]|USD|EUR|GBP|CNY|RMB|JPY|CHF|INR)"
 _CURRENCY = re.compile(rf"^{_UNIT}\s*|\s*{_UNIT}$", re.IGNORECASE)
@@ -44,7 +45,7 @@ ABSTENTIONS = frozenset({"n/a", "na", "none", "null", "unknown", "not visible", 
 def normalize(text: Any) -> str:
     """Case-, width- and whitespace-insensitive form for exact matching (code fences and end punctuation dropped)."""
     text = unicodedata.normalize("NFKC", str(text))
-    fence = _FENCE.search(text)
+    fence = FENCE.search(text)
     text = fence.group(1) if fence else text
     return " ".join(text.casefold().split()).strip(" .;,")
 
@@ -124,14 +125,14 @@ def find_json(text: str) -> tuple[Any, bool] | None:
     """(the JSON value of an answer, whether the answer is exactly that value): a code fence, the whole text, or
     else the first object or array embedded in prose; None when there is none (or it nests too deep to parse)."""
     stripped = text.strip()
-    fences = _FENCE.findall(text)
+    fences = FENCE.findall(text)
     if fences:
         try:
             value = json.loads(fences[0])
         except (ValueError, RecursionError):
             value = _MISSING
         if value is not _MISSING:
-            return value, len(fences) == 1 and _FENCE.fullmatch(stripped) is not None
+            return value, len(fences) == 1 and FENCE.fullmatch(stripped) is not None
     try:
         return json.loads(stripped), True
     except (ValueError, RecursionError):

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.answers import try_parse_items
 from llamafactory_qwenvl_patch.fields import FieldScore
 
 Box = Sequence[float]
@@ -57,11 +57,9 @@ def score_grounding(truth: Sequence[Box], prediction: str, to_frame: Callable[[S
                     ) -> GroundingScore:
     """Score ``prediction`` against ``truth`` (already in the frame of the metric, e.g. original pixels);
     ``to_frame`` maps the prediction's coordinates into that frame."""
-    try:
-        items = parse_items(prediction)
-        failed = bool(truth) and not items
-    except AnswerError:
-        items, failed = [], True
+    parsed = try_parse_items(prediction)
+    items = parsed or []
+    failed = parsed is None or (bool(truth) and not items)
     predicted = [to_frame(item.coords) for item in items if item.kind == "bbox_2d"]
     matched = {t: (p, score) for t, p, score in match_boxes(truth, predicted)}
     ious, offsets = [], []

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.answers import try_parse_items
 from llamafactory_qwenvl_patch.cheats import CheatRules, cheats
 from llamafactory_qwenvl_patch.fields import FieldScore, confident, find_json, normalize, reference_value, score_fields
 from llamafactory_qwenvl_patch.metrics import match_boxes
@@ -31,15 +31,12 @@ from llamafactory_qwenvl_patch.metrics import match_boxes
 RewardFunc = Callable[..., list[float]]
 
 
-def _items(text: str) -> list:
-    try:
-        return parse_items(text)
-    except AnswerError:
-        return []
+def _parsed(text: str) -> list:
+    return try_parse_items(text) or []
 
 
 def _boxes(text: str) -> list[tuple[float, ...]]:
-    return [item.coords for item in _items(text) if item.kind == "bbox_2d"]
+    return [item.coords for item in _parsed(text) if item.kind == "bbox_2d"]
 
 
 def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
@@ -60,9 +57,9 @@ def format_reward(completions: Sequence[str], *, references: Sequence[str], **_:
     one JSON value of its type (bare or in one code fence, no prose around it); else any text."""
     out = []
     for completion, reference in zip(completions, references):
-        ref_items = _items(reference)
+        ref_items = _parsed(reference)
         if ref_items:
-            items = _items(completion)
+            items = _parsed(completion)
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)
         elif (truth := reference_value(reference)) is not None:
@@ -114,8 +111,8 @@ def no_cheat_reward(completions: Sequence[str], *, references: Sequence[str], pr
 def confident_answer(answer: str, reference: str) -> bool:
     """The answer commits to content of the reference's kind: a box or point for grounding, a filled field for
     field extraction, any text otherwise. On a blank image such an answer is a guess."""
-    if _items(reference):
-        return bool(_items(answer))
+    if _parsed(reference):
+        return bool(_parsed(answer))
     truth = reference_value(reference)
     return confident(answer, truth) if truth is not None else bool(answer.strip())
 

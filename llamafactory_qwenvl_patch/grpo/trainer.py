@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.answers import parse_items, try_parse_items
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
@@ -75,14 +75,6 @@ class GRPOCollator:
                                    blank=blank, meta=record_meta))
             stripped.append(feature)
         return self.collator(stripped), meta
-
-
-def _unparsed(text: str) -> bool:
-    """True when a text yields no boxes or points (malformed or absent)."""
-    try:
-        return not parse_items(text)
-    except AnswerError:
-        return True
 
 
 class _SamplerEpoch(TrainerCallback):
@@ -486,10 +478,10 @@ class GRPOTrainer(Trainer):
         metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
         tally, fields = Tally(), FieldTally()
         for sample, text in zip(meta, texts):
-            truth = reference_value(sample.reference) if _unparsed(sample.reference) else None
+            truth = reference_value(sample.reference) if not try_parse_items(sample.reference) else None
             if truth is not None:
                 fields.add(score_fields(text, truth))
-            if sample.orig_hw is None or sample.model_hw is None or _unparsed(sample.reference):
+            if sample.orig_hw is None or sample.model_hw is None or not try_parse_items(sample.reference):
                 continue
             to_orig = partial(convert_coords, src=self.coords, dst="orig", orig_hw=sample.orig_hw,
                               model_hw=sample.model_hw, ndigits=None)
@@ -519,8 +511,9 @@ class GRPOTrainer(Trainer):
         m["completion_length/mean"].append(float(lengths.mean()))
         m["completion_length/max"].append(float(lengths.max()))
         m["truncated_ratio"].append(float((~stopped).float().mean()))
-        grounded = [not _unparsed(sample.reference) for sample in meta]  # once per prompt, not per completion
-        m["parse_failures"].append(float(sum(_unparsed(text) for i, text in enumerate(texts) if grounded[i // G])))
+        grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
+        m["parse_failures"].append(float(sum(not try_parse_items(text) for i, text in enumerate(texts)
+                                             if grounded[i // G])))
 
     def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta]) -> None:
         from accelerate.utils import gather_object

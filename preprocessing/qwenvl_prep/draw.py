@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items
+from llamafactory_qwenvl_patch.answers import Item, try_parse_items
 from llamafactory_qwenvl_patch.images import decode, model_input_image, open_image
 from llamafactory_qwenvl_patch.policy import convert_coords
 from llamafactory_qwenvl_patch.stamp import Stamp
@@ -54,10 +54,7 @@ def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = No
 
     _draw_items(canvas, sample.items, mapped(sample.items), GT_COLOR, thickness)
     if prediction is not None:
-        try:
-            predicted = parse_items(prediction)
-        except AnswerError:
-            predicted = []
+        predicted = try_parse_items(prediction) or []
         _draw_items(canvas, predicted, mapped(predicted), PRED_COLOR, thickness)
     return canvas
 
