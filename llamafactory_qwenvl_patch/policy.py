@@ -214,35 +214,3 @@ def check_point(point: Sequence[float], convention: str, orig_hw: tuple[int, int
 # Processor bounds shipped in the official Qwen2-VL / Qwen2.5-VL ``preprocessor_config.json``.
 HUB_PROCESSOR_MIN_PIXELS = 3136
 HUB_PROCESSOR_MAX_PIXELS = 12845056
-
-
-def stock_llamafactory_size(
-    height: int,
-    width: int,
-    image_min_pixels: int = 32 * 32,
-    image_max_pixels: int = 768 * 768,
-    processor_min_pixels: int = HUB_PROCESSOR_MIN_PIXELS,
-    processor_max_pixels: int = HUB_PROCESSOR_MAX_PIXELS,
-    factor: int = 28,
-) -> tuple[int, int]:
-    """(height, width) that stock LLaMA-Factory 0.9.5 feeds the encoder, for the drift audit.
-
-    LF scales the area into [image_min_pixels, image_max_pixels] with ``int()`` truncation, forces each side to at
-    least 28, squashes ratios over 200 to 180:1, then the HF processor applies its own ``smart_resize``.
-    """
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
-
-    w, h = width, height
-    if w * h > image_max_pixels:
-        scale = math.sqrt(image_max_pixels / (w * h))
-        w, h = int(w * scale), int(h * scale)
-    if w * h < image_min_pixels:
-        scale = math.sqrt(image_min_pixels / (w * h))
-        w, h = int(w * scale), int(h * scale)
-    if min(w, h) < 28:
-        w, h = max(w, 28), max(h, 28)
-    if w / h > MAX_ASPECT_RATIO:
-        w = h * 180
-    if h / w > MAX_ASPECT_RATIO:
-        h = w * 180
-    return tuple(hf_smart_resize(h, w, factor=factor, min_pixels=processor_min_pixels, max_pixels=processor_max_pixels))

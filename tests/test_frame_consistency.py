@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import grounding_record, save_image, train_config, write_sharegpt
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy, stock_llamafactory_size
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+from qwenvl_prep.drift import stock_llamafactory_size
 
 pytestmark = pytest.mark.slow  # LF's dataset pipeline and model, about two minutes
 

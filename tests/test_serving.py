@@ -21,7 +21,8 @@ from helpers import BIN, grounding_record, read_log, run_cli, save_image, train_
 from PIL import Image
 
 from llamafactory_qwenvl_patch.answers import parse_items
-from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords, stock_llamafactory_size
+from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
+from qwenvl_prep.drift import stock_llamafactory_size
 from llamafactory_qwenvl_patch.serving import FrameConflictError, ServingFrame, check_images, resolve_frame, to_original
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28

@@ -9,22 +9,14 @@ from __future__ import annotations
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import mean
-from typing import Any
+from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.images import ImageError
-from llamafactory_qwenvl_patch.policy import (
-    HUB_PROCESSOR_MAX_PIXELS,
-    HUB_PROCESSOR_MIN_PIXELS,
-    PolicyError,
-    check_box,
-    check_point,
-    map_coords,
-    stock_llamafactory_size,
-)
-from llamafactory_qwenvl_patch.stamp import differences
+from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point
+from llamafactory_qwenvl_patch.answers import Item
+from llamafactory_qwenvl_patch.stamp import Stamp, differences
 from qwenvl_prep.dataset import DatasetRef, iter_samples
-from qwenvl_prep.fixconfig import read_processor_bounds
+from qwenvl_prep.drift import DriftAudit, processor_bounds
 from qwenvl_prep.imageinfo import read_info
 from qwenvl_prep.policy_source import RunSpec
 
@@ -55,11 +47,6 @@ class Report:
                 "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift}
 
 
-def processor_bounds(model: str | None) -> tuple[int, int]:
-    """The base model's own processor bounds (what stock LF's second resize uses), hub defaults otherwise."""
-    return (read_processor_bounds(model) if model else None) or (HUB_PROCESSOR_MIN_PIXELS, HUB_PROCESSOR_MAX_PIXELS)
-
-
 def _text_counter(model: str | None):
     """Token counter from the model's tokenizer.json (no torch); a chars/3 estimate if there is none."""
     path = Path(model or "", "tokenizer.json")
@@ -81,9 +68,36 @@ def _decode(path: str) -> str | None:
     return None
 
 
+def _scan_image(image: str, policy: ResizePolicy) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(original, model) size from the header; ImageError or PolicyError when the image cannot be used."""
+    info = read_info(image)
+    return info.hw, policy.model_size(*info.hw)
+
+
+def _item_error(item: Item, stamp: Stamp, hw: tuple[int, int]) -> str | None:
+    """Why a label does not fit the frame its stamp names (None when it fits)."""
+    try:
+        (check_box if item.kind == "bbox_2d" else check_point)(item.coords, stamp.coords, hw,
+                                                               stamp.policy.model_size(*hw))
+    except PolicyError as exc:
+        return str(exc)
+    return None
+
+
+def _decode_all(jobs: list[tuple[int, str]], workers: int) -> Iterator[tuple[int, str, str]]:
+    """(sample, image, error) for each image that does not fully decode, in parallel processes."""
+    if not jobs:
+        return
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        for (index, image), error in zip(jobs, pool.map(_decode, [p for _, p in jobs], chunksize=16)):
+            if error:
+                yield index, image, error
+
+
 def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full_decode: bool = False,
                   workers: int = 1) -> Report:
-    """One pass over the dataset (headers only unless ``full_decode``): every problem, token overflow and drift."""
+    """One pass over the dataset (headers only unless ``full_decode``): the stamp, every image and label problem,
+    the token estimate against ``cutoff_len``, and the drift audit (``drift.DriftAudit``)."""
     policy = spec.stamp.policy
     report = Report(ref.name, str(ref.path), ref.stamp.to_dict() if ref.stamp else None)
     if ref.stamp is None:
@@ -92,10 +106,9 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
     else:
         report.stamp_problems += differences(ref.stamp, spec.stamp)
     data_stamp = ref.stamp or spec.stamp
-    proc_min, proc_max = processor_bounds(model)
+    drift = DriftAudit(policy, processor_bounds(model))
     count_text = _text_counter(model)
     cutoff = spec.cutoff_len or 2048
-    frames_changed, frame_px, label_model_px, label_orig_px = 0, [], [], []
     to_decode: list[tuple[int, str]] = []
 
     def problem(sample: int, image: str | None, message: str) -> None:
@@ -110,59 +123,31 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
         for image in sample.images:
             report.images += 1
             try:
-                info = read_info(image)
-                model_hw = policy.model_size(*info.hw)
+                hw, model_hw = _scan_image(image, policy)
             except (ImageError, PolicyError) as exc:
                 problem(sample.index, image, str(exc))
                 continue
             if full_decode:
                 to_decode.append((sample.index, image))
-            tokens += policy.image_tokens(*info.hw) + 2
-            stock_hw = stock_llamafactory_size(*info.hw, policy.min_pixels, policy.max_pixels, proc_min, proc_max,
-                                               policy.factor)
-            if stock_hw != model_hw:
-                frames_changed += 1
-                frame_px.append(max(abs(stock_hw[0] - model_hw[0]), abs(stock_hw[1] - model_hw[1])))
+            tokens += policy.image_tokens(*hw) + 2
+            stock_hw = drift.add_image(hw, model_hw)
             if len(sample.images) != 1:
                 continue
-            data_hw = data_stamp.policy.model_size(*info.hw)
             for item in sample.items:
-                try:
-                    (check_box if item.kind == "bbox_2d" else check_point)(item.coords, data_stamp.coords, info.hw,
-                                                                           data_hw)
-                except PolicyError as exc:
-                    problem(sample.index, image, str(exc))
-                    continue
-                if data_stamp.coords == "model" and stock_hw != model_hw:
-                    # Stock LF shows the model a stock_hw image while the label speaks of model_hw pixels.
-                    sx, sy = stock_hw[1] / model_hw[1], stock_hw[0] / model_hw[0]
-                    err = [abs(v * ((sx if i % 2 == 0 else sy) - 1)) for i, v in enumerate(item.coords)]
-                    label_model_px.append(max(err))
-                    orig = map_coords(err, "model", "orig", info.hw, stock_hw)
-                    label_orig_px.append(max(orig))
+                error = _item_error(item, data_stamp, hw)
+                if error:
+                    problem(sample.index, image, error)
+                elif data_stamp.coords == "model":
+                    drift.add_label(item.coords, hw, model_hw, stock_hw)
         report.max_sequence_tokens = max(report.max_sequence_tokens, tokens)
         if tokens > cutoff:
             report.token_overflows += 1
             problem(sample.index, sample.images[0] if sample.images else None,
                     f"about {tokens} tokens (images included) > cutoff_len {cutoff}: LF truncates inside the image "
                     "tokens and fails with 'image features and image tokens do not match'")
-    if to_decode:
-        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-            for (index, image), error in zip(to_decode, pool.map(_decode, [p for _, p in to_decode], chunksize=16)):
-                if error:
-                    problem(index, image, error)
-    report.drift = {
-        "images": report.images,
-        "frames_changed": frames_changed,
-        "frames_changed_share": round(frames_changed / report.images, 4) if report.images else 0.0,
-        "frame_mean_px": round(mean(frame_px), 2) if frame_px else 0.0,
-        "frame_max_px": max(frame_px, default=0),
-        "label_mean_model_px": round(mean(label_model_px), 2) if label_model_px else 0.0,
-        "label_max_model_px": round(max(label_model_px, default=0.0), 2),
-        "label_mean_orig_px": round(mean(label_orig_px), 2) if label_orig_px else 0.0,
-        "label_max_orig_px": round(max(label_orig_px, default=0.0), 2),
-        "stock_processor_bounds": [proc_min, proc_max],
-    }
+    for index, image, error in _decode_all(to_decode, workers):
+        problem(index, image, error)
+    report.drift = drift.to_dict()
     return report
 
 
