@@ -106,7 +106,7 @@ def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generation
 
     from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.lf_patch import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
     from llamafactory_qwenvl_patch.policy import ResizePolicy
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()
@@ -195,7 +195,7 @@ def learn_trl(model_dir: Path, images: list[Path], out: Path, steps: int, seed: 
 
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.images import model_input_image
-    from llamafactory_qwenvl_patch.lf_patch import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
     from llamafactory_qwenvl_patch.policy import ResizePolicy
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()

@@ -6,17 +6,15 @@ Each patch is inert unless the run opts in with ``qwenvl_patch: true``; without 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from types import MethodType, ModuleType
 from typing import Any, Callable
 
-from llamafactory_qwenvl_patch import __version__, lf_compat
+from llamafactory_qwenvl_patch import lf_compat
 from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds, write_policy_record
 
-POLICY_FILE = "qwenvl_policy.json"
 
 
 def _replace(module: ModuleType, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -101,21 +99,6 @@ def patch_parser(parser: ModuleType) -> None:
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
-
-
-def set_image_processor_bounds(image_processor: Any, policy: ResizePolicy) -> None:
-    """Pin the HF image processor's bounds on the instance (5.x constructors write into a class-level default)."""
-    size = getattr(image_processor, "size", None)
-    values = {"shortest_edge": policy.min_pixels, "longest_edge": policy.max_pixels}
-    image_processor.size = type(size)(**values) if size is not None and not isinstance(size, dict) else values
-    for attr, value in (("min_pixels", policy.min_pixels), ("max_pixels", policy.max_pixels)):
-        if hasattr(image_processor, attr):
-            setattr(image_processor, attr, value)
-
-
-def write_policy_record(save_directory: str | Path, policy: ResizePolicy) -> None:
-    record = {**policy.to_dict(), "written_by": f"llamafactory-qwenvl-patch {__version__}"}
-    Path(save_directory, POLICY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:

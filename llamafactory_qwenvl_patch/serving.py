@@ -7,14 +7,12 @@ the OpenAI-style API; everything here is plain functions over LF's objects.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_answer
 from llamafactory_qwenvl_patch.images import ImageError, open_image
-from llamafactory_qwenvl_patch.lf_patch import POLICY_FILE
+from llamafactory_qwenvl_patch.policy_record import POLICY_FILE, read_policy_record
 from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, convert_coords
 
 ANSWER_COORDS = ("model", "original")
@@ -28,13 +26,8 @@ def folder_policy(model_args: Any) -> tuple[str, dict[str, Any]] | None:
     """(folder, record) of the first of the model and adapter folders that carries ``qwenvl_policy.json``."""
     folders = [model_args.model_name_or_path, *(getattr(model_args, "adapter_name_or_path", None) or [])]
     for folder in folders:
-        path = Path(str(folder), POLICY_FILE)
-        if path.is_file():
-            try:
-                record = json.loads(path.read_text())
-                int(record["min_pixels"]), int(record["max_pixels"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path} is not a valid policy record ({exc}); re-export the model") from None
+        record = read_policy_record(folder)
+        if record is not None:
             return str(folder), record
     return None
 

@@ -15,7 +15,7 @@ from llamafactory_qwenvl_patch.policy import (
     ResizePolicy,
     map_coords,
 )
-from qwenvl_prep.fixconfig import read_processor_bounds
+from llamafactory_qwenvl_patch.policy_record import read_processor_bounds
 
 
 def stock_llamafactory_size(

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llamafactory_qwenvl_patch.policy_record import read_processor_bounds
 from qwenvl_prep.atomic import write_json
 
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -57,20 +58,6 @@ def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         changes.append(f"dtype -> torch_dtype ({dtype})")
     changes.insert(0, f"moved {len(text)} text_config keys to the top level and removed text_config")
     return out, changes
-
-
-def read_processor_bounds(model_dir: str | Path) -> tuple[int, int] | None:
-    """(min_pixels, max_pixels) from a model folder's processor config (either layout), None if it has none."""
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        path = Path(model_dir, name)
-        if path.is_file():
-            data = json.loads(path.read_text())
-            data = data.get("image_processor", data)
-            size = data.get("size") or {}
-            low, high = data.get("min_pixels", size.get("shortest_edge")), data.get("max_pixels", size.get("longest_edge"))
-            if low and high:
-                return int(low), int(high)
-    return None
 
 
 def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:

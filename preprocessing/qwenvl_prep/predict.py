@@ -3,25 +3,14 @@ boxes back to original-image pixels."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
-from llamafactory_qwenvl_patch.images import model_input_image
-from llamafactory_qwenvl_patch.lf_patch import POLICY_FILE
 from llamafactory_qwenvl_patch.families import FAMILIES, family_of_model
-from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
-
-
-def model_policy(model_dir: str | Path, processor: Any) -> ResizePolicy:
-    """The frame the model was trained in: its policy record, else its (pinned) processor bounds."""
-    record = Path(model_dir, POLICY_FILE)
-    if record.is_file():
-        data = json.loads(record.read_text())
-        return ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
-    ip = processor.image_processor
-    return ResizePolicy(int(ip.size["shortest_edge"]), int(ip.size["longest_edge"]), int(ip.patch_size) * ip.merge_size)
+from llamafactory_qwenvl_patch.images import model_input_image
+from llamafactory_qwenvl_patch.policy import convert_coords
+from llamafactory_qwenvl_patch.policy_record import folder_policy
 
 
 class Predictor:
@@ -34,7 +23,7 @@ class Predictor:
         self.model_dir = Path(model_dir)
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.policy = model_policy(model_dir, self.processor)
+        self.policy = folder_policy(model_dir, self.processor.image_processor)
         family = family_of_model(model_dir)
         if family is None:
             raise ValueError(f"{model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")

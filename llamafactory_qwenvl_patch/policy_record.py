@@ -1,0 +1,65 @@
+"""Where a model folder keeps its frame: the ``qwenvl_policy.json`` record and the processor's bounds. The one
+module that writes and reads both (training saves, export, serving, predict, fix-config, the drift audit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llamafactory_qwenvl_patch import __version__
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+
+POLICY_FILE = "qwenvl_policy.json"
+
+
+def write_policy_record(folder: str | Path, policy: ResizePolicy) -> None:
+    record = {**policy.to_dict(), "written_by": f"llamafactory-qwenvl-patch {__version__}"}
+    Path(folder, POLICY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_policy_record(folder: str | Path) -> dict[str, Any] | None:
+    """The folder's policy record (``min_pixels``, ``max_pixels``, ``factor``, ...), None when it has none; a
+    record that cannot be read is a ValueError naming it."""
+    path = Path(str(folder), POLICY_FILE)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        int(record["min_pixels"]), int(record["max_pixels"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a valid policy record ({exc}); re-export the model") from None
+    return record
+
+
+def set_image_processor_bounds(image_processor: Any, policy: ResizePolicy) -> None:
+    """Pin the HF image processor's bounds on the instance (5.x constructors write into a class-level default)."""
+    size = getattr(image_processor, "size", None)
+    values = {"shortest_edge": policy.min_pixels, "longest_edge": policy.max_pixels}
+    image_processor.size = type(size)(**values) if size is not None and not isinstance(size, dict) else values
+    for attr, value in (("min_pixels", policy.min_pixels), ("max_pixels", policy.max_pixels)):
+        if hasattr(image_processor, attr):
+            setattr(image_processor, attr, value)
+
+
+def read_processor_bounds(folder: str | Path) -> tuple[int, int] | None:
+    """(min_pixels, max_pixels) from a model folder's processor config (either layout), None if it has none."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = Path(folder, name)
+        if path.is_file():
+            data = json.loads(path.read_text())
+            data = data.get("image_processor", data)
+            size = data.get("size") or {}
+            low, high = data.get("min_pixels", size.get("shortest_edge")), data.get("max_pixels", size.get("longest_edge"))
+            if low and high:
+                return int(low), int(high)
+    return None
+
+
+def folder_policy(folder: str | Path, image_processor: Any) -> ResizePolicy:
+    """The frame a model folder was trained in: its policy record, else its (pinned) image processor's bounds."""
+    record = read_policy_record(folder)
+    if record is not None:
+        return ResizePolicy(int(record["min_pixels"]), int(record["max_pixels"]), int(record["factor"]))
+    ip = image_processor
+    return ResizePolicy(int(ip.size["shortest_edge"]), int(ip.size["longest_edge"]), int(ip.patch_size) * ip.merge_size)
