@@ -543,8 +543,8 @@ def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path
     save_image(tmp_path / "ok.jpg", 640, 480)
     src = tmp_path / "in.jsonl"
     with open(src, "w") as f:
-        for i in range(60000):
-            f.write(json.dumps({**RECORD, "question": f"Find it {i}."}) + "\n")
+        line = json.dumps(RECORD)
+        f.write((line + "\n") * 400000)  # several seconds of work, so the signal lands mid-run
     data = tmp_path / "data"
     data.mkdir()
     process = subprocess.Popen([str(BIN / "qwenvl-prep"), "convert", str(src), "-o", str(data / "train.json"),
@@ -554,6 +554,7 @@ def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path
     deadline = time.monotonic() + 120
     while not list(data.glob(".train.json.*.tmp")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.5)  # well inside the conversion, past the temp file's creation
     assert process.poll() is None, "convert finished before it could be interrupted; give it more records"
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)

@@ -7,6 +7,7 @@ stock LLaMA-Factory (without the plugin) would do to these labels.
 from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -88,7 +89,7 @@ def _decode_all(jobs: list[tuple[int, str]], workers: int) -> Iterator[tuple[int
     """(sample, image, error) for each image that does not fully decode, in parallel processes."""
     if not jobs:
         return
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("forkserver")) as pool:
         for (index, image), error in zip(jobs, pool.map(_decode, [p for _, p in jobs], chunksize=16)):
             if error:
                 yield index, image, error

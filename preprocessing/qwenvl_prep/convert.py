@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from llamafactory_qwenvl_patch.policy import (
     check_point,
     convert_coords,
     keep_extent,
-    load_backend,
     map_coords,
 )
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
@@ -90,13 +90,18 @@ _job: Job | None = None
 _info_cache: dict[str, ImageInfo] = {}
 
 
-def _init_worker(job: Job) -> None:
-    """Workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or SIGTERM)."""
+def _set_job(job: Job) -> None:
     global _job
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _job = job
     _info_cache.clear()
+
+
+def _init_worker(job: Job) -> None:
+    """Pool workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or
+    SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _set_job(job)
 
 
 def _info(path: str) -> ImageInfo:
@@ -281,14 +286,19 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
 def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
     chunks = _chunks(_records(opts, "coco" if job.fmt == "canonical" else job.fmt), CHUNK)
     if opts.workers <= 1:
-        _init_worker(job)
+        _set_job(job)
         for chunk in chunks:
             yield from _convert_chunk(chunk)
         return
-    load_backend()
-    with get_context("fork").Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
+    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
         for results in pool.imap(_convert_chunk, chunks):
             yield from results
+
+
+def _pool_context():
+    """``fork`` when this process has one thread (fast); ``forkserver`` when it has more (a test runner, a program
+    embedding convert): a fork copies locks held by other threads into the worker, which may then wait forever."""
+    return get_context("fork" if threading.active_count() == 1 else "forkserver")
 
 
 def run_convert(opts: ConvertOptions) -> dict[str, Any]:
@@ -334,6 +344,7 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
     memory stays flat however many records are bad. Returns True when nothing was written."""
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the CLI stays single-threaded, so its workers can fork
     as_array = opts.output.suffix == ".json"
     out.write("[\n" if as_array else "")
     first, errors = True, None
