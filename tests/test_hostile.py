@@ -363,7 +363,9 @@ def _exif_segment(orientation: int) -> bytes:
 
     exif = Image.Exif()
     exif[0x0112] = orientation
-    payload = b"Exif\x00\x00" + exif.tobytes()
+    payload = exif.tobytes()
+    if not payload.startswith(b"Exif\x00\x00"):  # Pillow 11 leaves the header out, 10.x writes it
+        payload = b"Exif\x00\x00" + payload
     return b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload
 
 
