@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import threading
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -295,10 +294,19 @@ def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
             yield from results
 
 
+def _os_threads() -> int:
+    """Threads of this process as the OS sees them (native ones included: torch, OpenMP, ...)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 2  # cannot tell: assume others exist
+
+
 def _pool_context():
-    """``fork`` when this process has one thread (fast); ``forkserver`` when it has more (a test runner, a program
-    embedding convert): a fork copies locks held by other threads into the worker, which may then wait forever."""
-    return get_context("fork" if threading.active_count() == 1 else "forkserver")
+    """``fork`` when this process has one thread (fast: the CLI); ``forkserver`` when it has more (a test runner, a
+    program that imported torch): a fork copies locks held by other threads, even native ones such as malloc's,
+    into the worker, which may then wait forever."""
+    return get_context("fork" if _os_threads() == 1 else "forkserver")
 
 
 def run_convert(opts: ConvertOptions) -> dict[str, Any]:
