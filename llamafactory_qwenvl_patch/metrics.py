@@ -71,6 +71,11 @@ def score_grounding(truth: Sequence[Box], prediction: str, to_frame: Callable[[S
     return GroundingScore(failed, ious, offsets)
 
 
+def _ratio(part: float, whole: float, ndigits: int = 4) -> float | None:
+    """``part / whole`` rounded, or None when there is nothing to divide by (no samples, no boxes)."""
+    return round(part / whole, ndigits) if whole else None
+
+
 @dataclass
 class Tally:
     """Running sums behind Acc@0.5 (IoU >= 0.5 after one-to-one matching), mean IoU and parse failures: constant
@@ -97,10 +102,10 @@ class Tally:
         return {
             "samples": self.samples,
             "truth_boxes": self.truth_boxes,
-            f"acc@{IOU_THRESHOLD}": round(self.hits / self.truth_boxes, 4) if self.truth_boxes else None,
-            "mean_iou": round(self.iou_sum / self.truth_boxes, 4) if self.truth_boxes else None,
-            "parse_failure_rate": round(self.parse_failures / self.samples, 4) if self.samples else None,
-            "mean_centre_offset_orig_px": round(self.offset_sum / self.offsets, 2) if self.offsets else None,
+            f"acc@{IOU_THRESHOLD}": _ratio(self.hits, self.truth_boxes),
+            "mean_iou": _ratio(self.iou_sum, self.truth_boxes),
+            "parse_failure_rate": _ratio(self.parse_failures, self.samples),
+            "mean_centre_offset_orig_px": _ratio(self.offset_sum, self.offsets, 2),
         }
 
 
@@ -132,16 +137,12 @@ class FieldTally:
 
     def to_dict(self) -> dict[str, Any]:
         n = self.samples
-
-        def rate(count: float) -> float | None:
-            return round(count / n, 4) if n else None
-
         return {
             "samples": n,
-            "all_fields_exact": rate(self.exact),
-            "format_valid_rate": rate(self.format_valid),
-            "parse_failure_rate": rate(self.parse_failures),
-            "mean_fields_reward": rate(self.normalised),
-            "mean_fields_raw": rate(self.raw),
+            "all_fields_exact": _ratio(self.exact, n),
+            "format_valid_rate": _ratio(self.format_valid, n),
+            "parse_failure_rate": _ratio(self.parse_failures, n),
+            "mean_fields_reward": _ratio(self.normalised, n),
+            "mean_fields_raw": _ratio(self.raw, n),
             "per_field_accuracy": {path: round(right / total, 4) for path, (right, total) in self.per_field.items()},
         }

@@ -77,6 +77,11 @@ class GRPOCollator:
         return self.collator(stripped), meta
 
 
+def _blank_copy(feature: dict[str, Any]) -> dict[str, Any]:
+    """The same prompt with every image blanked (same size, same image tokens), marked for the blank control."""
+    return dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)
+
+
 class _SamplerEpoch(TrainerCallback):
     """Give the rollout sampler the epoch number. Trainer's ``set_epoch`` on the dataloader does not reach it after a
     resume (accelerate's skip wrapper stops two levels short), and a resumed epoch must replay the same order."""
@@ -303,8 +308,8 @@ class GRPOTrainer(Trainer):
             return features
         seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
         draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
-        blanks = [dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)
-                  for feature, draw in zip(features, draws) if feature.get("images") and draw < ratio]
+        blanks = [_blank_copy(feature) for feature, draw in zip(features, draws)
+                  if feature.get("images") and draw < ratio]
         return features + blanks
 
     def _check_blank_frame(self, batch: dict[str, torch.Tensor], meta: list[SampleMeta]) -> None:
@@ -450,8 +455,7 @@ class GRPOTrainer(Trainer):
         for inputs in self.get_eval_dataloader(dataset):
             features = inputs["grpo_features"]
             if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
-                features = features + [dict(f, images=[blank_like(i) for i in f["images"]], grpo_blank=True)
-                                       for f in features if f.get("images")]
+                features = features + [_blank_copy(f) for f in features if f.get("images")]
             batch, meta = self._collate(features)
             texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
             rows += list(zip(meta, texts))
