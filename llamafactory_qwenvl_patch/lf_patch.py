@@ -117,8 +117,7 @@ def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
             f"{model_args.model_name_or_path} loaded none"
         )
     image_processor = processor.image_processor
-    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
-    policy = ResizePolicy(int(model_args.image_min_pixels), int(model_args.image_max_pixels), factor)
+    policy = ResizePolicy.from_processor(image_processor, model_args.image_min_pixels, model_args.image_max_pixels)
     set_image_processor_bounds(image_processor, policy)
     processor.qwenvl_policy = policy
     processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)

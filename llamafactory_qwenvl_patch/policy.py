@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 MAX_ASPECT_RATIO = 200
 MERGE_SIZE = 2
@@ -63,6 +63,21 @@ class ResizePolicy:
         """Number of ``<|image_pad|>`` tokens for one image of this original size."""
         out_h, out_w = self.model_size(height, width)
         return (out_h // self.factor) * (out_w // self.factor)
+
+    def size_from_grid(self, grid_thw: Sequence[int]) -> tuple[int, int]:
+        """(height, width) in pixels of the image the processor encoded, from its ``image_grid_thw`` row (counted
+        in vision patches)."""
+        return int(grid_thw[1]) * self.patch_size, int(grid_thw[2]) * self.patch_size
+
+    @classmethod
+    def from_processor(cls, image_processor: Any, min_pixels: int | None = None,
+                       max_pixels: int | None = None) -> "ResizePolicy":
+        """The policy an HF image processor applies: its factor (patch size x merge size) and its bounds, unless
+        other bounds are given (pinning a run's bounds onto a processor)."""
+        factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+        size = image_processor.size
+        return cls(int(min_pixels if min_pixels is not None else size["shortest_edge"]),
+                   int(max_pixels if max_pixels is not None else size["longest_edge"]), factor)
 
 
 @lru_cache(maxsize=1)
@@ -166,6 +181,23 @@ def convert_coords(
 ) -> list[float] | list[int]:
     """Map then round once and clamp: the one call for turning labels or predictions into another frame."""
     return finalize_coords(map_coords(coords, src, dst, orig_hw, model_hw), dst, orig_hw, model_hw, ndigits)
+
+
+def retarget_coords(
+    coords: Sequence[float],
+    src: str,
+    src_hw: tuple[int, int],
+    dst: str,
+    dst_hw: tuple[int, int],
+    orig_hw: tuple[int, int],
+    ndigits: int | None = 0,
+) -> list[float] | list[int]:
+    """Coordinates labelled in one policy's frame (``src`` convention, model size ``src_hw``) moved to another
+    policy's (``dst``, ``dst_hw``) through the original image, rounding once: re-converting a stamped dataset for new
+    bounds, or a curriculum stage's labels for the next stage."""
+    if src_hw == dst_hw:
+        return convert_coords(coords, src, dst, orig_hw, dst_hw, ndigits)
+    return convert_coords(map_coords(coords, src, "orig", orig_hw, src_hw), "orig", dst, orig_hw, dst_hw, ndigits)
 
 
 def keep_extent(box: Sequence[int], convention: str, orig_hw: tuple[int, int], model_hw: tuple[int, int]

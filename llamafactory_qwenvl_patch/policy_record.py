@@ -61,5 +61,4 @@ def folder_policy(folder: str | Path, image_processor: Any) -> ResizePolicy:
     record = read_policy_record(folder)
     if record is not None:
         return ResizePolicy(int(record["min_pixels"]), int(record["max_pixels"]), int(record["factor"]))
-    ip = image_processor
-    return ResizePolicy(int(ip.size["shortest_edge"]), int(ip.size["longest_edge"]), int(ip.patch_size) * ip.merge_size)
+    return ResizePolicy.from_processor(image_processor)

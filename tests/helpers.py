@@ -82,6 +82,21 @@ def train_config(model_dir: Path, data_dir: Path, output_dir: Path, **overrides:
     return {key: value for key, value in config.items() if value is not None}
 
 
+def lf_sft_dataset(model_dir: Path, data_dir: Path, output_dir: Path, **overrides: Any) -> tuple[dict, Any, Any]:
+    """LF's own data pipeline, in-process: get_train_args -> load_tokenizer -> template -> get_dataset (sft).
+    Returns (tokenizer module, template, train dataset)."""
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_tokenizer
+
+    config = train_config(model_dir, data_dir, output_dir, **{"preprocessing_num_workers": None, **overrides})
+    model_args, data_args, training_args, _, _ = get_train_args(config)
+    module = load_tokenizer(model_args)
+    template = get_template_and_fix_tokenizer(module["tokenizer"], data_args)
+    dataset = get_dataset(template, model_args, data_args, training_args, stage="sft", **module)["train_dataset"]
+    return module, template, dataset
+
+
 def run_cli(
     args: Iterable[str], config: dict[str, Any] | None, workdir: Path, env: dict[str, str] | None = None,
     timeout: int = 600,

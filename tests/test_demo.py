@@ -6,6 +6,7 @@ import json
 
 import pytest
 from helpers import run_cli
+from PIL import Image
 
 from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
 
@@ -13,22 +14,46 @@ from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    result = run_cli(["qwenvl-prep", "demo", str(out)], None, out.parent)
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6"], None, out.parent)
     assert result.returncode == 0, result.stderr[-4000:]
     return out, json.loads(result.stdout)
+
+
+def check_summary(out, summary, family: str, factor: int, coords: str) -> None:
+    assert summary["family"] == family and summary["sft_steps"] == 6
+    assert set(summary["held_out"]) == {"baseline", "untrained", "trained"}
+    n = summary["held_out_images"]
+    for name in ("baseline", "untrained", "trained"):
+        assert json.loads((out / f"eval-{name}.json").read_text())["overall"]["samples"] == n
+    assert summary["held_out"]["baseline"]["parse_failure_rate"] == 0.0
+    assert summary["held_out"]["baseline"]["mean_iou"] > 0
+    assert len(summary["grpo_reward_first_last"]) == 2 and (out / "grpo" / "model.safetensors").exists()
+    rows = [json.loads(line) for line in (out / "predictions-trained.jsonl").read_text().splitlines()]
+    assert len(rows) == n and all(row["model_size"][0] % factor == 0 and row["coords"] == coords for row in rows)
+    assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["factor"] == factor
+    assert (out / "drawn" / "demo_eval-contact-sheet-original.jpg").stat().st_size > 0
+    assert "OK" in (out / "logs" / "check.log").read_text()
 
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end(demo):
     out, summary = demo
-    assert len(summary["sft_loss"]) == 4 and all(loss > 0 for loss in summary["sft_loss"])
-    assert summary["metrics"]["samples"] == 6
-    assert len(summary["grpo_reward"]) == 2 and (out / "grpo" / "adapter_model.safetensors").exists()
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and all(row["model_size"][0] % 28 == 0 for row in rows)
-    assert (out / "drawn" / "demo_eval-contact-sheet-original.jpg").stat().st_size > 0
-    assert (out / "eval.png").stat().st_size > 0
-    assert "OK" in (out / "logs" / "check.log").read_text()
+    check_summary(out, summary, "qwen2_5_vl", 28, "model")
+
+
+@pytest.mark.slow
+def test_qwen3_vl_demo_runs_end_to_end(tmp_path):
+    """Qwen3-VL through the same steps: labels in 0-1000, factor 32, predictions mapped back to original pixels."""
+    out = tmp_path / "q3"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_vl"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_summary(out, json.loads(result.stdout), "qwen3_vl", 32, "rel1000")
+    raw = json.loads((out / "raw" / "eval.jsonl").read_text().splitlines()[0])
+    x1, y1, x2, y2 = json.loads(raw["answer"])[0]["bbox_2d"]
+    w, h = Image.open(out / "raw" / raw["image"]).size
+    label = json.loads(json.loads((out / "data" / "demo_eval.json").read_text())[0]["messages"][1]["content"])
+    assert label[0]["bbox_2d"] == [round(x1 / w * 1000), round(y1 / h * 1000), round(x2 / w * 1000),
+                                   round(y2 / h * 1000)]
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,15 +23,24 @@ print("OK", config.hidden_size, config.vision_config.hidden_size, config.rope_sc
 """
 
 
+OLD_TRANSFORMERS = "transformers==4.51.3"
+SIDE_ENV = Path(__file__).resolve().parents[1] / ".venv-tf451"  # gitignored; built once, reused by later runs
+
+
 @pytest.fixture(scope="session")
-def old_transformers(tmp_path_factory) -> Path:
-    """A side environment with transformers 4.51.3 (no torch needed to read configs): the flat-layout reader."""
-    venv = tmp_path_factory.mktemp("tf451") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    result = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "transformers==4.51.3"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return venv / "bin" / "python"
+def old_transformers() -> Path:
+    """A side environment with transformers 4.51.3 (no torch needed to read configs): the flat-layout reader. Built
+    from the package registry the first time (in a temp folder, then renamed, so an interrupted build is not
+    reused) and kept beside the repo's ``.venv`` for every later test run."""
+    python = SIDE_ENV / "bin" / "python"
+    if not python.exists():
+        build = Path(tempfile.mkdtemp(prefix=".venv-tf451.", dir=SIDE_ENV.parent))
+        subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
+        result = subprocess.run([str(build / "bin" / "pip"), "install", "-q", OLD_TRANSFORMERS],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        os.replace(build, SIDE_ENV)
+    return python
 
 
 def read_with(python: Path, folder: Path) -> subprocess.CompletedProcess:

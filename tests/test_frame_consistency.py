@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import grounding_record, save_image, train_config, write_sharegpt
+from helpers import grounding_record, lf_sft_dataset, save_image, write_sharegpt
 
 from llamafactory_qwenvl_patch.policy import ResizePolicy
 from qwenvl_prep.drift import stock_llamafactory_size
@@ -31,19 +31,13 @@ def image_sizes() -> list[tuple[int, int]]:
 
 def collate_grids(model_dir: Path, data_dir: Path, tmp_path: Path, patch: bool, template: str = "qwen2_vl"):
     """Run LF's own pipeline in-process: load_tokenizer -> template -> get_dataset -> collator."""
-    from llamafactory.data import MultiModalDataCollatorForSeq2Seq, get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.hparams import get_train_args
-    from llamafactory.model import load_tokenizer
+    from llamafactory.data import MultiModalDataCollatorForSeq2Seq
 
-    config = train_config(
+    tokenizer_module, tmpl, dataset = lf_sft_dataset(
         model_dir, data_dir, tmp_path / f"out-{patch}", qwenvl_patch=patch, image_min_pixels=MIN_PIXELS,
-        image_max_pixels=MAX_PIXELS, cutoff_len=8192, preprocessing_num_workers=None, template=template,
+        image_max_pixels=MAX_PIXELS, cutoff_len=8192, template=template,
     )
-    model_args, data_args, training_args, _, _ = get_train_args(config)
-    tokenizer_module = load_tokenizer(model_args)
     tokenizer = tokenizer_module["tokenizer"]
-    tmpl = get_template_and_fix_tokenizer(tokenizer, data_args)
-    dataset = get_dataset(tmpl, model_args, data_args, training_args, stage="sft", **tokenizer_module)["train_dataset"]
     collator = MultiModalDataCollatorForSeq2Seq(template=tmpl, pad_to_multiple_of=8, **tokenizer_module)
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     grids, pads = [], []

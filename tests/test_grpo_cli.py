@@ -74,7 +74,8 @@ def lora_run(setup, tiny_model):
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", grpo_log_completions=True,
                          reward_funcs=f"iou,format,{root / 'my_rewards.py'}:one,{root / 'my_rewards.py'}:boom",
                          reward_weights="1,1,0.5,1", val_size=0.5, eval_strategy="steps", eval_steps=3,
-                         per_device_eval_batch_size=2, do_eval=True)
+                         per_device_eval_batch_size=2, do_eval=True, enable_torch_profiler=True,
+                         profiler_with_stack=False)
     result = run_cli(["llamafactory-cli", "train"], config, root / "lora-run")
     assert result.returncode == 0, result.stderr[-4000:]
     return root, out, config
@@ -96,6 +97,14 @@ def test_lora_grpo_logs_metrics_weights_and_errors(lora_run):
     assert len(rows) == 12 and {"prompt", "completion", "reward", "reference", "index"} <= set(rows[0])
     assert "Locate the box" in rows[0]["prompt"] and "bbox_2d" in rows[0]["reference"]
     assert (out / "training_reward.png").exists()
+
+
+@pytest.mark.slow
+def test_lf_callback_keys_work_under_grpo(lora_run):
+    """``enable_torch_profiler`` (an LF callback key) acts under ``stage: grpo`` as under LF's own stages."""
+    _, out, _ = lora_run
+    traces = list((out / "profiler" / "rank_0").glob("*.json*"))
+    assert traces and all(trace.stat().st_size > 0 for trace in traces)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import save_image, train_config
+from helpers import lf_sft_dataset, save_image
 
 from llamafactory_qwenvl_patch.lf_patch import StampMismatchError
 from llamafactory_qwenvl_patch.policy import ResizePolicy
@@ -15,16 +15,8 @@ MIN, MAX = 128 * 28 * 28, 512 * 28 * 28
 
 
 def load(tiny_model, data_dir, tmp_path, **overrides):
-    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.hparams import get_train_args
-    from llamafactory.model import load_tokenizer
-
-    settings = dict(image_min_pixels=MIN, image_max_pixels=MAX, preprocessing_num_workers=None, dataset="grounding")
-    config = train_config(tiny_model, data_dir, tmp_path / "out", **{**settings, **overrides})
-    model_args, data_args, training_args, _, _ = get_train_args(config)
-    module = load_tokenizer(model_args)
-    template = get_template_and_fix_tokenizer(module["tokenizer"], data_args)
-    dataset = get_dataset(template, model_args, data_args, training_args, stage="sft", **module)["train_dataset"]
+    settings = dict(image_min_pixels=MIN, image_max_pixels=MAX, dataset="grounding")
+    module, _, dataset = lf_sft_dataset(tiny_model, data_dir, tmp_path / "out", **{**settings, **overrides})
     return module, dataset
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from llamafactory_qwenvl_patch.policy import (
     PolicyError,
@@ -12,6 +13,7 @@ from llamafactory_qwenvl_patch.policy import (
     check_box,
     convert_coords,
     map_coords,
+    retarget_coords,
 )
 
 POLICY = ResizePolicy(512 * 28 * 28, 1024 * 28 * 28, 28)
@@ -66,9 +68,27 @@ def test_round_trip_within_one_model_pixel(h, w, data):
     x = data.draw(st.floats(0, w))
     y = data.draw(st.floats(0, h))
     there = convert_coords([x, y], "orig", "model", (h, w), model)
+    assert there == [round(x * model[1] / w), round(y * model[0] / h)]  # by hand, not through the core
     back = map_coords(there, "model", "orig", (h, w), model)
     assert abs(back[0] - x) <= 0.5 * w / model[1] + 1e-6
     assert abs(back[1] - y) <= 0.5 * h / model[0] + 1e-6
+
+
+@settings(max_examples=300, deadline=None)
+@given(h=sizes, w=sizes, factor=st.sampled_from([28, 32]), low=st.integers(4, 400), span=st.integers(0, 4000))
+def test_model_size_is_qwen_vl_utils_smart_resize(h, w, factor, low, span):
+    """The core's frame against qwen_vl_utils' own smart_resize (the oracle users convert labels with)."""
+    from qwen_vl_utils import smart_resize
+
+    assume(max(h, w) / min(h, w) <= 150)
+    policy = ResizePolicy(low * factor * factor, (low + span) * factor * factor, factor)
+    expected = tuple(smart_resize(h, w, factor, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels))
+    try:
+        got = policy.model_size(h, w)
+    except PolicyError:  # refused up front only where the processor could not encode smart_resize's size
+        assert min(expected) < factor or max(expected) / min(expected) > 200
+    else:
+        assert got == expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -120,3 +140,32 @@ def test_torch_free_smart_resize_is_qwen_vl_utils_own(tmp_path):
             real = str(exc)
         assert fast == real, (h, w, f, lo, hi)
     assert sum(isinstance(r[-1], str) for r in rows) > 0  # the aspect-ratio error path is covered too
+
+
+@settings(max_examples=200, deadline=None)
+@given(h=sizes, w=sizes, data=st.data())
+def test_retarget_between_policies_matches_converting_from_the_original(h, w, data):
+    """Labels made for one policy, moved to another, land within a pixel of labels made for it directly."""
+    assume(max(h, w) / min(h, w) <= 150)
+    low, high = ResizePolicy(64 * 28 * 28, 256 * 28 * 28), ResizePolicy(256 * 28 * 28, 2048 * 28 * 28)
+    low_hw, high_hw = low.model_size(h, w), high.model_size(h, w)
+    x, y = data.draw(st.floats(0, w)), data.draw(st.floats(0, h))
+    at_low = convert_coords([x, y], "orig", "model", (h, w), low_hw)
+    moved = retarget_coords(at_low, "model", low_hw, "model", high_hw, (h, w))
+    direct = convert_coords([x, y], "orig", "model", (h, w), high_hw)
+    assert abs(moved[0] - direct[0]) <= 0.5 * high_hw[1] / low_hw[1] + 1
+    assert abs(moved[1] - direct[1]) <= 0.5 * high_hw[0] / low_hw[0] + 1
+    assert retarget_coords(at_low, "model", low_hw, "rel1000", high_hw, (h, w)) == convert_coords(
+        at_low, "model", "rel1000", (h, w), low_hw)  # relative coordinates do not depend on the frame
+
+
+def test_policy_from_a_processor_and_sizes_from_its_grid():
+    from transformers import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(patch_size=16, min_pixels=64 * 32 * 32, max_pixels=256 * 32 * 32)
+    policy = ResizePolicy.from_processor(processor)
+    assert policy == ResizePolicy(64 * 32 * 32, 256 * 32 * 32, 32)
+    assert ResizePolicy.from_processor(processor, 1024, 4096) == ResizePolicy(1024, 4096, 32)
+    image = Image.new("RGB", (1000, 700))
+    grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert policy.size_from_grid(grid) == policy.model_size(700, 1000)

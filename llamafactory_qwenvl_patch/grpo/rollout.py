@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from llamafactory_qwenvl_patch.policy import ResizePolicy
+
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 
 
@@ -97,11 +99,12 @@ def repeat_visual(pixel_values: torch.Tensor, grid: torch.Tensor, per_sample: li
     return torch.cat(pixel_chunks), torch.cat(grid_chunks)
 
 
-def first_image_sizes(grid: torch.Tensor, per_sample: list[int], patch: int) -> list[tuple[int, int] | None]:
+def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePolicy
+                      ) -> list[tuple[int, int] | None]:
     """(height, width) in pixels of each sample's first image as the model saw it, from ``image_grid_thw``."""
     sizes: list[tuple[int, int] | None] = []
     rows, first = grid.tolist(), 0
     for count in per_sample:
-        sizes.append((rows[first][1] * patch, rows[first][2] * patch) if count else None)
+        sizes.append(frame.size_from_grid(rows[first]) if count else None)
         first += count
     return sizes

@@ -129,7 +129,9 @@ class GRPOTrainer(Trainer):
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
         self.pass_token_types = needs_token_types(self.model)  # M-RoPE positions in transformers 5.x
-        self.patch = int(getattr(getattr(config, "vision_config", None), "patch_size", 14))
+        image_processor = getattr(processor, "image_processor", None)
+        # what turns an image grid into pixels: the pinned policy, else the processor's own (same factor)
+        self.grid_frame = resize_policy or (ResizePolicy.from_processor(image_processor) if image_processor else None)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
@@ -187,7 +189,7 @@ class GRPOTrainer(Trainer):
         batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
         if "pixel_values" in batch:
             per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
-            for sample, hw in zip(meta, first_image_sizes(batch["image_grid_thw"], per_sample, self.patch)):
+            for sample, hw in zip(meta, first_image_sizes(batch["image_grid_thw"], per_sample, self.grid_frame)):
                 sample.model_hw = hw
         return batch, meta
 

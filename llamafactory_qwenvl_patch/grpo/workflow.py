@@ -37,25 +37,50 @@ def _log_callback_class():
     return GRPOLogCallback
 
 
-def grpo_training_function(config: dict[str, Any]) -> None:
-    """LF's ``_training_function`` for ``stage: grpo``: same argument parsing, callbacks and teardown."""
-    import torch.distributed as dist
+def lf_callbacks(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any,
+                 generating_args: Any) -> list[Any]:
+    """The callbacks LF's ``_training_function`` adds for every stage, in its order (PiSSA conversion, SwanLab, early
+    stopping, torch and module profilers, the reporter last), with our log callback in place of LF's."""
     from transformers import EarlyStoppingCallback
+
+    cb = lf_compat.require_module("llamafactory.train.callbacks", [
+        "ReporterCallback", "PissaConvertCallback", "TorchProfilerCallback", "ModuleProfilerCallback"])
+    callbacks: list[Any] = [_log_callback_class()()]
+    if finetuning_args.pissa_convert:
+        callbacks.append(cb.PissaConvertCallback())
+    if finetuning_args.use_swanlab:
+        utils = lf_compat.require_module("llamafactory.train.trainer_utils", ["get_swanlab_callback"])
+        callbacks.append(utils.get_swanlab_callback(finetuning_args))
+    if finetuning_args.early_stopping_steps is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=finetuning_args.early_stopping_steps))
+    if getattr(training_args, "enable_torch_profiler", False):
+        callbacks.append(cb.TorchProfilerCallback(training_args))
+    if getattr(training_args, "profile_modules", None):
+        callbacks.append(cb.ModuleProfilerCallback(training_args.profile_modules))
+    callbacks.append(cb.ReporterCallback(model_args, data_args, finetuning_args, generating_args))
+    return callbacks
+
+
+def grpo_training_function(config: dict[str, Any]) -> None:
+    """LF's ``_training_function`` for ``stage: grpo``: same argument parsing, callbacks and teardown (under Ray,
+    Ray destroys the process group)."""
+    import torch.distributed as dist
 
     hparams = lf_compat.require_module("llamafactory.hparams", ["get_train_args"])
     parser = lf_compat.require_module("llamafactory.hparams.parser", ["read_args"])
-    cb = lf_compat.require_module("llamafactory.train.callbacks", ["ReporterCallback"])
     from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
 
     raw_args = parser.read_args(config.get("args"))
     model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(raw_args)
     callbacks = list(config.get("callbacks") or [])
-    callbacks.append(_log_callback_class()())
-    if finetuning_args.early_stopping_steps is not None:
-        callbacks.append(EarlyStoppingCallback(early_stopping_patience=finetuning_args.early_stopping_steps))
-    callbacks.append(cb.ReporterCallback(model_args, data_args, finetuning_args, generating_args))
+    callbacks += lf_callbacks(model_args, data_args, training_args, finetuning_args, generating_args)
     run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
              explicit_keys(raw_args))
+    if importlib.util.find_spec("ray") is not None:
+        import ray
+
+        if ray.is_initialized():
+            return
     if dist.is_initialized():
         dist.destroy_process_group()
 

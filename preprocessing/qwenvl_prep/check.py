@@ -19,7 +19,7 @@ from llamafactory_qwenvl_patch.stamp import Stamp, differences
 from qwenvl_prep.dataset import DatasetRef, iter_samples
 from qwenvl_prep.drift import DriftAudit, processor_bounds
 from qwenvl_prep.imageinfo import read_info
-from qwenvl_prep.policy_source import RunSpec
+from qwenvl_prep.run_spec import RunSpec
 
 MAX_LISTED = 20
 

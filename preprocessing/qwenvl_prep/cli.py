@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.families import DEFAULT, FAMILIES
+from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from qwenvl_prep.tiny_model import build_tiny_model
 
-    out = build_tiny_model(args.out, family=args.family, seed=args.seed)
-    print(json.dumps({"model_dir": str(out), "family": args.family}))
+    out = build_tiny_model(args.out, family=args.family, seed=args.seed, size=args.size)
+    print(json.dumps({"model_dir": str(out), "family": args.family, "size": args.size}))
     return 0
 
 
 def _spec(args: argparse.Namespace):
     """The run's policy: from the LF training YAML, or from explicit flags."""
-    from qwenvl_prep.policy_source import spec_from_flags, spec_from_yaml
+    from qwenvl_prep.run_spec import spec_from_flags, spec_from_yaml
 
     if args.from_yaml:
         spec = spec_from_yaml(args.from_yaml, family=args.family)
@@ -82,7 +83,7 @@ def _curriculum(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from qwenvl_prep.check import check_dataset, format_report
     from qwenvl_prep.dataset import resolve_dataset
-    from qwenvl_prep.policy_source import load_yaml, spec_from_yaml
+    from qwenvl_prep.run_spec import load_yaml, spec_from_yaml
 
     spec = spec_from_yaml(args.yaml)
     names = args.datasets or list(spec.datasets)
@@ -189,7 +190,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from qwenvl_prep.demo import run_demo
 
-    summary = run_demo(args.out, steps=args.steps, task=args.task)
+    summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out", help="output folder (must not exist or be empty)")
     tiny.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--size", choices=list(TINY_SIZES), default="tiny",
+                      help="tiny: fastest, for tests; small: ~1M parameters, enough to learn the demo's task")
     tiny.set_defaults(func=_tiny_model)
 
     conv = sub.add_parser(
@@ -364,7 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
         "into OUT.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--steps", type=int, default=4, help="SFT training steps (per stage for fields)")
+    demo.add_argument("--minutes", type=float, default=3.0,
+                      help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
+                      "(%(default)s: the model learns to localise; 0.1: a one-minute smoke run)")
+    demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
+    demo.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
+                      help="model family of the grounding demo (Qwen3-VL answers in 0-1000)")
     demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",
                       help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "
                       "a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the blank-image "

@@ -26,9 +26,8 @@ from llamafactory_qwenvl_patch.policy import (
     ResizePolicy,
     check_box,
     check_point,
-    convert_coords,
     keep_extent,
-    map_coords,
+    retarget_coords,
 )
 from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
@@ -142,10 +141,7 @@ def _transformer(job: Job, hw: tuple[int, int]):
     def transform(item: Item) -> list[int]:
         box = item.kind == "bbox_2d"
         (check_box if box else check_point)(item.coords, src, hw, source_hw)
-        if source_hw == target_hw:
-            out = convert_coords(item.coords, src, dst, hw, target_hw)
-        else:
-            out = convert_coords(map_coords(item.coords, src, "orig", hw, source_hw), "orig", dst, hw, target_hw)
+        out = retarget_coords(item.coords, src, source_hw, dst, target_hw, hw)
         return keep_extent(out, dst, hw, target_hw) if box else out
 
     return transform

@@ -18,7 +18,7 @@ import yaml
 from llamafactory_qwenvl_patch.policy import ResizePolicy
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.convert import Abort, ConvertOptions, run_convert
-from qwenvl_prep.policy_source import load_yaml, spec_from_yaml
+from qwenvl_prep.run_spec import load_yaml, spec_from_yaml
 
 
 class CurriculumError(ValueError):

@@ -1,8 +1,10 @@
-"""``qwenvl-prep demo OUT``: the whole pipeline on CPU in a few minutes, on data and a model it makes itself.
+"""``qwenvl-prep demo OUT``: the whole pipeline on two CPU cores in a few minutes, on data and a model it makes
+itself, ending with a model that finds the objects.
 
-Synthesise drawn shapes with known boxes (mixed sizes, 4032x3024 included) -> convert -> check -> tiny model ->
-``llamafactory-cli train`` (SFT, LoRA; and GRPO with iou + format rewards) -> ``llamafactory-cli export`` ->
-predict -> eval -> draw.
+Synthesise coloured rectangles with known boxes (mixed image sizes) -> convert -> check -> a small random-weight
+model -> ``llamafactory-cli train`` (SFT from scratch, full, vision unfrozen; then GRPO with iou + format rewards) ->
+``llamafactory-cli export`` -> predict -> eval -> draw. Held-out metrics of the trained model are reported next to
+the untrained model and a constant mean-box baseline, all measured in the same run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,35 +22,57 @@ import cv2
 import numpy as np
 import yaml
 
+from llamafactory_qwenvl_patch.families import FAMILIES
+from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.policy_record import write_policy_record
 from qwenvl_prep.dataset import load_jsonl
 
-SIZES = [(4032, 3024), (3024, 4032), (1920, 1080), (1170, 2532), (640, 480), (800, 600), (2480, 3508), (1280, 720),
-         (1024, 1024), (500, 375), (2560, 1440), (3000, 2000)]
-SHAPES = ("rectangle", "ellipse")
 COLORS = {"red": (40, 40, 220), "green": (60, 180, 60), "blue": (220, 90, 40), "yellow": (40, 220, 230)}
-MIN_PIXELS, MAX_PIXELS = 128 * 28 * 28, 512 * 28 * 28
+# Original images 192-640 px a side: most are larger than the frame's upper bound and are resized, so labels in the
+# original frame and the model's frame differ, as on real data.
+SIDE_RANGE = (192, 640)
+BOX_SHARE = (0.15, 0.6)  # each box side as a share of the image side (small boxes are not learned at this size)
+MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 
 
-def synthesise(folder: Path, seed: int = 0) -> list[dict[str, Any]]:
-    """One shape per image, labelled in original pixels as plain {image, question, answer} records."""
+def synthesise(folder: Path, count: int, seed: int) -> list[tuple[dict[str, Any], tuple[int, int]]]:
+    """``count`` images, each one filled rectangle of one of four colours on a plain background: plain
+    {image, question, answer} records labelled in original pixels, each with its image's (width, height)."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    records = []
-    for i, (w, h) in enumerate(SIZES):
+    samples = []
+    for i in range(count):
+        w, h = rng.randint(*SIDE_RANGE), rng.randint(*SIDE_RANGE)
         canvas = np.full((h, w, 3), rng.randint(200, 250), np.uint8)
-        bw, bh = rng.randint(w // 8, w // 3), rng.randint(h // 8, h // 3)
+        bw, bh = round(w * rng.uniform(*BOX_SHARE)), round(h * rng.uniform(*BOX_SHARE))
         x1, y1 = rng.randint(0, w - bw), rng.randint(0, h - bh)
-        shape, (color, bgr) = rng.choice(SHAPES), rng.choice(list(COLORS.items()))
-        if shape == "rectangle":
-            cv2.rectangle(canvas, (x1, y1), (x1 + bw - 1, y1 + bh - 1), bgr, -1)
-        else:
-            cv2.ellipse(canvas, (x1 + bw // 2, y1 + bh // 2), (bw // 2, bh // 2), 0, 0, 360, bgr, -1)
-        name = f"shape{i:02d}_{w}x{h}.jpg"
-        cv2.imwrite(str(folder / name), canvas, [cv2.IMWRITE_JPEG_QUALITY, 85])
-        label = f"{color} {shape}"
-        records.append({"image": name, "question": f"Locate the {label} and output its bbox_2d in JSON.",
-                        "answer": json.dumps([{"bbox_2d": [x1, y1, x1 + bw, y1 + bh], "label": label}])})
-    return records
+        color, bgr = rng.choice(list(COLORS.items()))
+        cv2.rectangle(canvas, (x1, y1), (x1 + bw - 1, y1 + bh - 1), bgr, -1)
+        name = f"s{seed}_{i:04d}_{w}x{h}.jpg"
+        cv2.imwrite(str(folder / name), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90])
+        label = f"{color} rectangle"
+        samples.append(({"image": name, "question": f"Locate the {label} and output its bbox_2d in JSON.",
+                         "answer": json.dumps([{"bbox_2d": [x1, y1, x1 + bw, y1 + bh], "label": label}])}, (w, h)))
+    return samples
+
+
+def mean_box_predictions(train: list, held_out: list, image_dir: Path, policy: ResizePolicy,
+                         convention: str) -> list[dict[str, Any]]:
+    """The constant baseline: the mean training box (as shares of the image sides) placed on every held-out image,
+    written as ``qwenvl-prep predict`` rows in the model's own convention."""
+    shares = []
+    for record, (w, h) in train:
+        x1, y1, x2, y2 = json.loads(record["answer"])[0]["bbox_2d"]
+        shares.append((x1 / w, y1 / h, x2 / w, y2 / h))
+    mean = [sum(column) / len(shares) for column in zip(*shares)]
+    rows = []
+    for record, (w, h) in held_out:
+        orig = [mean[0] * w, mean[1] * h, mean[2] * w, mean[3] * h]
+        box = [round(v) for v in convert_coords(orig, "orig", convention, (h, w), policy.model_size(h, w), ndigits=None)]
+        label = json.loads(record["answer"])[0]["label"]
+        rows.append({"image": str(image_dir / record["image"]),
+                     "predict": json.dumps([{"bbox_2d": box, "label": label}])})
+    return rows
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -61,7 +86,7 @@ def run_step(step: str, args: list[str], log_dir: Path) -> None:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
            "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = log_dir / f"{step}.log"
-    print(f"[demo] {step}: {' '.join(args)} (log: {log})", file=sys.stderr, flush=True)
+    print(f"[demo {time.strftime('%H:%M:%S')}] {step}: {' '.join(args)} (log: {log})", file=sys.stderr, flush=True)
     with open(log, "w") as f:
         code = subprocess.run([str(bin_dir / args[0]), *args[1:]], stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if code != 0:
@@ -74,67 +99,120 @@ def write_yaml(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def run_demo(out: Path, steps: int = 4, task: str = "grounding") -> dict[str, Any]:
-    """The grounding demo, or with ``task="fields"`` the field-extraction one (``demo_fields``)."""
+SFT_BATCH = 8
+SFT_STEPS_PER_MINUTE = 70  # measured on 2 CPU cores with the small model and this data
+MAX_TRAIN_IMAGES = 2000
+GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
+GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
+HELD_OUT, HELD_OUT_SMOKE = 100, 8
+TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink"}
+
+
+def sft_steps_for(minutes: float) -> int:
+    """SFT steps for a training budget in minutes of 2 CPU cores: a fixed count, so a run is reproducible."""
+    return max(1, round(minutes * SFT_STEPS_PER_MINUTE))
+
+
+def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: str = "grounding",
+             steps: int | None = None) -> dict[str, Any]:
+    """The grounding demo (a small model trained from scratch until it finds the rectangles), or with
+    ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``."""
     if task == "fields":
         from qwenvl_prep.demo_fields import run_fields_demo
 
-        return run_fields_demo(out, steps)
+        return run_fields_demo(out, steps or 4)
+    steps = steps or sft_steps_for(minutes)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")
+    if family not in TEMPLATES:
+        raise ValueError(f"demo family must be one of {', '.join(TEMPLATES)}, got {family!r}")
     out = out.resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    logs, data = out / "logs", out / "data"
+    logs, data, raw = out / "logs", out / "data", out / "raw"
     logs.mkdir(parents=True)
-    records = synthesise(out / "raw")
-    write_jsonl(out / "raw" / "train.jsonl", records)
-    write_jsonl(out / "raw" / "eval.jsonl", records[:6])
-    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(out / "model")], logs)
-    common = {"model_name_or_path": str(out / "model"), "template": "qwen2_vl", "qwenvl_patch": True,
-              "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS}
+    learning = steps >= 50
+    train = synthesise(raw, min(MAX_TRAIN_IMAGES, max(64, steps * SFT_BATCH)), seed=0)
+    held_out = synthesise(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=1)
+    write_jsonl(raw / "train.jsonl", [record for record, _ in train])
+    write_jsonl(raw / "grpo.jsonl", [record for record, _ in train[:GRPO_PROMPTS]])
+    write_jsonl(raw / "eval.jsonl", [record for record, _ in held_out])
+    model = out / "model"
+    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--family", family, "--size", "small"], logs)
+    policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
+    write_policy_record(model, policy)  # the untrained model answers in the run's frame too
+    common = {"template": TEMPLATES[family], "qwenvl_patch": True, "image_min_pixels": MIN_PIXELS,
+              "image_max_pixels": MAX_PIXELS, "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 512,
+              "preprocessing_num_workers": 2, "finetuning_type": "full", "freeze_vision_tower": False,
+              "freeze_multi_modal_projector": False, "do_train": True, "report_to": "none", "use_cpu": True,
+              "save_only_model": True}
     sft_yaml = write_yaml(out / "sft.yaml", {
-        **common, "stage": "sft", "do_train": True, "finetuning_type": "lora", "lora_target": "all",
-        "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 1024, "overwrite_cache": True,
-        "preprocessing_num_workers": 1, "output_dir": str(out / "sft"), "logging_steps": 1, "save_steps": steps,
-        "max_steps": steps, "per_device_train_batch_size": 2, "learning_rate": 5.0e-4, "report_to": "none",
-        "use_cpu": True, "plot_loss": True,
+        **common, "model_name_or_path": str(model), "stage": "sft", "overwrite_cache": True,
+        "output_dir": str(out / "sft"), "logging_steps": max(1, steps // 20), "max_steps": steps,
+        "save_strategy": "no", "per_device_train_batch_size": SFT_BATCH, "learning_rate": 2.0e-3, "lr_scheduler_type": "cosine",
+        "warmup_ratio": 0.05, "plot_loss": True,
     })
-    for split in ("train", "eval"):
-        run_step(f"convert-{split}", ["qwenvl-prep", "convert", str(out / "raw" / f"{split}.jsonl"), "-o",
+    for split in ("train", "grpo", "eval"):
+        run_step(f"convert-{split}", ["qwenvl-prep", "convert", str(raw / f"{split}.jsonl"), "-o",
                                   str(data / f"demo_{split}.json"), "--from-yaml", str(sft_yaml), "--input-coords",
                                   "abs", "-q"], logs)
     run_step("check", ["qwenvl-prep", "check", "--yaml", str(sft_yaml), "--decode"], logs)
+    evaluated = {}
+
+    def predict_and_eval(name: str, model_dir: Path) -> None:
+        predictions = out / f"predictions-{name}.jsonl"
+        if model_dir is not None:
+            run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset",
+                                        str(data / "demo_eval.json"), "-o", str(predictions), "--max-new-tokens",
+                                        "40"], logs)
+        run_step(f"eval-{name}", ["qwenvl-prep", "eval", str(data / "demo_eval.json"), "--predictions",
+                                  str(predictions), "--json-out", str(out / f"eval-{name}.json")], logs)
+        evaluated[name] = json.loads((out / f"eval-{name}.json").read_text())["overall"]
+
+    write_jsonl(out / "predictions-baseline.jsonl",
+                mean_box_predictions(train, held_out, raw, policy, FAMILIES[family].coords))
+    predict_and_eval("baseline", None)
+    predict_and_eval("untrained", model)
     run_step("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
+    grpo_steps = GRPO_STEPS if learning else GRPO_SMOKE_STEPS
     grpo_yaml = write_yaml(out / "grpo.yaml", {
-        **common, "stage": "grpo", "do_train": True, "finetuning_type": "lora", "lora_target": "all",
-        "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 24,
-        "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 1024, "preprocessing_num_workers": 1,
-        "output_dir": str(out / "grpo"), "logging_steps": 1, "save_steps": 2, "max_steps": 2,
-        "per_device_train_batch_size": 1, "learning_rate": 1.0e-4, "report_to": "none", "use_cpu": True,
-        "grpo_log_completions": True,
+        **common, "model_name_or_path": str(out / "sft"), "stage": "grpo", "dataset": "demo_grpo", "reward_funcs": "iou,format",
+        "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 40, "output_dir": str(out / "grpo"),
+        "logging_steps": 1, "save_strategy": "no", "max_steps": grpo_steps, "per_device_train_batch_size": 4,
+        "learning_rate": 1.0e-5, "grpo_log_completions": True,
     })
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
     export_yaml = write_yaml(out / "export.yaml", {
-        **common, "adapter_name_or_path": str(out / "sft"), "finetuning_type": "lora",
+        "model_name_or_path": str(out / "grpo"), "template": TEMPLATES[family], "qwenvl_patch": True,
+        "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS, "finetuning_type": "full",
         "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
     })
     run_step("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
     run_step("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(sft_yaml)], logs)
-    predictions = out / "predictions.jsonl"
-    run_step("predict", ["qwenvl-prep", "predict", str(out / "exported"), "--dataset", str(data / "demo_eval.json"),
-                     "-o", str(predictions), "--max-new-tokens", "48"], logs)
-    run_step("eval", ["qwenvl-prep", "eval", str(data / "demo_eval.json"), "--predictions", str(predictions),
-                  "--json-out", str(out / "eval.json"), "--plot", str(out / "eval.png")], logs)
-    run_step("draw", ["qwenvl-prep", "draw", str(data / "demo_eval.json"), "-o", str(out / "drawn"), "--sample", "0",
-                  "--predictions", str(predictions)], logs)
-    summary = {
-        "data": str(data), "model": str(out / "model"), "sft_checkpoint": str(out / "sft"),
-        "exported": str(out / "exported"), "predictions": str(predictions), "eval": str(out / "eval.json"),
-        "drawn": str(out / "drawn"), "logs": str(logs),
-        "metrics": json.loads((out / "eval.json").read_text())["overall"],
-        "sft_loss": [row["loss"] for row in load_jsonl(out / "sft" / "trainer_log.jsonl") if "loss" in row],
-        "grpo_checkpoint": str(out / "grpo"),
-        "grpo_reward": [row["reward"] for row in load_jsonl(out / "grpo" / "trainer_log.jsonl") if "loss" in row],
+    predict_and_eval("trained", out / "exported")
+    run_step("draw", ["qwenvl-prep", "draw", str(data / "demo_eval.json"), "-o", str(out / "drawn"), "--sample", "16",
+                      "--predictions", str(out / "predictions-trained.jsonl")], logs)
+    grpo_reward = [row["reward"] for row in load_jsonl(out / "grpo" / "trainer_log.jsonl") if "reward" in row]
+    return {
+        "family": family, "sft_steps": steps, "train_images": len(train), "held_out_images": len(held_out),
+        "held_out": {name: _headline(metrics) for name, metrics in evaluated.items()},
+        "trained_vs_baseline": _ratios(evaluated["trained"], evaluated["baseline"]),
+        "grpo_reward_first_last": [grpo_reward[0], grpo_reward[-1]],
+        "sft_loss_first_last": [losses[0], losses[-1]] if (losses := _losses(out / "sft")) else None,
+        "data": str(data), "exported": str(out / "exported"), "drawn": str(out / "drawn"), "logs": str(logs),
     }
-    return summary
+
+
+def _losses(folder: Path) -> list[float]:
+    return [row["loss"] for row in load_jsonl(folder / "trainer_log.jsonl") if "loss" in row]
+
+
+def _headline(metrics: dict[str, Any]) -> dict[str, Any]:
+    keys = ("acc@0.5", "mean_iou", "mean_centre_offset_orig_px", "parse_failure_rate")
+    return {key: metrics.get(key) for key in keys}
+
+
+def _ratios(trained: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
+    """Trained over baseline for Acc@0.5 and mean IoU (None when the baseline scores 0: no ratio to speak of)."""
+    return {key: round(trained[key] / baseline[key], 2) if baseline.get(key) else None
+            for key in ("acc@0.5", "mean_iou")}

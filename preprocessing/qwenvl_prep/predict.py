@@ -41,10 +41,9 @@ class Predictor:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
         inputs = self.processor(text=[text], images=[image], return_tensors="pt")
-        grid = inputs["image_grid_thw"][0].tolist()
-        patch = self.policy.patch_size
-        if (grid[1] * patch, grid[2] * patch) != model_hw:
-            raise RuntimeError(f"processor resized {image_path} again ({grid[2] * patch}x{grid[1] * patch} instead of "
+        encoded_hw = self.policy.size_from_grid(inputs["image_grid_thw"][0].tolist())
+        if encoded_hw != model_hw:
+            raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead of "
                                f"{model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
         with torch.no_grad():
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)

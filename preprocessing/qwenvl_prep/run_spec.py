@@ -1,4 +1,5 @@
-"""Where a run's resize policy comes from: the LF training YAML itself, or explicit flags."""
+"""A training run's spec (resize policy, family, template, datasets): read from the LF training YAML itself, or from
+explicit flags."""
 
 from __future__ import annotations
 

@@ -1,0 +1,40 @@
+"""The tiny-model builder: tokenizer and position settings that behave like the real Qwen-VL where it matters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+from llamafactory_qwenvl_patch.families import FAMILIES
+from qwenvl_prep.tiny_model import ROPE_THETA, build_tiny_model, build_tokenizer
+
+
+def test_every_digit_is_its_own_token():
+    """As in Qwen2/2.5/3-VL: coordinates are spelled digit by digit, whatever their context."""
+    tokenizer = build_tokenizer()
+    for text, digits in (('[{"bbox_2d": [123, 45, 300, 2010]', "2123453002010"), (" 200", "200"),
+                         ("INV-2024-0017", "20240017")):
+        pieces = [tokenizer.decode([i]) for i in tokenizer(text)["input_ids"]]
+        assert [p for p in pieces if any(c.isdigit() for c in p)] == list(digits), pieces
+
+
+def rope_theta(config) -> float:
+    text = config.text_config
+    params = getattr(text, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(text, "rope_theta", None))
+
+
+@pytest.mark.parametrize("family", [name for name, f in FAMILIES.items() if f.tiny])
+def test_sizes_and_positions(family, tmp_path):
+    counts = {}
+    for size in ("tiny", "small"):
+        folder = build_tiny_model(tmp_path / size, family, size=size)
+        config = AutoConfig.from_pretrained(folder)
+        assert rope_theta(config) == ROPE_THETA  # every M-RoPE section rotates at these head sizes
+        model = AutoModelForImageTextToText.from_pretrained(folder)
+        counts[size] = sum(p.numel() for p in model.parameters())
+        assert json.loads((folder / "tiny_model.json").read_text())["size"] == size
+        assert AutoTokenizer.from_pretrained(folder)("305")["input_ids"].__len__() == 3
+    assert counts["tiny"] < 400_000 and 800_000 < counts["small"] < 1_500_000
