@@ -151,15 +151,20 @@ def _predict(args: argparse.Namespace) -> int:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images with --prompt")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     predictor = Predictor(args.model_dir, args.max_new_tokens)
     from tqdm import tqdm
 
     rows = []
-    for image, prompt, label in tqdm(jobs, desc="predict", unit=" img", disable=None):
-        row = predictor(image, prompt)
-        if label is not None:
-            row["label"] = label
-        rows.append(row)
+    with tqdm(total=len(jobs), desc="predict", unit=" img", disable=None) as bar:
+        for first in range(0, len(jobs), args.batch_size):
+            chunk = jobs[first:first + args.batch_size]
+            for row, (_, _, label) in zip(predictor.batch([(image, prompt) for image, prompt, _ in chunk]), chunk):
+                if label is not None:
+                    row["label"] = label
+                rows.append(row)
+            bar.update(len(chunk))
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     if args.output:
         with atomic_writer(args.output) as f:
@@ -192,6 +197,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps)
     print(json.dumps(summary, indent=2))
+    if args.task == "grounding":
+        from qwenvl_prep.demo import format_summary
+
+        print(format_summary(summary), file=sys.stderr)
     return 0
 
 
@@ -341,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=int, default=128)
+    pred.add_argument("--batch-size", type=int, default=8, help="images per generate call (left-padded, greedy)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -361,17 +371,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="the whole pipeline on CPU in minutes: data, convert, check, train, export, predict, eval, draw",
-        description="Synthesise a grounding dataset (drawn shapes, mixed sizes incl. 4032x3024), build a tiny model, "
-        "and run convert, check, llamafactory-cli train (SFT LoRA, then GRPO), export, predict, eval and draw "
-        "into OUT.",
+        help="the whole pipeline on 2 CPU cores in under 5 minutes, ending with a model that finds the objects",
+        description="Synthesise a grounding dataset (coloured rectangles on photos of mixed sizes), build a small "
+        "random-weight model, and run convert, check, llamafactory-cli train (SFT from scratch, then GRPO), export, "
+        "predict, eval and draw into OUT. Held-out Acc@0.5, mean IoU and centre offset of the trained model are "
+        "printed next to the untrained model and a constant mean-box baseline measured in the same run; the JSON "
+        "summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=float, default=3.0,
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
-                      "(%(default)s: the model learns to localise; 0.1: a one-minute smoke run)")
+                      "(%(default)s: the model learns to localise; less is a quicker smoke run)")
     demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
-    demo.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
+    demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,
                       help="model family of the grounding demo (Qwen3-VL answers in 0-1000)")
     demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",
                       help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "

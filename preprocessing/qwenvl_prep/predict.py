@@ -31,23 +31,38 @@ class Predictor:
         self.max_new_tokens = max_new_tokens
 
     def __call__(self, image_path: str, prompt: str) -> dict[str, Any]:
+        return self.batch([(image_path, prompt)])[0]
+
+    def batch(self, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Answer several (image, prompt) pairs in one left-padded ``generate`` (greedy, so each answer is the one
+        it would get alone, up to float rounding)."""
         import torch
         from PIL import Image
 
-        image = model_input_image(image_path, self.policy)
-        with Image.open(image_path) as original:
-            orig_hw = (original.height, original.width)
-        model_hw = (image.height, image.width)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = self.processor(text=[text], images=[image], return_tensors="pt")
-        encoded_hw = self.policy.size_from_grid(inputs["image_grid_thw"][0].tolist())
-        if encoded_hw != model_hw:
-            raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead of "
-                               f"{model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
+        images, texts, sizes = [], [], []
+        for image_path, prompt in jobs:
+            image = model_input_image(image_path, self.policy)
+            with Image.open(image_path) as original:
+                sizes.append(((original.height, original.width), (image.height, image.width)))
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+            texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+            images.append(image)
+        self.processor.tokenizer.padding_side = "left"
+        inputs = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
+        for (image_path, _), grid, (_, model_hw) in zip(jobs, inputs["image_grid_thw"].tolist(), sizes):
+            encoded_hw = self.policy.size_from_grid(grid)
+            if encoded_hw != model_hw:
+                raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead "
+                                   f"of {model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
         with torch.no_grad():
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
-        answer = self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+        answers = self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return [self._row(image_path, prompt, answer, orig_hw, model_hw)
+                for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
+
+    def _row(self, image_path: str, prompt: str, answer: str, orig_hw: tuple[int, int],
+             model_hw: tuple[int, int]) -> dict[str, Any]:
+        """One output row: the answer, both frames, and each item mapped back to original pixels."""
         row: dict[str, Any] = {"image": str(image_path), "prompt": prompt, "predict": answer,
                                "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
                                "coords": self.convention, "items": [], "parse_error": None}
