@@ -121,11 +121,13 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
              steps: int | None = None) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), or with
     ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``."""
+    if (steps is not None and steps < 1) or minutes <= 0:
+        raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
         from qwenvl_prep.demo_fields import run_fields_demo
 
         return run_fields_demo(out, steps or 4)
-    steps = steps or sft_steps_for(minutes)
+    steps = steps if steps is not None else sft_steps_for(minutes)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")
     if family not in TEMPLATES:
