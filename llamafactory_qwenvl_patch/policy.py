@@ -75,9 +75,13 @@ class ResizePolicy:
         """The policy an HF image processor applies: its factor (patch size x merge size) and its bounds, unless
         other bounds are given (pinning a run's bounds onto a processor)."""
         factor = int(image_processor.patch_size) * int(image_processor.merge_size)
-        size = image_processor.size
-        return cls(int(min_pixels if min_pixels is not None else size["shortest_edge"]),
-                   int(max_pixels if max_pixels is not None else size["longest_edge"]), factor)
+        size = getattr(image_processor, "size", None) or {}
+        low = min_pixels if min_pixels is not None else size.get("shortest_edge")
+        high = max_pixels if max_pixels is not None else size.get("longest_edge")
+        if low is None or high is None:
+            raise PolicyError(f"{type(image_processor).__name__} has no pixel bounds (size: {size!r}); pin them "
+                              f"with image_min_pixels / image_max_pixels")
+        return cls(int(low), int(high), factor)
 
 
 @lru_cache(maxsize=1)

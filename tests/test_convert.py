@@ -234,7 +234,7 @@ def test_from_yaml_drives_the_policy(tmp_path, wide, capsys):
 @given(w=st.integers(1, 3000), h=st.integers(1, 3000), orientation=st.sampled_from([None, 1, 3, 6, 8]),
        progressive=st.booleans(), icc=st.booleans())
 def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientation, progressive, icc):
-    from qwenvl_prep.imageinfo import _jpeg_info
+    from qwenvl_prep.imageinfo import _JPEG_SCAN_BYTES, _jpeg_info
 
     path = tmp_path_factory.mktemp("jpeg") / "x.jpg"
     image = Image.new("RGB", (w, h), (10, 20, 30))
@@ -246,11 +246,14 @@ def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientati
     if icc:
         kwargs["icc_profile"] = bytes(range(256)) * 300  # a large APP2 segment before the frame header
     image.save(path, **kwargs)
-    fast = _jpeg_info(path.read_bytes())
+    window = path.read_bytes()[:_JPEG_SCAN_BYTES]  # what read_info gives the fast path
+    fast = _jpeg_info(window)
     with Image.open(path) as pil:
         expected = (pil.width, pil.height, int(pil.getexif().get(0x0112, 1)))
-    assert fast is not None, "the fast path gave up on a plain JPEG"
-    assert (fast.width, fast.height, fast.orientation) == expected
+    if not icc:  # the frame header lies inside the window: the fast path must answer, not hand over to PIL
+        assert fast is not None, "the fast path gave up on a plain JPEG"
+    if fast is not None:
+        assert (fast.width, fast.height, fast.orientation) == expected
     from qwenvl_prep.imageinfo import read_info
 
     info = read_info(path)

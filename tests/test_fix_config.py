@@ -33,13 +33,19 @@ def old_transformers() -> Path:
     from the package registry the first time (in a temp folder, then renamed, so an interrupted build is not
     reused) and kept beside the repo's ``.venv`` for every later test run."""
     python = SIDE_ENV / "bin" / "python"
-    if not python.exists():
+    version = subprocess.run([str(python), "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True) if python.exists() else None
+    if version is None or version.stdout.strip() != OLD_TRANSFORMERS.split("==")[1]:
+        shutil.rmtree(SIDE_ENV, ignore_errors=True)  # missing, broken or another version: build it again
         build = Path(tempfile.mkdtemp(prefix=".venv-tf451.", dir=SIDE_ENV.parent))
-        subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
-        result = subprocess.run([str(build / "bin" / "pip"), "install", "-q", OLD_TRANSFORMERS],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-2000:]
-        os.replace(build, SIDE_ENV)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
+            result = subprocess.run([str(build / "bin" / "pip"), "install", "-q", OLD_TRANSFORMERS],
+                                    capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr[-2000:]
+            os.replace(build, SIDE_ENV)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
     return python
 
 

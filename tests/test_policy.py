@@ -169,3 +169,23 @@ def test_policy_from_a_processor_and_sizes_from_its_grid():
     image = Image.new("RGB", (1000, 700))
     grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
     assert policy.size_from_grid(grid) == policy.model_size(700, 1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(28, 1500), w=st.integers(28, 1500), low=st.integers(4, 200), span=st.integers(0, 1000),
+       patch=st.sampled_from([14, 16]))
+def test_model_size_is_what_the_hf_processor_encodes(h, w, low, span, patch):
+    """An independent oracle: transformers' own image processor (its own resize code) encodes exactly the core's
+    frame, read back from its image_grid_thw."""
+    from transformers import Qwen2VLImageProcessor
+
+    assume(max(h, w) / min(h, w) <= 150)
+    factor = 2 * patch
+    policy = ResizePolicy(low * factor * factor, (low + span) * factor * factor, factor)
+    processor = Qwen2VLImageProcessor(patch_size=patch, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
+    try:
+        expected = policy.model_size(h, w)
+    except PolicyError:
+        return  # refused up front (a side under one patch): the processor cannot encode it either
+    grid = processor(images=[Image.new("RGB", (w, h))], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert policy.size_from_grid(grid) == expected

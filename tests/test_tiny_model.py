@@ -26,13 +26,31 @@ def rope_theta(config) -> float:
     return params.get("rope_theta", getattr(text, "rope_theta", None))
 
 
+def mrope_sections(config) -> tuple[float, list[int], int]:
+    text = config.text_config
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return rope_theta(config), params["mrope_section"], head_dim
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_every_mrope_section_rotates_across_an_image_grid(size, tmp_path):
+    """Positions must be learnable at these head sizes: across a 9-patch-wide grid, the slowest frequency of the
+    height and width sections still turns by at least half a radian (the real models' base of 1e6 gives ~0.001)."""
+    theta, section, head_dim = mrope_sections(AutoConfig.from_pretrained(build_tiny_model(tmp_path / "m", size=size)))
+    assert sum(section) == head_dim // 2
+    slowest = {"height": section[0] + section[1] - 1, "width": sum(section) - 1}  # frequency indices
+    for axis, index in slowest.items():
+        assert 9 * theta ** (-2 * index / head_dim) >= 0.5, (axis, theta, section)
+
+
 @pytest.mark.parametrize("family", [name for name, f in FAMILIES.items() if f.tiny])
 def test_sizes_and_positions(family, tmp_path):
     counts = {}
     for size in ("tiny", "small"):
         folder = build_tiny_model(tmp_path / size, family, size=size)
         config = AutoConfig.from_pretrained(folder)
-        assert rope_theta(config) == ROPE_THETA  # every M-RoPE section rotates at these head sizes
+        assert rope_theta(config) == ROPE_THETA  # the checkpoint carries the base in the installed layout
         model = AutoModelForImageTextToText.from_pretrained(folder)
         counts[size] = sum(p.numel() for p in model.parameters())
         assert json.loads((folder / "tiny_model.json").read_text())["size"] == size

@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=float, default=3.0,
-                      help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
+                      help="grounding demo: SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
                       "(%(default)s: the model learns to localise; less is a quicker smoke run)")
     demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,

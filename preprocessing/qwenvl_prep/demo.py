@@ -29,7 +29,7 @@ from qwenvl_prep.dataset import load_jsonl
 
 COLORS = {"red": (40, 40, 220), "green": (60, 180, 60), "blue": (220, 90, 40), "yellow": (40, 220, 230)}
 # Original 4:3 photos of mixed sizes (320x240 to 960x720): all are larger than the frame's upper bound, so each is
-# resized to the 252x168 model frame and labels in original pixels and in the model's frame differ, as on real data.
+# resized to one model frame (252x168 for Qwen2.5-VL, 256x192 for Qwen3-VL) and labels in original pixels and in the model's frame differ, as on real data.
 # One frame size keeps the text positions after the image (M-RoPE starts them after the grid's longest side) in one
 # place: a 1M-parameter model learns positions within minutes that way, and not with grids of many sizes (measured:
 # Acc@0.5 4% vs 54% after 800 steps; with portrait 3:4 photos mixed in, mean IoU fell by about 0.05).
@@ -124,6 +124,8 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     if (steps is not None and steps < 1) or minutes <= 0:
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
+        if family != "qwen2_5_vl":
+            raise ValueError("--family applies to the grounding demo; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
         return run_fields_demo(out, steps or 4)
