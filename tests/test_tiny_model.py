@@ -54,5 +54,5 @@ def test_sizes_and_positions(family, tmp_path):
         model = AutoModelForImageTextToText.from_pretrained(folder)
         counts[size] = sum(p.numel() for p in model.parameters())
         assert json.loads((folder / "tiny_model.json").read_text())["size"] == size
-        assert AutoTokenizer.from_pretrained(folder)("305")["input_ids"].__len__() == 3
+        assert len(AutoTokenizer.from_pretrained(folder)("305")["input_ids"]) == 3
     assert counts["tiny"] < 400_000 and 800_000 < counts["small"] < 1_500_000

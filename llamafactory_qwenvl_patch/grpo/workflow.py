@@ -76,7 +76,8 @@ def grpo_training_function(config: dict[str, Any]) -> None:
     callbacks += lf_callbacks(model_args, data_args, training_args, finetuning_args, generating_args)
     run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
              explicit_keys(raw_args))
-    if importlib.util.find_spec("ray") is not None:
+    packages = lf_compat.require_module("llamafactory.extras.packages", ["is_ray_available"])
+    if packages.is_ray_available():
         import ray
 
         if ray.is_initialized():

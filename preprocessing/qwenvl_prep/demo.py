@@ -29,11 +29,11 @@ from qwenvl_prep.dataset import load_jsonl
 
 COLORS = {"red": (40, 40, 220), "green": (60, 180, 60), "blue": (220, 90, 40), "yellow": (40, 220, 230)}
 # Original 4:3 photos of mixed sizes (320x240 to 960x720): all are larger than the frame's upper bound, so each is
-# resized to one model frame (252x168 for Qwen2.5-VL, 256x192 for Qwen3-VL) and labels in original pixels and in the model's frame differ, as on real data.
-# One frame size keeps the text positions after the image (M-RoPE starts them after the grid's longest side) in one
+# resized to one model frame (252x168 for Qwen2.5-VL, 256x192 for Qwen3-VL), and labels in original pixels and in
+# the model's frame differ, as on real data. One frame size keeps the text positions after the image (M-RoPE starts them after the grid's longest side) in one
 # place: a 1M-parameter model learns positions within minutes that way, and not with grids of many sizes (measured:
 # Acc@0.5 4% vs 54% after 800 steps; with portrait 3:4 photos mixed in, mean IoU fell by about 0.05).
-LONG_SIDE = (320, 960)
+WIDTHS = (320, 960)
 BOX_SHARE = (0.15, 0.6)  # each box side as a share of the image side (small boxes are not learned at this size)
 MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 
@@ -45,7 +45,7 @@ def synthesise(folder: Path, count: int, seed: int) -> list[tuple[dict[str, Any]
     folder.mkdir(parents=True, exist_ok=True)
     samples = []
     for i in range(count):
-        w = rng.randint(*LONG_SIDE)
+        w = rng.randint(*WIDTHS)
         h = round(w * 3 / 4)
         canvas = np.full((h, w, 3), rng.randint(200, 250), np.uint8)
         bw, bh = round(w * rng.uniform(*BOX_SHARE)), round(h * rng.uniform(*BOX_SHARE))
@@ -105,7 +105,7 @@ def write_yaml(path: Path, config: dict[str, Any]) -> Path:
 
 SFT_BATCH = 8
 SFT_STEPS_PER_MINUTE = 340  # measured on 2 CPU cores: the small model at batch 8 on this data
-MAX_TRAIN_IMAGES = 1000  # seen about 5 times: LF tokenizes an image about as slowly as it trains on it
+MAX_TRAIN_IMAGES = 1000  # seen 8 times by default: LF tokenizes an image about as slowly as it trains on it
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
 HELD_OUT, HELD_OUT_SMOKE = 100, 8
@@ -185,8 +185,8 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     grpo_steps = GRPO_STEPS if learning else GRPO_SMOKE_STEPS
     grpo_yaml = write_yaml(out / "grpo.yaml", {
         **common, "model_name_or_path": str(out / "sft"), "stage": "grpo", "dataset": "demo_grpo",
-        "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 64, "output_dir": str(out / "grpo"),
-        "logging_steps": 1, "save_strategy": "no", "max_steps": grpo_steps, "per_device_train_batch_size": 4,
+        "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 64,
+        "output_dir": str(out / "grpo"), "logging_steps": 1, "save_strategy": "no", "max_steps": grpo_steps, "per_device_train_batch_size": 4,
         "learning_rate": 1.0e-5, "grpo_log_completions": True,
     })
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)

@@ -22,6 +22,7 @@ class Predictor:
 
         self.model_dir = Path(model_dir)
         self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         family = family_of_model(model_dir)
@@ -47,7 +48,6 @@ class Predictor:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
             texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
             images.append(image)
-        self.processor.tokenizer.padding_side = "left"
         inputs = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
         for (image_path, _), grid, (_, model_hw) in zip(jobs, inputs["image_grid_thw"].tolist(), sizes):
             encoded_hw = self.policy.size_from_grid(grid)
