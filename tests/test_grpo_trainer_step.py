@@ -21,7 +21,8 @@ def finetuning(loss_type: str, **overrides) -> SimpleNamespace:
         **dict(grpo_num_generations=G, grpo_steps_per_generation=None, grpo_num_iterations=1, grpo_beta=0.0,
                grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type, grpo_scale_rewards="group",
                grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
-               grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0),
+               grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
+               grpo_shared_prefix="auto"),
         **overrides})
 
 
@@ -36,7 +37,8 @@ def completions(stop: int, pad: int) -> dict[int, torch.Tensor]:
     return out
 
 
-def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: str) -> dict[str, torch.Tensor]:
+def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: str, shared: str = "auto"
+               ) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -50,13 +52,14 @@ def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: s
     def reward(completions, **_):
         return [len(c) / 10 for c in completions]
 
-    args = TrainingArguments(output_dir=str(tmp_path / f"{batch}x{accumulation}"), per_device_train_batch_size=batch,
+    args = TrainingArguments(output_dir=str(tmp_path / f"{batch}x{accumulation}-{shared}"), per_device_train_batch_size=batch,
                              gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
                              lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True, report_to="none",
                              save_strategy="no", logging_steps=1, seed=0)
     trainer = GRPOTrainer(
         model=model, args=args, train_dataset=[{"grpo_index": 0}, {"grpo_index": 1}],
-        data_collator=lambda features: {"grpo_features": features}, finetuning_args=finetuning(loss_type),
+        data_collator=lambda features: {"grpo_features": features},
+        finetuning_args=finetuning(loss_type, grpo_shared_prefix=shared),
         sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "max_new_tokens": 9},
         reward_funcs=[Reward("length", reward, 1.0)], ref_model=None, resize_policy=None, coords="model",
         stop_token_ids=[stop], suppress_token_ids=[], processor=None, tokenizer=tokenizer)
@@ -75,6 +78,7 @@ def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: s
         width = max(r.size(1) for r in rows)
         return torch.cat([torch.nn.functional.pad(r, (0, width - r.size(1)), value=pad) for r in rows])
 
+    assert trainer.shared_prefix == (shared != "false")
     trainer._collate, trainer._generate = collate, generate
     trainer.train()
     return {n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad}
@@ -82,12 +86,15 @@ def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: s
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_accumulation_step_equals_one_batch(tiny_model, tmp_path, loss_type):
+    """Also: the shared-prefix step (prompts of different lengths, left-padded) equals the repeated layout's."""
     one = step_delta(tiny_model, tmp_path, batch=2, accumulation=1, loss_type=loss_type)
     accumulated = step_delta(tiny_model, tmp_path, batch=1, accumulation=2, loss_type=loss_type)
+    repeated = step_delta(tiny_model, tmp_path, batch=2, accumulation=1, loss_type=loss_type, shared="false")
     moved = [n for n, d in one.items() if d.abs().max() > 0]
     assert moved, "the step changed nothing"
     for name in moved:
         assert torch.allclose(one[name], accumulated[name], atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(one[name], repeated[name], atol=1e-6, rtol=1e-4), name
 
 
 def test_blank_image_groups_are_penalised_against_a_zero_baseline(tiny_model, tmp_path):

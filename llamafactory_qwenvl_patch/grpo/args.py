@@ -7,6 +7,7 @@ from typing import Literal
 
 from llamafactory_qwenvl_patch.cheats import CheatRules
 from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
 ROLLOUT_BACKENDS = ("hf", "vllm")
@@ -89,6 +90,12 @@ def extend_finetuning_arguments(base: type) -> type:
         grpo_vllm_is_cap: float = field(
             default=2.0, metadata={"help": "vllm backend: cap of the importance weight."}
         )
+        grpo_shared_prefix: str = field(
+            default="auto",
+            metadata={"help": "Compute each prompt and its images once per group in the training passes and HF "
+                      "rollouts: auto (on wherever the attention implementation allows), true (an error where it "
+                      "cannot apply) or false (repeat the prompt for every completion)."},
+        )
         grpo_log_completions: bool = field(
             default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
         )
@@ -123,6 +130,10 @@ def extend_finetuning_arguments(base: type) -> type:
             if self.grpo_rollout_backend == "vllm" and self.grpo_vllm_tensor_parallel_size != 1:
                 raise ValueError("grpo_vllm_tensor_parallel_size > 1 is not supported yet: each training rank runs "
                                  "its own engine; use 1")
+            self.grpo_shared_prefix = str(self.grpo_shared_prefix).lower()
+            if self.grpo_shared_prefix not in SHARED_PREFIX_SETTINGS:
+                raise ValueError(f"grpo_shared_prefix must be one of {', '.join(SHARED_PREFIX_SETTINGS)}, "
+                                 f"got {self.grpo_shared_prefix!r}")
             if self.grpo_vllm_is_cap <= 0:
                 raise ValueError("grpo_vllm_is_cap must be > 0")
             if self.no_cheat_ngram < 1:

@@ -14,8 +14,9 @@ import json
 import logging
 import os
 from collections import defaultdict
+from contextlib import nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch.utils.data import DataLoader
@@ -23,6 +24,7 @@ from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
 from llamafactory_qwenvl_patch.answers import parse_items, try_parse_items
+from llamafactory_qwenvl_patch.grpo import shared_prefix
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
@@ -33,6 +35,7 @@ from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
     prompt_text, repeat_visual,
 )
+from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.images import blank_like, model_input_image, open_image
@@ -151,6 +154,12 @@ class GRPOTrainer(Trainer):
                 "sampled without dropout but their log-probs are taken with it, so the on-policy ratio is not 1 "
                 "and clipping acts on noise. Set lora_dropout: 0 (LF's default) unless you mean it.")
         self.ref_model = ref_model
+        self.shared_prefix = shared_prefix.resolve(finetuning_args.grpo_shared_prefix,
+                                                   [self.model] + ([ref_model] if ref_model is not None else []))
+        if self.shared_prefix:
+            for m in (self.model, ref_model):
+                if m is not None:
+                    shared_prefix.install(m)
         if ref_model is not None:
             if self.is_deepspeed_enabled:
                 from trl.models import prepare_deepspeed
@@ -208,10 +217,11 @@ class GRPOTrainer(Trainer):
             unwrapped.eval()
             try:
                 with generation_config_of(unwrapped, config):
-                    out = unwrapped.generate(**gen_inputs, generation_config=config)
+                    if self.shared_prefix:
+                        return sample_shared_prefix(unwrapped, gen_inputs, config)
+                    return unwrapped.generate(**gen_inputs, generation_config=config)[:, batch["input_ids"].shape[1]:]
             finally:
                 unwrapped.train(was_training)
-        return out[:, batch["input_ids"].shape[1]:]
 
     def _sample(self, model: Any, batch: dict[str, torch.Tensor], meta: list[SampleMeta], greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,25 +251,39 @@ class GRPOTrainer(Trainer):
         return ids, mask, stopped & ~cut, texts, int(cut.sum())
 
     def _forward_inputs(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
-                        ) -> dict[str, torch.Tensor]:
+                        ) -> dict[str, Any]:
+        """Prompt + completion inputs of the training passes: one packed row per prompt with its images once
+        (shared prefix), or each prompt and its images repeated for every completion."""
         G = self.num_generations
-        inputs = {
-            "input_ids": torch.cat([batch["input_ids"].repeat_interleave(G, 0), ids], dim=1),
-            "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
-        }
+        has_images = "pixel_values" in batch
+        if self.shared_prefix:
+            inputs, layout = shared_prefix.pack_group(batch["input_ids"], batch["attention_mask"], ids, mask, G)
+            inputs[shared_prefix.KWARG] = layout
+            if has_images:
+                inputs["pixel_values"], inputs["image_grid_thw"] = batch["pixel_values"], batch["image_grid_thw"]
+        else:
+            inputs = {
+                "input_ids": torch.cat([batch["input_ids"].repeat_interleave(G, 0), ids], dim=1),
+                "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
+            }
+            if has_images:
+                per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+                inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(
+                    batch["pixel_values"], batch["image_grid_thw"], per_sample, G)
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
-        if "pixel_values" in batch:
-            per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
-            inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(
-                batch["pixel_values"], batch["image_grid_thw"], per_sample, G)
         return inputs
 
-    def _token_logps(self, model: Any, inputs: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
+    def _token_logps(self, model: Any, inputs: dict[str, Any], completion_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of the completion tokens under softmax(logits / T) with the vision tokens suppressed, i.e. the
-        distribution that was sampled."""
-        length = completion_ids.size(1)
-        logits = model(**inputs, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
+        distribution that was sampled. A shared-prefix forward must run inside ``_shared_attention``."""
+        layout = inputs.get(shared_prefix.KWARG)
+        if layout is None:
+            length = completion_ids.size(1)
+            logits = model(**inputs, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
+        else:
+            logits = shared_prefix.unpack_logits(model(**inputs, logits_to_keep=layout.keep, use_cache=False).logits,
+                                                 layout)
         banned = torch.tensor(self.suppressed, device=logits.device, dtype=torch.long)
         # Row by row in float32: a full-vocabulary log_softmax of every completion at once costs G x T x V floats.
         rows = []
@@ -348,7 +372,7 @@ class GRPOTrainer(Trainer):
             ids, attention, stopped, texts, cut = self._completions(sampled)
             self._metrics["vision_tokens_cut"].append(float(cut))
             inputs = self._forward_inputs(batch, ids, attention)
-            with torch.no_grad():
+            with torch.no_grad(), self._shared_attention():
                 old = self._token_logps(model, inputs, ids) if self.off_policy else None
                 ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
             parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
@@ -405,7 +429,13 @@ class GRPOTrainer(Trainer):
         micro = self._buffer[position % self.steps_per_generation]
         self._first_pass = position < self.steps_per_generation
         self._micro_step += 1
-        return super().training_step(model, {"grpo": micro}, num_items_in_batch)
+        with self._shared_attention():  # the backward too: gradient checkpointing recomputes the forward there
+            return super().training_step(model, {"grpo": micro}, num_items_in_batch)
+
+    def _shared_attention(self) -> ContextManager[None]:
+        if not self.shared_prefix:
+            return nullcontext()
+        return shared_prefix.attention_active([self.model] + ([self.ref_model] if self.ref_model is not None else []))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro: MicroBatch = inputs["grpo"]
