@@ -34,7 +34,7 @@ def register(family: Family) -> Family:
 
 
 register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", tiny=True))
-register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin"))
+register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", tiny=True))
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl", "qwen3_5", "qwen3_6"), "Qwen3VLPlugin",
                 tiny=True))
 

@@ -20,3 +20,10 @@ def tiny_model_qwen3(tmp_path_factory) -> Path:
     from qwenvl_prep.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl", "qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_qwen2(tmp_path_factory) -> Path:
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_vl", "qwen2_vl")

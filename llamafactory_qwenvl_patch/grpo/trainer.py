@@ -278,12 +278,11 @@ class GRPOTrainer(Trainer):
         """Log-probs of the completion tokens under softmax(logits / T) with the vision tokens suppressed, i.e. the
         distribution that was sampled. A shared-prefix forward must run inside ``_shared_attention``."""
         layout = inputs.get(shared_prefix.KWARG)
-        if layout is None:
-            length = completion_ids.size(1)
-            logits = model(**inputs, logits_to_keep=length + 1, use_cache=False).logits[:, :-1, :]
-        else:
-            logits = shared_prefix.unpack_logits(model(**inputs, logits_to_keep=layout.keep, use_cache=False).logits,
-                                                 layout)
+        keep = completion_ids.size(1) + 1 if layout is None else layout.keep
+        logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
+        if logits.size(1) == inputs["input_ids"].size(1):  # the model ignores logits_to_keep (4.57's Qwen2-VL)
+            logits = logits[:, -keep:] if layout is None else logits[:, keep]
+        logits = logits[:, :-1, :] if layout is None else shared_prefix.unpack_logits(logits, layout)
         banned = torch.tensor(self.suppressed, device=logits.device, dtype=torch.long)
         # Row by row in float32: a full-vocabulary log_softmax of every completion at once costs G x T x V floats.
         rows = []

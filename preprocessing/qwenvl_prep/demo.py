@@ -109,7 +109,7 @@ MAX_TRAIN_IMAGES = 1000  # seen 8 times by default: LF tokenizes an image about 
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
 HELD_OUT, HELD_OUT_SMOKE = 100, 8
-TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink"}
+TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink"}
 
 
 def sft_steps_for(minutes: float) -> int:

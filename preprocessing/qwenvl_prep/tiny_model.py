@@ -156,6 +156,14 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny"):
         image_processor = transformers.Qwen2VLImageProcessor()
         video_processor = transformers.Qwen2VLVideoProcessor()
         processor_cls = transformers.Qwen2_5_VLProcessor
+    elif family == "qwen2_vl":
+        _set_rope(text, ROPE_THETA, section)
+        vision = dict(depth=2, embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=2, num_heads=2, patch_size=14)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **token_ids)
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+        image_processor = transformers.Qwen2VLImageProcessor()
+        video_processor = transformers.Qwen2VLVideoProcessor()
+        processor_cls = transformers.Qwen2VLProcessor
     elif family == "qwen3_vl":
         if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
             raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3-VL; install >= 4.57")

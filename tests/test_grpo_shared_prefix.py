@@ -1,0 +1,261 @@
+"""Shared-prefix GRPO equals the repeated layout: per-token log-probs (fp32, atol 1e-5), gradients (relative 1e-4)
+and a whole optimiser step through the real GRPOTrainer, on tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models, with
+prompts of different lengths (mixed image sizes, left padding), completions of different lengths, LoRA and full
+fine-tuning, the vision tower trainable and frozen, gradient checkpointing (reentrant, as LF sets it, and not),
+gradient accumulation 2 and a KL reference. HF rollouts prefill each prompt once and sample what ``generate``
+samples. Only sampling is fixed in the step tests (chosen completions), so both layouts optimise the same data."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llamafactory_qwenvl_patch.grpo import shared_prefix
+from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
+from llamafactory_qwenvl_patch.grpo.rewards import Reward
+from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of, vision_token_ids
+from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
+from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
+
+G = 3
+SIZES = [(300, 200), (520, 500), (200, 610), (340, 340)]  # (width, height): four frames, four prompt lengths
+QUESTIONS = ["Where is the cat?", "Find the red box, please.", "Box?", "Locate every dog in this picture now."]
+LENGTHS = [[7, 2, 5], [1, 6, 3], [4, 4, 1], [6, 3, 2]]  # completion lengths (before the stop token) per prompt
+MODES = {
+    # full fine-tuning with a separate frozen reference, vision tower trained, non-reentrant checkpointing
+    "full": dict(lora=False, vision=True, checkpointing={"use_reentrant": False}),
+    # full fine-tuning, vision tower frozen, no checkpointing
+    "full-frozen-vision": dict(lora=False, vision=False, checkpointing=None),
+    # LoRA on the language model (the reference is the model without the adapter), reentrant checkpointing as LF
+    "lora": dict(lora=True, vision=False, checkpointing={"use_reentrant": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def families(tiny_model_qwen2, tiny_model, tiny_model_qwen3):
+    return {"qwen2_vl": tiny_model_qwen2, "qwen2_5_vl": tiny_model, "qwen3_vl": tiny_model_qwen3}
+
+
+def noise(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def prompt_batch(processor, indices: list[int]) -> dict[str, torch.Tensor]:
+    """What LF's collator hands the trainer: left-padded prompts with their images, mixed sizes."""
+    def chat(question):
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+    texts = [processor.apply_chat_template(chat(QUESTIONS[i]), add_generation_prompt=True) for i in indices]
+    images = [noise(*SIZES[i], seed=i) for i in indices]
+    batch = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+
+
+def completions(tokenizer, indices: list[int]) -> torch.Tensor:
+    """G completions per prompt of the given lengths, each ending with the stop token, right-padded."""
+    stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    rows = []
+    for i in indices:
+        for j, n in enumerate(LENGTHS[i]):
+            rows.append([int(t) for t in torch.randint(20, 300, (n,), generator=torch.Generator().manual_seed(
+                i * 10 + j))] + [stop])
+    width = max(map(len, rows))
+    return torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+
+
+def load(model_dir, mode: dict):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    if mode["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=(
+            r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
+    elif not mode["vision"]:
+        for param in model.model.visual.parameters():
+            param.requires_grad_(False)
+    if mode["checkpointing"] is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=mode["checkpointing"])
+        if mode["checkpointing"]["use_reentrant"]:
+            model.enable_input_require_grads()  # what LF does for reentrant checkpointing
+    return model
+
+
+def make_trainer(model_dir, mode: dict, shared: str, tmp_path, batch: int = 2, accumulation: int = 2):
+    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainingArguments
+
+    processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")
+    tokenizer = processor.tokenizer
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = load(model_dir, mode)
+    ref_model = None
+    if not mode["lora"]:
+        ref_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    args = TrainingArguments(output_dir=str(tmp_path / shared), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                             lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True, report_to="none",
+                             save_strategy="no", logging_steps=1, seed=0)
+    finetuning = SimpleNamespace(
+        grpo_num_generations=G, grpo_steps_per_generation=None, grpo_num_iterations=1, grpo_beta=0.04,
+        grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type="grpo", grpo_scale_rewards="group",
+        grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
+        grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
+        grpo_shared_prefix=shared)
+
+    def reward(completions, **_):
+        return [len(c) / 10 + (hash(c) % 7) / 7 for c in completions]
+
+    trainer = GRPOTrainer(
+        model=model, args=args, train_dataset=[{"grpo_index": i} for i in range(4)],
+        data_collator=lambda features: {"grpo_features": features}, finetuning_args=finetuning,
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "max_new_tokens": 9},
+        reward_funcs=[Reward("spread", reward, 1.0)], ref_model=ref_model, resize_policy=None, coords="model",
+        stop_token_ids=[stop], suppress_token_ids=vision_token_ids(tokenizer), processor=processor,
+        tokenizer=tokenizer)
+    assert trainer.shared_prefix == (shared == "true")
+
+    def collate(features):
+        indices = [int(f["grpo_index"]) for f in features]
+        batch = trainer._prepare_input(prompt_batch(processor, indices))
+        batch["indices"] = indices
+        return batch, [SampleMeta(i, "", "", None) for i in indices]
+
+    def generate(model, batch, config):
+        return completions(tokenizer, batch["indices"])
+
+    trainer._collate, trainer._generate = collate, generate
+    return trainer, processor
+
+
+def logps_and_grads(trainer, processor, indices: list[int]):
+    """The trainer's per-token log-probs of fixed completions and the gradient of their masked sum."""
+    batch = prompt_batch(processor, indices)
+    ids = completions(processor.tokenizer, indices)
+    mask = (ids != processor.tokenizer.pad_token_id).long()
+    trainer.model.train()
+    trainer.model.zero_grad()
+    with trainer._shared_attention():
+        logps = trainer._token_logps(trainer.model, trainer._forward_inputs(batch, ids, mask), ids)
+        (logps * mask).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return logps.detach(), mask.bool(), grads
+
+
+def assert_close_grads(shared: dict, repeated: dict) -> None:
+    """Relative 1e-4 per parameter (LoRA's A matrices get exactly zero gradients while B is zero: so must ours)."""
+    assert shared.keys() == repeated.keys()
+    assert sum(grad.norm() > 0 for grad in repeated.values()) >= len(repeated) / 2
+    for name, grad in repeated.items():
+        assert (shared[name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_log_probs_and_gradients_match_the_repeated_layout(families, family, mode, tmp_path):
+    trainer, processor = make_trainer(families[family], MODES[mode], "true", tmp_path)
+    shared = logps_and_grads(trainer, processor, [0, 1, 2])
+    trainer.shared_prefix = False  # the same model and trainer, the repeated layout
+    repeated = logps_and_grads(trainer, processor, [0, 1, 2])
+    mask = repeated[1]
+    assert torch.equal(shared[1], mask)
+    assert (shared[0] - repeated[0]).abs()[mask].max() <= 1e-5
+    assert_close_grads(shared[2], repeated[2])
+    if MODES[mode]["vision"]:
+        assert any(".visual." in name for name in repeated[2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_optimiser_step_matches_the_repeated_layout(families, family, mode, tmp_path):
+    """One step of batch 2 x accumulation 2 (four prompts, four frames): rollout bookkeeping, old and reference
+    log-probs, the loss and transformers' accumulation, SGD; the parameter moves equal."""
+    deltas = {}
+    for setting in ("true", "false"):
+        trainer, _ = make_trainer(families[family], MODES[mode], setting, tmp_path / setting)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        deltas[setting] = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert trainer.state.log_history[0]["kl"] >= 0
+    moved = {n: d for n, d in deltas["false"].items() if d.abs().max() > 0}
+    assert moved
+    assert_close_grads({n: deltas["true"][n] for n in moved}, moved)
+
+
+class VisionCalls:
+    """Counts the images the vision tower encodes and the rows of the language model's first (prefill) call."""
+
+    def __init__(self, model) -> None:
+        self.images = 0
+        self.first_rows: int | None = None
+        model.model.visual.register_forward_pre_hook(self._vision, with_kwargs=True)
+        shared_prefix.language_model(model).register_forward_pre_hook(self._language, with_kwargs=True)
+
+    def _vision(self, module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        self.images += len(grid)
+
+    def _language(self, module, args, kwargs):
+        if self.first_rows is None:
+            self.first_rows = kwargs["inputs_embeds"].size(0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_rollout_prefills_once_and_samples_what_generate_samples(families, family):
+    """Greedy answers equal generate's; sampled completions equal generate's draw for draw with the same seed
+    (same logits processors: repetition penalty, suppressed vision tokens, top-p); the images are encoded once per
+    prompt and the prompt prefilled once, where generate encodes and prefills them G times."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+
+    model = AutoModelForImageTextToText.from_pretrained(families[family], dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(families[family], padding_side="left")
+    tokenizer = processor.tokenizer
+    batch = prompt_batch(processor, [0, 1, 3])
+    if needs_token_types(model):
+        batch["mm_token_type_ids"] = token_types(batch["input_ids"], model.config)
+    common = dict(eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>")], pad_token_id=tokenizer.pad_token_id,
+                  use_cache=True, suppress_tokens=vision_token_ids(tokenizer), max_new_tokens=12)
+    configs = [GenerationConfig(do_sample=False, num_return_sequences=1, repetition_penalty=1.3, **common),
+               GenerationConfig(do_sample=True, num_return_sequences=4, temperature=1.0, top_p=0.9, top_k=0,
+                                **common)]
+    for config in configs:
+        rows = 3 * config.num_return_sequences
+        with torch.no_grad(), generation_config_of(model, config):
+            torch.manual_seed(7)
+            expected = model.generate(**batch, generation_config=config)[:, batch["input_ids"].size(1):]
+            torch.manual_seed(7)
+            calls = VisionCalls(model)
+            got = sample_shared_prefix(model, batch, config)
+        assert got.shape == expected.shape and got.size(0) == rows
+        assert torch.equal(got, expected), config.do_sample
+        assert calls.images == 3 and calls.first_rows == 3
+
+
+def test_training_pass_encodes_each_image_once(tiny_model, tmp_path):
+    trainer, processor = make_trainer(tiny_model, MODES["lora"], "true", tmp_path)
+    calls = VisionCalls(shared_prefix.hf_model(trainer.model))
+    logps_and_grads(trainer, processor, [0, 1])
+    assert calls.images == 2 and calls.first_rows == 2  # two packed rows, not 2 x G
+
+
+def test_settings(tiny_model, caplog):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model)
+    assert shared_prefix.resolve("auto", [model]) and shared_prefix.resolve("true", [model])
+    assert not shared_prefix.resolve("false", [model])
+    shared_prefix.language_model(model).config._attn_implementation = "flash_attention_2"
+    with caplog.at_level(logging.INFO, logger="llamafactory.qwenvl_patch.grpo"):
+        assert not shared_prefix.resolve("auto", [model])
+    assert "grpo_shared_prefix: off" in caplog.text and "flash_attention_2" in caplog.text
+    with pytest.raises(ValueError, match="grpo_shared_prefix: true cannot apply.*flash_attention_2"):
+        shared_prefix.resolve("true", [model])
+    with pytest.raises(ValueError, match="no model.language_model"):
+        shared_prefix.resolve("true", [torch.nn.Linear(2, 2)])
