@@ -155,18 +155,36 @@ def test_full_finetuning_reference(setup, tiny_model, beta):
     assert (out / "model.safetensors").exists()
 
 
+def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
+    """The same seed with the shared prefix and without: the same completions (rewards equal exactly), the same
+    loss and KL up to float rounding (the loss is a sum of terms that nearly cancel: compared in absolute terms)."""
+    assert len(shared) == len(repeated) > 0
+    for ours, theirs in zip(shared, repeated):
+        for key in ("reward", "reward_std", "completion_length/mean"):
+            if key in theirs:
+                assert ours[key] == theirs[key], key
+        for key in ("loss", "kl"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.slow
 def test_zero3_two_ranks(setup, tiny_model):
+    """ZeRO-3 on 2 ranks, the shared prefix (on by default) against the repeated layout."""
     root, data_dir = setup
-    out = root / "z3"
-    config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", deepspeed=str(CONFIG / "ds_z3_cpu_test.json"),
-                         ddp_backend="gloo", use_cpu=None, grpo_scale_rewards="batch")
-    result = run_cli(["llamafactory-cli", "train"], config, root / "z3-run",
-                     env=torchrun_env(), timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    steps = [row for row in read_log(out) if "loss" in row]
+    logs = {}
+    for shared in ("auto", "false"):
+        out = root / f"z3-{shared}"
+        config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py",
+                             deepspeed=str(CONFIG / "ds_z3_cpu_test.json"), ddp_backend="gloo", use_cpu=None,
+                             grpo_scale_rewards="batch", grpo_shared_prefix=shared)
+        result = run_cli(["llamafactory-cli", "train"], config, root / f"z3-run-{shared}",
+                         env=torchrun_env(), timeout=900)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        logs[shared] = [row for row in read_log(out) if "loss" in row]
+    steps = logs["auto"]
     assert len(steps) == 3 and steps[-1]["kl"] > 0
-    assert (out / "checkpoint-3" / "adapter_model.safetensors").exists()
+    assert (root / "z3-auto" / "checkpoint-3" / "adapter_model.safetensors").exists()
+    assert_same_training(steps, logs["false"])
 
 
 @pytest.mark.slow
@@ -268,14 +286,21 @@ def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_
     write_sharegpt(data_dir, "mixed", [grounding_record(save_image(data_dir / f"m{i}.jpg", *s))
                                        for i, s in enumerate(sizes)])
     model = image_pad_loving_model(tiny_model, tmp_path_factory.mktemp("padlover") / "model")
-    out = root / "mixed"
-    config = grpo_config(model, data_dir, out, root / "my_rewards.py", dataset="mixed", max_steps=2, save_steps=2,
-                         per_device_train_batch_size=4, gradient_accumulation_steps=2, grpo_num_iterations=2,
-                         grpo_loss_type="dapo", learning_rate=5e-2, grpo_epsilon=0.02, grpo_log_completions=True,
-                         reward_funcs=f"{root / 'my_rewards.py'}:spread")
-    result = run_cli(["llamafactory-cli", "train"], config, root / "mixed-run")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    steps = [row for row in read_log(out) if "loss" in row]
+    logs = {}
+    for shared in ("auto", "false"):  # auto: the shared prefix, on by default
+        out = root / f"mixed-{shared}"
+        config = grpo_config(model, data_dir, out, root / "my_rewards.py", dataset="mixed", max_steps=2,
+                             save_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             grpo_num_iterations=2, grpo_loss_type="dapo", learning_rate=5e-2, grpo_epsilon=0.02,
+                             grpo_log_completions=True, reward_funcs=f"{root / 'my_rewards.py'}:spread",
+                             grpo_shared_prefix=shared)
+        result = run_cli(["llamafactory-cli", "train"], config, root / f"mixed-run-{shared}")
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        assert ("grpo_shared_prefix: on" in result.stdout + result.stderr) == (shared == "auto")
+        logs[shared] = [row for row in read_log(out) if "loss" in row]
+    assert_same_training(logs["auto"], logs["false"])
+    out = root / "mixed-auto"
+    steps = logs["auto"]
     assert len(steps) == 2
     assert steps[0]["clip_ratio"] == 0.0  # first pass over the rollout is on-policy
     assert steps[1]["clip_ratio"] > 0  # second pass after an update: ratios leave [1 - eps, 1 + eps]

@@ -164,6 +164,7 @@ def resolve(setting: str, models: list[Any]) -> bool:
     if setting == "false":
         return False
     if not reasons:
+        logger.info("grpo_shared_prefix: on (each prompt and its images are computed once per group)")
         return True
     if setting == "true":
         raise ValueError(f"grpo_shared_prefix: true cannot apply: {reasons[0]}. Use auto or false.")
