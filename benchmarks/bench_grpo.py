@@ -1,20 +1,25 @@
-"""GRPO step time: ours (``stage: grpo`` via LF's ``run_exp``) vs trl 0.24's ``GRPOTrainer``, one run, same machine.
+"""GRPO step time and peak memory: the shared prefix (``stage: grpo``'s default), the repeated layout (our previous
+code, ``grpo_shared_prefix: false``) and trl 0.24's ``GRPOTrainer``, one run, interleaved rounds.
 
-Same tiny random-weight Qwen2.5-VL, same image (already in the policy's frame, so both see the same image tokens),
-same prompt, G completions of up to ``--new-tokens`` tokens (random weights never emit the stop token that early,
-so both generate the full length; both logs show completion lengths), LoRA rank 8
-on the language model's linear layers, beta 0.04 with the adapter-disabled model as reference, iou + format rewards,
-loss ``grpo``, untruncated sampling with the vision tokens suppressed on both sides, one prompt per step, CPU. Step time is the median of the steps after the first; the two trainers run in
-alternating rounds and the best round of each is compared.
+``--shape grounding``: one 896x896 image (1,024 image tokens, 1,065 prompt tokens) and 40-token completions, the
+shape of box grounding; ``--shape text``: a short text prompt and 256-token completions. The ``small`` tiny
+Qwen2.5-VL (``qwenvl-prep tiny-model --size small``, random weights), LoRA rank 8 on the language model, beta 0.04
+with the adapter-disabled reference, iou + format rewards, loss ``grpo``, temperature 1 without truncation, the
+vision tokens and the stop tokens suppressed on every side (so every completion runs to full length; each row
+reports the mean completion length to show it), one prompt of G completions per step, CPU, fp32.
 
-``from trl import GRPOTrainer`` fails on this stack with ``No module named 'mergekit'``. Cause: trl 0.24's
-``import_utils`` reads ``transformers.utils.import_utils._is_package_available(name)`` as a bool, but transformers 5.x
-returns a ``(bool, version)`` tuple, which is always truthy, so trl believes every optional package (mergekit,
-vllm, unsloth, ...) is installed and imports it. Unwrapping those tuples before importing the trainer is enough;
-mergekit itself is not needed. trl 0.24 also writes ``model.warnings_issued``, which transformers 5.x models no
-longer have; the script sets it to an empty dict.
+Each configuration runs in its own process (``llamafactory-cli``'s ``run_exp`` for ours), so peak memory is its own:
+the largest resident set during training minus the resident set when training starts (sampled every 2 ms: model
+weights and imports excluded; activations, caches, optimiser state and allocator slack included). Step time is the
+median of the steps after the first; rounds interleave the configurations so drift of the machine hits all alike,
+and the best round of each is reported::
 
-    .venv/bin/python benchmarks/bench_grpo.py --steps 8 --generations 4 --new-tokens 16
+    .venv/bin/python benchmarks/bench_grpo.py --shape grounding --generations 8,16
+    .venv/bin/python benchmarks/bench_grpo.py --shape text --generations 8
+
+``from trl import GRPOTrainer`` fails on this stack with ``No module named 'mergekit'``: see ``trl_compat.py``. trl
+0.24 also writes ``model.warnings_issued``, which transformers 5.x models no longer have; the script sets it to an
+empty dict.
 
 ``--learn`` compares learning instead of speed: the task of ``tests/test_grpo_learns.py`` (reward = how often the
 completion says "cat", capped at 3), same tiny model, same 8 images in the same frame, same prompt, full fine-tuning,
@@ -30,8 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,63 +50,110 @@ from trl_compat import import_trl_grpo
 
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-MIN_PIXELS, MAX_PIXELS = 64 * 28 * 28, 256 * 28 * 28
+MIN_PIXELS, MAX_PIXELS = 64 * 28 * 28, 256 * 28 * 28  # the --learn task's toy data
 LORA_TARGET = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 PROMPT = "Locate the blue square and output its bbox_2d in JSON."
 ANSWER = '[{"bbox_2d": [10, 20, 110, 120], "label": "blue square"}]'
+SHAPES = {
+    # 896 x 896 = 1,024 image tokens of 28 x 28 under these bounds
+    "grounding": dict(side=896, min_pixels=256 * 28 * 28, max_pixels=1024 * 28 * 28, new_tokens=40,
+                      prompt=PROMPT, generations="8,16"),
+    "text": dict(side=None, min_pixels=64 * 28 * 28, max_pixels=256 * 28 * 28, new_tokens=256,
+                 prompt="Write a long story about a cat who finds a red box.", generations="8"),
+}
 
 
 class StepTimer(TrainerCallback):
+    """Step times, and the peak resident set during training above the one at its start (a 2 ms sampler)."""
+
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start = 0.0
+        self._base = 0
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._base = self.peak = _rss()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._stop.set()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._start)
+        self.peak = max(self.peak, _rss())
 
-    def median(self) -> float:
-        return statistics.median(self.times[1:] or self.times)
+    def result(self) -> dict[str, float]:
+        return {"step_s": statistics.median(self.times[1:] or self.times),
+                "peak_mib": (self.peak - self._base) / 2**20}
 
 
-def make_data(root: Path) -> Path:
-    from llamafactory_qwenvl_patch.images import model_input_image
-    from llamafactory_qwenvl_patch.policy import ResizePolicy
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _sharegpt(root: Path, name: str, records: list[dict]) -> None:
+    (root / f"{name}.json").write_text(json.dumps(records))
+    info_path = root / "dataset_info.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    columns = {"messages": "messages", **({"images": "images"} if "images" in records[0] else {})}
+    info[name] = {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": columns,
+                  "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                           "assistant_tag": "assistant"}}
+    info_path.write_text(json.dumps(info))
+
+
+def make_data(root: Path, shape: str) -> Path | None:
+    """The shape's dataset (64 copies of one record); returns its image, already in the policy's frame."""
     from PIL import Image
 
-    raw = root / "raw.jpg"
-    Image.new("RGB", (1920, 1080), (30, 60, 200)).save(raw)
-    image = model_input_image(str(raw), ResizePolicy(MIN_PIXELS, MAX_PIXELS))
-    path = root / "image.png"
-    image.save(path)
-    record = {"messages": [{"role": "user", "content": "<image>" + PROMPT}, {"role": "assistant", "content": ANSWER}],
-              "images": [str(path)]}
-    (root / "toy.json").write_text(json.dumps([record] * 64))
-    (root / "dataset_info.json").write_text(json.dumps({"toy": {
-        "file_name": "toy.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
-    return path
+    spec = SHAPES[shape]
+    user = {"role": "user", "content": spec["prompt"]}
+    record: dict = {"messages": [user, {"role": "assistant", "content": ANSWER}]}
+    image = None
+    if spec["side"]:
+        rng = random.Random(0)
+        image = root / f"{shape}.png"
+        pixels = bytes(rng.randrange(256) for _ in range(spec["side"] * spec["side"] * 3))
+        Image.frombytes("RGB", (spec["side"], spec["side"]), pixels).save(image)
+        record = {"messages": [dict(user, content="<image>" + spec["prompt"]), record["messages"][1]],
+                  "images": [str(image)]}
+    _sharegpt(root, shape, [record] * 64)
+    return image
 
 
-def run_ours(model: Path, data: Path, out: Path, steps: int, generations: int, new_tokens: int) -> float:
+def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generations: int, shared: bool
+             ) -> dict[str, float]:
     from llamafactory.train.tuner import run_exp
 
+    spec = SHAPES[shape]
     timer = StepTimer()
     run_exp({
         "model_name_or_path": str(model), "stage": "grpo", "do_train": True, "finetuning_type": "lora",
         "lora_rank": 8, "lora_target": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "qwenvl_patch": True, "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS, "dataset": "toy",
-        "dataset_dir": str(data), "template": "qwen2_vl", "cutoff_len": 2048, "output_dir": str(out),
-        "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1, "save_strategy": "no",
-        "learning_rate": 1e-4, "report_to": "none", "use_cpu": True, "reward_funcs": "iou,format",
-        "grpo_num_generations": generations, "grpo_beta": 0.04, "temperature": 1.0, "max_new_tokens": new_tokens, "overwrite_cache": True, "dataloader_num_workers": 0,
+        "qwenvl_patch": True, "image_min_pixels": spec["min_pixels"], "image_max_pixels": spec["max_pixels"],
+        "dataset": shape, "dataset_dir": str(data), "template": "qwen2_vl", "cutoff_len": 4096,
+        "output_dir": str(out), "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1,
+        "save_strategy": "no", "learning_rate": 1e-4, "report_to": "none", "use_cpu": True,
+        "reward_funcs": "iou,format", "grpo_num_generations": generations, "grpo_beta": 0.04, "temperature": 1.0,
+        "max_new_tokens": spec["new_tokens"], "overwrite_cache": True, "dataloader_num_workers": 0,
+        "grpo_shared_prefix": shared,
     }, callbacks=[timer])
-    return timer.median()
+    rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    lengths = [row["completion_length/mean"] for row in rows if "completion_length/mean" in row]
+    return {**timer.result(), "completion_length": statistics.mean(lengths)}
 
 
-def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generations: int, new_tokens: int) -> float:
+def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, generations: int) -> dict[str, float]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -105,18 +161,21 @@ def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generation
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
-    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
     from llamafactory_qwenvl_patch.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
 
+    spec = SHAPES[shape]
     GRPOConfig, GRPOTrainer = import_trl_grpo()
     processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")
-    set_image_processor_bounds(processor.image_processor, ResizePolicy(MIN_PIXELS, MAX_PIXELS))
+    set_image_processor_bounds(processor.image_processor, ResizePolicy(spec["min_pixels"], spec["max_pixels"]))
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.warnings_issued = {}  # trl 0.24 writes to this transformers 4.x attribute, gone in 5.x
-    image = Image.open(image_path).convert("RGB")
-    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
-    dataset = Dataset.from_list([{"prompt": prompt, "image": image, "reference": ANSWER}] * 64)
+    content = [{"type": "text", "text": spec["prompt"]}]
+    row: dict = {"reference": ANSWER}
+    if spec["side"]:
+        content = [{"type": "image"}, *content]
+        row["image"] = Image.open(data / f"{shape}.png").convert("RGB")
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": content}], **row}] * 64)
 
     def text_of(completions):
         return [c[0]["content"] if isinstance(c, list) else c for c in completions]
@@ -130,16 +189,90 @@ def run_trl(model_dir: Path, image_path: Path, out: Path, steps: int, generation
     config = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=generations, num_generations=generations,
         gradient_accumulation_steps=1, max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-4,
-        report_to="none", use_cpu=True, beta=0.04, temperature=1.0, top_k=0, max_completion_length=new_tokens,
+        report_to="none", use_cpu=True, beta=0.04, temperature=1.0, top_k=0, max_completion_length=spec["new_tokens"],
         max_prompt_length=None, dataloader_num_workers=0, loss_type="grpo",
-        bf16=False, generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)},
+        bf16=False, generation_kwargs={"suppress_tokens": full_length_suppression(processor.tokenizer)},
     )
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=dataset,
                           processing_class=processor, callbacks=[timer],
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET))
     trainer.train()
-    return timer.median()
+    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    return {**timer.result(), "completion_length": statistics.mean(lengths)}
+
+
+def full_length_suppression(tokenizer) -> list[int]:
+    """The vision tokens and the stop tokens: suppressing the stop tokens too makes every completion run to
+    ``max_new_tokens`` on every side, so the configurations do the same work."""
+    from llamafactory_qwenvl_patch.grpo.sampling import VISION_TOKENS
+
+    return sorted({tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, "<|im_end|>", "<|endoftext|>")})
+
+
+def worker(spec: dict) -> None:
+    """One configuration in this process; prints its result as the last line."""
+    import torch
+
+    import llamafactory_qwenvl_patch.grpo.sampling as sampling
+
+    sampling.vision_token_ids = full_length_suppression  # read by stage: grpo when the run starts
+    torch.manual_seed(0)
+    root, out = Path(spec["root"]), Path(spec["out"])
+    if spec["config"] == "trl":
+        result = run_trl(root / "model", root, out, spec["shape"], spec["steps"], spec["generations"])
+    else:
+        result = run_ours(root / "model", root, out, spec["shape"], spec["steps"], spec["generations"],
+                          shared=spec["config"] == "shared")
+    print(json.dumps(result))
+
+
+def run_worker(spec: dict) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    if proc.returncode:
+        raise RuntimeError(f"{spec['config']} G {spec['generations']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main_speed(args: argparse.Namespace) -> None:
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    spec = SHAPES[args.shape]
+    generations = [int(g) for g in (args.generations or spec["generations"]).split(",")]
+    configs = args.configs.split(",")
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        build_tiny_model(root / "model", size="small")
+        make_data(root, args.shape)
+        for round_ in range(args.rounds):  # interleaved, so drift of the machine hits every configuration alike
+            for g in generations:
+                for config in configs:
+                    result = run_worker({"root": str(root), "out": str(root / f"{config}-{g}-{round_}"),
+                                         "config": config, "shape": args.shape, "steps": args.steps,
+                                         "generations": g})
+                    runs.setdefault(f"{config} G{g}", []).append(result)
+                    print(f"round {round_} {config} G{g}: {result}", file=sys.stderr)
+    best = {key: min(results, key=lambda r: r["step_s"]) for key, results in runs.items()}
+    table = {key: {"step_s": round(r["step_s"], 3), "peak_mib": round(r["peak_mib"], 1),
+                   "completion_length": round(r["completion_length"], 1),
+                   "step_s_rounds": [round(x["step_s"], 3) for x in runs[key]]} for key, r in best.items()}
+    ratios = {}
+    for g in generations:
+        shared = best.get(f"shared G{g}")
+        for other in ("repeated", "trl"):
+            if shared and f"{other} G{g}" in best:
+                ratios[f"G{g} shared/{other} step"] = round(shared["step_s"] / best[f"{other} G{g}"]["step_s"], 3)
+                ratios[f"G{g} shared/{other} peak memory"] = round(
+                    shared["peak_mib"] / max(best[f"{other} G{g}"]["peak_mib"], 1e-9), 3)
+    for config in configs:
+        if len(generations) > 1 and all(f"{config} G{g}" in best for g in generations):
+            low, high = min(generations), max(generations)
+            ratios[f"{config} G{high}/G{low} step"] = round(
+                best[f"{config} G{high}"]["step_s"] / best[f"{config} G{low}"]["step_s"], 3)
+    print(json.dumps({"shape": args.shape, "steps": args.steps, "rounds": args.rounds, "new_tokens":
+                      spec["new_tokens"], "results": table, "ratios": ratios}, indent=2))
 
 
 LEARN_PROMPT = "Locate the box and output its bbox_2d in JSON."
@@ -162,10 +295,7 @@ def make_learn_data(root: Path) -> list[Path]:
         paths.append(path)
     records = [{"messages": [{"role": "user", "content": "<image>" + LEARN_PROMPT},
                              {"role": "assistant", "content": ANSWER}], "images": [str(p)]} for p in paths]
-    (root / "learn.json").write_text(json.dumps(records))
-    info = json.loads((root / "dataset_info.json").read_text())
-    info["learn"] = {**info["toy"], "file_name": "learn.json"}
-    (root / "dataset_info.json").write_text(json.dumps(info))
+    _sharegpt(root, "learn", records)
     return paths
 
 
@@ -235,7 +365,6 @@ def main_learn(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model")
-        make_data(root)
         images = make_learn_data(root)
         for seed in (int(s) for s in args.seeds.split(",")):
             results[f"seed {seed}"] = {
@@ -249,37 +378,21 @@ def main_learn(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--generations", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="grounding")
+    parser.add_argument("--generations", help="comma-separated G values (grounding: 8,16; text: 8)")
+    parser.add_argument("--configs", default="shared,repeated,trl", help="which of shared,repeated,trl to run")
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--learn", action="store_true", help="compare reward curves instead of step times")
     parser.add_argument("--seeds", default="0,1,2", help="seeds for --learn")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.learn:
+    if args.worker:
+        worker(json.loads(args.worker))
+    elif args.learn:
         main_learn(args)
-        return
-    import torch
-
-    torch.manual_seed(0)
-    from qwenvl_prep.tiny_model import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model = build_tiny_model(root / "model")
-        image = make_data(root)
-        trl_runs, our_runs = [], []
-        for round_ in range(args.rounds):  # interleaved, so drift of the machine hits both sides alike
-            trl_runs.append(run_trl(model, image, root / f"trl{round_}", args.steps, args.generations,
-                                    args.new_tokens))
-            our_runs.append(run_ours(model, root, root / f"ours{round_}", args.steps, args.generations,
-                                     args.new_tokens))
-    trl_step, ours_step = min(trl_runs), min(our_runs)
-    print(json.dumps({
-        "steps": args.steps, "rounds": args.rounds, "generations": args.generations, "new_tokens": args.new_tokens,
-        "trl_0_24_step_s": [round(t, 4) for t in trl_runs], "ours_step_s": [round(t, 4) for t in our_runs],
-        "ours_over_trl_best_of_rounds": round(ours_step / trl_step, 3),
-    }, indent=2))
+    else:
+        main_speed(args)
 
 
 if __name__ == "__main__":
