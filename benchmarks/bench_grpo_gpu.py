@@ -1,13 +1,16 @@
-"""GRPO step time and peak GPU memory of a 7B-shaped Qwen2.5-VL, hf rollouts vs vLLM rollouts, in one run.
+"""GRPO step time and peak GPU memory of a 7B-shaped Qwen2.5-VL, in one run: the shared prefix (default) against the
+repeated layout (``grpo_shared_prefix: false``, our previous code) on hf and on vLLM rollouts, and trl 0.24's
+``GRPOTrainer`` (hf rollouts, the prompt repeated G times).
 
 For a GPU machine with the vLLM environment (``scripts/vllm_env.sh .venv-vllm --gpu``); no model hub needed: the
 checkpoint is Qwen2.5-VL-7B's architecture with random weights, built from its config::
 
     .venv-vllm/bin/python benchmarks/bench_grpo_gpu.py OUT [--steps 4] [--generations 8] [--new-tokens 256]
 
-Both runs are ``llamafactory-cli train`` with ``stage: grpo``, LoRA, bf16, the same data, seed and keys, differing
-only in ``grpo_rollout_backend``. Reported per backend: seconds per optimiser step (after the first) and the peak
-``torch.cuda.max_memory_allocated`` that the trainer logs as ``memory/max_allocated_gib``; and the ratios.
+Ours are ``llamafactory-cli train`` with ``stage: grpo``, LoRA, bf16, gradient checkpointing, sdpa attention, the same
+data, seed and keys, differing only in ``grpo_rollout_backend`` and ``grpo_shared_prefix``. Reported per run:
+seconds per optimiser step (after the first) and the peak ``torch.cuda.max_memory_allocated`` (logged by the
+trainer as ``memory/max_allocated_gib``; for trl read after training); and the ratios to the shared prefix.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SEVEN_B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                     num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
@@ -70,7 +75,7 @@ def write_data(folder: Path, count: int = 64) -> None:
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
 
 
-def run(out: Path, model: Path, backend: str, args: argparse.Namespace) -> dict:
+def run(out: Path, model: Path, backend: str, shared: bool, args: argparse.Namespace) -> dict:
     config = {
         "model_name_or_path": str(model), "template": "qwen2_vl", "qwenvl_patch": True,
         "image_min_pixels": 256 * 28 * 28, "image_max_pixels": 1280 * 28 * 28, "stage": "grpo", "do_train": True,
@@ -80,12 +85,15 @@ def run(out: Path, model: Path, backend: str, args: argparse.Namespace) -> dict:
         "learning_rate": 1e-5, "report_to": "none", "reward_funcs": "iou,format", "grpo_num_generations":
         args.generations, "max_new_tokens": args.new_tokens, "temperature": 1.0, "grpo_rollout_backend": backend,
         "grpo_vllm_gpu_memory_utilization": 0.35, "gradient_checkpointing": True, "seed": 0,
+        "grpo_shared_prefix": shared, "flash_attn": "sdpa",
     }
-    path = out / f"{backend}.yaml"
+    name = f"{backend}-{'shared' if shared else 'repeated'}"
+    config["output_dir"] = str(out / name)
+    path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = Path(sys.executable).parent / "llamafactory-cli"
     subprocess.run([str(cli), "train", str(path)], check=True, env={**os.environ, "DISABLE_VERSION_CHECK": "1"})
-    rows = [json.loads(line) for line in (out / backend / "trainer_log.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / name / "trainer_log.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
 
     def seconds(row: dict) -> float:
@@ -95,6 +103,59 @@ def run(out: Path, model: Path, backend: str, args: argparse.Namespace) -> dict:
     per_step = (seconds(steps[-1]) - seconds(steps[0])) / max(len(steps) - 1, 1)
     return {"seconds_per_step": round(per_step, 1),
             "peak_gib": max(row.get("memory/max_allocated_gib", 0.0) for row in steps)}
+
+
+def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
+    """trl 0.24 on the same data, LoRA on every linear layer of the language model, bf16, checkpointing."""
+    import statistics
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from bench_grpo import LORA_TARGET, StepTimer
+    from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
+    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
+    from llamafactory_qwenvl_patch.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
+    from trl_compat import import_trl_grpo
+
+    GRPOConfig, GRPOTrainer = import_trl_grpo()
+    processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")
+    set_image_processor_bounds(processor.image_processor, ResizePolicy(256 * 28 * 28, 1280 * 28 * 28))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.warnings_issued = {}
+    records = json.loads((out / "data" / "bench.json").read_text())
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Locate the object; "
+                                                                                           "answer bbox_2d JSON."}]}],
+             "image": Image.open(out / "data" / r["images"][0]).convert("RGB"),
+             "reference": r["messages"][1]["content"]} for r in records]
+
+    def texts(completions):
+        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+    def iou(completions, reference, **kw):
+        return iou_reward(texts(completions), references=reference)
+
+    def fmt(completions, reference, **kw):
+        return format_reward(texts(completions), references=reference)
+
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=2 * args.generations,
+        num_generations=args.generations, gradient_accumulation_steps=2, max_steps=args.steps, logging_steps=1,
+        save_strategy="no", learning_rate=1e-5, report_to="none", beta=0.04, temperature=1.0, top_k=0,
+        max_completion_length=args.new_tokens, max_prompt_length=None, loss_type="grpo", bf16=True,
+        gradient_checkpointing=True, seed=0, generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)})
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=processor, callbacks=[timer],
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET))
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    return {"seconds_per_step": round(statistics.median(timer.times[1:] or timer.times), 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
 
 
 def main() -> None:
@@ -109,10 +170,15 @@ def main() -> None:
     if not (model / "config.json").exists():
         build_checkpoint(model)
     write_data(args.out / "data")
-    results = {backend: run(args.out, model, backend, args) for backend in ("hf", "vllm")}
-    results["step_time_vllm_over_hf"] = round(results["vllm"]["seconds_per_step"] / results["hf"]["seconds_per_step"], 3)
-    results["peak_memory_vllm_over_hf"] = round(results["vllm"]["peak_gib"] / max(results["hf"]["peak_gib"], 1e-9), 3)
-    print(json.dumps(results, indent=2))
+    results = {f"{backend}-{'shared' if shared else 'repeated'}": run(args.out, model, backend, shared, args)
+               for backend in ("hf", "vllm") for shared in (True, False)}
+    results["trl"] = run_trl(args.out, model, args)
+    base = results["hf-shared"]
+    ratios = {f"hf-shared / {name}": {
+        "step": round(base["seconds_per_step"] / max(result["seconds_per_step"], 1e-9), 3),
+        "peak memory": round(base["peak_gib"] / max(result["peak_gib"], 1e-9), 3)}
+        for name, result in results.items() if name != "hf-shared"}
+    print(json.dumps({"results": results, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":

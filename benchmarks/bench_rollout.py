@@ -1,17 +1,22 @@
-"""Rollout throughput, hf ``generate`` vs the vLLM engine, on the same prompts and images, in one run.
+"""Rollout throughput and prefill work: hf ``generate`` (the prompt repeated G times), hf with the shared prefix
+(``stage: grpo``'s default: each prompt prefilled once), and the vLLM engine with prefix caching off and on, on
+the same prompts and images, in one run.
 
 Run in the vLLM environment (``scripts/vllm_env.sh .venv-vllm``)::
 
-    .venv-vllm/bin/python benchmarks/bench_rollout.py [--prompts 8] [--generations 8] [--new-tokens 32]
+    .venv-vllm/bin/python benchmarks/bench_rollout.py [--prompts 8] [--generations 8] [--new-tokens 32] [--side 896]
 
-Both sample G completions per prompt at temperature 1 with no truncation, the vision tokens suppressed, from the
-same random-weight tiny Qwen2.5-VL, each prompt with one image in the pinned frame. Completions per second, and
-the ratio vllm / hf. One warm-up round each is not timed. On a GPU use ``bench_grpo_gpu.py`` instead.
+All sample G completions per prompt at temperature 1 with no truncation, the vision tokens suppressed, from the
+same random-weight tiny Qwen2.5-VL, each prompt with one image in the pinned frame (``--side 896``: one 896x896
+image, 1,024 image tokens, as in grounding). Reported: completions per second, and per rollout the images the vision
+tower encoded and the tokens the language model computed (prompt tokens served from vLLM's prefix cache are not
+computed). One warm-up round each is not timed. On a GPU use ``bench_grpo_gpu.py`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -20,21 +25,21 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
 from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
 from llamafactory_qwenvl_patch.images import model_input_image
 from llamafactory_qwenvl_patch.policy import ResizePolicy
 from qwenvl_prep.tiny_model import build_tiny_model
 
-POLICY = ResizePolicy(64 * 28 * 28, 256 * 28 * 28, 28)
 SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768)]
 
 
-def prompts(tokenizer, count: int) -> list[tuple[list[int], Image.Image]]:
+def prompts(tokenizer, count: int, policy: ResizePolicy, side: int | None) -> list[tuple[list[int], Image.Image]]:
     out = []
     for i in range(count):
-        w, h = SIZES[i % len(SIZES)]
-        image = model_input_image(Image.new("RGB", (w, h), (40 * i % 255, 90, 160)), POLICY)
+        w, h = (side, side) if side else SIZES[i % len(SIZES)]
+        image = model_input_image(Image.new("RGB", (w, h), (40 * i % 255, 90, 160)), policy)
         pads = image.width * image.height // 28 // 28
         ids = tokenizer.encode("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * pads
                                + f"<|vision_end|>Locate object {i}.<|im_end|>\n<|im_start|>assistant\n")
@@ -42,20 +47,49 @@ def prompts(tokenizer, count: int) -> list[tuple[list[int], Image.Image]]:
     return out
 
 
-def hf_rollout(model, processor, batch, generations: int, new_tokens: int, stop: int, banned: list[int]) -> int:
+class Work:
+    """Counts what a model computes: images through its vision tower and tokens through its language model."""
+
+    def __init__(self, vision: torch.nn.Module, language: torch.nn.Module) -> None:
+        self.images = self.tokens = 0
+        vision.register_forward_pre_hook(self._vision, with_kwargs=True)
+        language.register_forward_pre_hook(self._language, with_kwargs=True)
+
+    def _vision(self, module, args, kwargs) -> None:
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        self.images += len(grid) if grid is not None else 0
+
+    def _language(self, module, args, kwargs) -> None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None:
+            self.tokens += embeds.shape[:-1].numel()
+        else:
+            self.tokens += kwargs.get("input_ids", args[0] if args else None).numel()
+
+    def take(self) -> dict[str, int]:
+        out = {"images_encoded": self.images, "tokens_computed": self.tokens}
+        self.images = self.tokens = 0
+        return out
+
+
+def hf_rollout(model, processor, policy, batch, generations: int, new_tokens: int, stop: int, banned: list[int],
+               shared: bool) -> int:
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=generations,
                               max_new_tokens=new_tokens, eos_token_id=[stop], pad_token_id=stop,
                               suppress_tokens=banned)
     done = 0
-    for ids, image in batch:  # one prompt per generate call, as a micro-batch of 1 in GRPO
-        visual = processor.image_processor(images=[image], return_tensors="pt", min_pixels=POLICY.min_pixels,
-                                           max_pixels=POLICY.max_pixels)
+    for ids, image in batch:  # one prompt per rollout call, as a micro-batch of 1 in GRPO
+        visual = processor.image_processor(images=[image], return_tensors="pt", min_pixels=policy.min_pixels,
+                                           max_pixels=policy.max_pixels)
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                  "pixel_values": visual["pixel_values"], "image_grid_thw": visual["image_grid_thw"]}
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 pixel_values=visual["pixel_values"], image_grid_thw=visual["image_grid_thw"],
-                                 generation_config=config)
+            if shared:
+                out = sample_shared_prefix(model, inputs, config)
+            else:
+                out = model.generate(**inputs, generation_config=config)
         done += out.shape[0]
     return done
 
@@ -65,9 +99,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--side", type=int, help="one square image of this side per prompt (default: mixed sizes)")
     args = parser.parse_args()
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
+    policy = ResizePolicy(64 * 28 * 28, (1024 if args.side else 256) * 28 * 28, 28)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "tiny")
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -77,22 +113,40 @@ def main() -> None:
         banned = vision_token_ids(tokenizer)
         sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
                     "max_new_tokens": args.new_tokens}
-        engine = VLLMEngine(str(path), POLICY, VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32"),
-                            sampling, [stop], banned, args.generations, model.config.image_token_id)
-        batch = prompts(tokenizer, args.prompts)
+        batch = prompts(tokenizer, args.prompts, policy, args.side)
+        hf_work = Work(model.model.visual, model.model.language_model)
         results = {}
-        for name, run in (
-            ("hf", lambda: hf_rollout(model, processor, batch, args.generations, args.new_tokens, stop, banned)),
-            ("vllm", lambda: engine.generate([ids for ids, _ in batch], [[image] for _, image in batch],
-                                             list(range(len(batch))), tokenizer.pad_token_id).ids.shape[0]),
-        ):
+
+        def measure(name: str, work: Work, run) -> None:
             run()  # warm-up
+            work.take()
             start = time.perf_counter()
             done = run()
             seconds = time.perf_counter() - start
             results[name] = {"completions": done, "seconds": round(seconds, 3),
-                             "completions_per_s": round(done / seconds, 2)}
-        results["vllm_over_hf"] = round(results["vllm"]["completions_per_s"] / results["hf"]["completions_per_s"], 2)
+                             "completions_per_s": round(done / seconds, 2), **work.take()}
+
+        for shared in (False, True):
+            measure("hf_shared_prefix" if shared else "hf_generate", hf_work, lambda: hf_rollout(
+                model, processor, policy, batch, args.generations, args.new_tokens, stop, banned, shared))
+        for caching in (False, True):
+            engine = VLLMEngine(str(path), policy, VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32",
+                                                                prefix_caching=caching),
+                                sampling, [stop], banned, args.generations, model.config.image_token_id)
+            engine_model = engine._engine_model()
+
+            def rollout() -> int:
+                engine.llm.reset_prefix_cache()  # every round starts cold: sharing within the rollout only
+                return engine.generate([ids for ids, _ in batch], [[image] for _, image in batch],
+                                       list(range(len(batch))), tokenizer.pad_token_id).ids.shape[0]
+
+            measure(f"vllm_prefix_caching_{'on' if caching else 'off'}",
+                    Work(engine_model.visual, engine_model.language_model.model), rollout)
+            del engine, engine_model
+            gc.collect()
+        base = results["hf_generate"]["completions_per_s"]
+        results["throughput_over_hf_generate"] = {name: round(r["completions_per_s"] / base, 2)
+                                                  for name, r in results.items() if name != "hf_generate"}
         results["settings"] = vars(args) | {"device": "cpu", "torch_threads": torch.get_num_threads()}
         print(json.dumps(results, indent=2))
 

@@ -16,16 +16,16 @@ from typing import Any, Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from llamafactory_qwenvl_patch.grpo.shared_prefix import language_model
+from llamafactory_qwenvl_patch.grpo.shared_prefix import following, language_model, received_positions
 
 
 @contextmanager
-def _prompt_positions(model: Any) -> Iterator[list[torch.Tensor | None]]:
-    """Collect the position ids the language model receives in a forward (None: it used plain positions)."""
-    seen: list[torch.Tensor | None] = []
+def _prompt_positions(model: Any) -> Iterator[list[torch.Tensor]]:
+    """Collect the positions the language model uses in a forward (the model computes M-RoPE's itself)."""
+    seen: list[torch.Tensor] = []
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        seen.append(kwargs.get("position_ids"))
+        seen.append(received_positions(kwargs))
 
     handle = language_model(model).register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -60,12 +60,7 @@ def sample_shared_prefix(model: Any, batch: dict[str, torch.Tensor], config: Gen
     processors = _logits_processors(model, config, prompt_ids)
     with _prompt_positions(model) as seen:
         out = model(**batch, use_cache=True, logits_to_keep=1)
-    positions = seen[0]
-    if positions is None:
-        positions = torch.arange(P, device=prompt_ids.device).view(1, 1, P).expand(3, B, P)
-    elif positions.ndim == 2:
-        positions = positions[None].expand(3, B, P)
-    next_position = positions[:, :, -1:].repeat_interleave(G, dim=1) + 1  # (3 or 4, B*G, 1)
+    next_position = following(seen[0], P, 1).repeat_interleave(G, dim=1)  # (3 or 4, B*G, 1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(G)
     ids = prompt_ids.repeat_interleave(G, 0)

@@ -107,22 +107,33 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return torch.cat([prefix, suffix.reshape(B, G * T, H, D)], dim=1), None
 
 
+def received_positions(kwargs: dict[str, Any]) -> torch.Tensor:
+    """The (3 or 4, B, L) positions a language-model forward uses, from the keywords it received (without
+    ``position_ids`` it numbers the tokens 0..L-1)."""
+    embeds = kwargs["inputs_embeds"]
+    B, L = embeds.shape[:2]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        return torch.arange(L, device=embeds.device).view(1, 1, L).expand(3, B, L)
+    return positions[None].expand(3, B, L) if positions.ndim == 2 else positions
+
+
+def following(positions: torch.Tensor, prompt_length: int, count: int) -> torch.Tensor:
+    """Positions of ``count`` text tokens right after the prompt: the prompt's last position + 1, + 2, ... in every
+    M-RoPE section, what ``get_rope_index`` gives text after text."""
+    last = positions[:, :, prompt_length - 1:prompt_length]
+    return last + 1 + torch.arange(count, device=positions.device)
+
+
 def _completion_positions(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-    """Language-model pre-hook: each completion token's position is the prompt's last position + 1 + its index,
-    what it has in the repeated layout (the model computed the prompt's positions, M-RoPE included)."""
+    """Language-model pre-hook: every completion starts right after the prompt, as in the repeated layout (the
+    model computed the prompt's positions, M-RoPE included)."""
     layout: PrefixLayout | None = kwargs.get(KWARG)
     if layout is None:
         return None
-    embeds = kwargs.get("inputs_embeds")
-    B, L = embeds.shape[:2]
-    positions = kwargs.get("position_ids")
-    if positions is None:  # what the language model does itself without positions: plain sequence positions
-        positions = torch.arange(L, device=embeds.device).view(1, 1, L).expand(3, B, L)
-    elif positions.ndim == 2:
-        positions = positions[None].expand(3, B, L)
+    positions = received_positions(kwargs)
     P, G, T = layout.prompt_length, layout.generations, layout.completion_length
-    last = positions[:, :, P - 1:P]
-    suffix = (last + 1 + torch.arange(T, device=positions.device)).repeat(1, 1, G)
+    suffix = following(positions, P, T).repeat(1, 1, G)
     kwargs["position_ids"] = torch.cat([positions[:, :, :P], suffix], dim=2)
     return args, kwargs
 

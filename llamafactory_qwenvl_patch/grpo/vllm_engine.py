@@ -35,6 +35,7 @@ class VLLMSettings:
     max_num_seqs: int = 64
     seed: int = 0
     dtype: str = "auto"  # the training model's dtype, so the sampler computes what the loss computes
+    prefix_caching: bool | None = None  # None: on where it works (see VLLMEngine)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class VLLMEngine:
             dtype=settings.dtype,
             mm_processor_kwargs={"min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
             limit_mm_per_prompt={"image": 8, "video": 0}, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=not cpu,  # the CPU extension fails on shared prefix blocks ("Sliding window")
+            enable_prefix_caching=not cpu if settings.prefix_caching is None else settings.prefix_caching,
             max_num_batched_tokens=4096, enforce_eager=cpu,
         )
         self.policy = policy
