@@ -147,7 +147,8 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
         num_generations=args.generations, gradient_accumulation_steps=2, max_steps=args.steps, logging_steps=1,
         save_strategy="no", learning_rate=1e-5, report_to="none", beta=0.04, temperature=1.0, top_k=0,
         max_completion_length=args.new_tokens, max_prompt_length=None, loss_type="grpo", bf16=True,
-        gradient_checkpointing=True, seed=0, generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)})
+        gradient_checkpointing=True, seed=0,
+        generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)})
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=processor, callbacks=[timer],

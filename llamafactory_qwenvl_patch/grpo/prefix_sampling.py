@@ -5,7 +5,15 @@ vision tower and the whole prompt run G times. Here the prompt (images included)
 repeated G times, and the completions are decoded with the logits processors ``generate`` itself builds for the same
 ``GenerationConfig`` and the same operations as its sample loop (float32 scores, softmax, one multinomial draw per
 row per step, padding after a stop token), so the sampling distribution is ``generate``'s. Decoding positions are the
-prompt's last position + 1 + step, which is what the training forward gives completion tokens.
+prompt's last position + 1 + step, which is what the training forward gives completion tokens (for image prompts
+``generate`` gives the same; for left-padded text-only prompts transformers 5.x's ``generate`` numbers positions
+without the padding while its training forward counts it: this loop follows the training forward, so it samples
+exactly the distribution that is optimised).
+
+It reproduces what stage: grpo's ``GenerationConfig`` holds (temperature, top-p, top-k, repetition penalty,
+suppressed tokens, stop tokens, max_new_tokens); options that ``generate`` resolves before building its processors
+(minimum lengths, length penalties) are refused. Under ZeRO-3 the caller gathers the weights first, so ranks need not
+step together as ``generate``'s synced loop does.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from llamafactory_qwenvl_patch.grpo.shared_prefix import following, language_model, received_positions
+
+# GenerationConfig options generate resolves before building its processors (with its special-token tensors)
+UNSUPPORTED = ("min_length", "min_new_tokens", "forced_eos_token_id", "exponential_decay_length_penalty")
 
 
 @contextmanager
@@ -51,6 +62,10 @@ def _logits_processors(model: Any, config: GenerationConfig, prompt_ids: torch.T
 def sample_shared_prefix(model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
     """Completion ids (B x G rows in ``repeat_interleave`` order, right-padded) for the prompts of ``batch``;
     ``config.num_return_sequences`` is G. ``model`` is the unwrapped model in eval mode, under ``no_grad``."""
+    unsupported = [key for key in UNSUPPORTED if getattr(config, key, None)]
+    if unsupported:
+        raise ValueError(f"the shared-prefix sampler does not reproduce {', '.join(unsupported)}; "
+                         "set grpo_shared_prefix: false")
     G = config.num_return_sequences or 1
     prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
     B, P = prompt_ids.shape

@@ -25,7 +25,8 @@ import torch
 KWARG = "qwenvl_shared_prefix"  # the forward keyword that carries the layout down to the attention function
 ATTENTION = "qwenvl_shared_prefix"  # the name registered in transformers' AttentionInterface
 SETTINGS = ("auto", "true", "false")
-SUPPORTED_BASES = ("sdpa", "eager")  # the implementations whose attention this one reproduces
+# the implementations whose attention this one reproduces (it computes with SDPA: eager's math, other rounding)
+SUPPORTED_BASES = ("sdpa", "eager")
 
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
 
