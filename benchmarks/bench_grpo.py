@@ -153,6 +153,23 @@ def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generat
     return {**timer.result(), "completion_length": statistics.mean(lengths)}
 
 
+def _texts(completions: list) -> list[str]:
+    return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def trl_iou(completions, reference, **kw) -> list[float]:
+    """Our ``iou`` reward in trl's calling convention (conversational completions, dataset columns as keywords)."""
+    from llamafactory_qwenvl_patch.grpo.rewards import iou_reward
+
+    return iou_reward(_texts(completions), references=reference)
+
+
+def trl_format(completions, reference, **kw) -> list[float]:
+    from llamafactory_qwenvl_patch.grpo.rewards import format_reward
+
+    return format_reward(_texts(completions), references=reference)
+
+
 def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, generations: int) -> dict[str, float]:
     import torch
     from datasets import Dataset
@@ -160,7 +177,6 @@ def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, gene
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
     from llamafactory_qwenvl_patch.policy import ResizePolicy
     from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
 
@@ -176,16 +192,6 @@ def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, gene
         content = [{"type": "image"}, *content]
         row["image"] = Image.open(data / f"{shape}.png").convert("RGB")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": content}], **row}] * 64)
-
-    def text_of(completions):
-        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
-
-    def iou(completions, reference, **kw):
-        return iou_reward(text_of(completions), references=reference)
-
-    def fmt(completions, reference, **kw):
-        return format_reward(text_of(completions), references=reference)
-
     config = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=generations, num_generations=generations,
         gradient_accumulation_steps=1, max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-4,
@@ -194,7 +200,7 @@ def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, gene
         bf16=False, generation_kwargs={"suppress_tokens": full_length_suppression(processor.tokenizer)},
     )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_iou, trl_format], args=config, train_dataset=dataset,
                           processing_class=processor, callbacks=[timer],
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET))
     trainer.train()

@@ -115,8 +115,7 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from bench_grpo import LORA_TARGET, StepTimer
-    from llamafactory_qwenvl_patch.grpo.rewards import format_reward, iou_reward
+    from bench_grpo import LORA_TARGET, StepTimer, trl_format, trl_iou
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.policy import ResizePolicy
     from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
@@ -133,15 +132,6 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
              "image": Image.open(out / "data" / r["images"][0]).convert("RGB"),
              "reference": r["messages"][1]["content"]} for r in records]
 
-    def texts(completions):
-        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
-
-    def iou(completions, reference, **kw):
-        return iou_reward(texts(completions), references=reference)
-
-    def fmt(completions, reference, **kw):
-        return format_reward(texts(completions), references=reference)
-
     config = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=2 * args.generations,
         num_generations=args.generations, gradient_accumulation_steps=2, max_steps=args.steps, logging_steps=1,
@@ -150,7 +140,8 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
         gradient_checkpointing=True, seed=0,
         generation_kwargs={"suppress_tokens": vision_token_ids(processor.tokenizer)})
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=[iou, fmt], args=config, train_dataset=Dataset.from_list(rows),
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_iou, trl_format], args=config,
+                          train_dataset=Dataset.from_list(rows),
                           processing_class=processor, callbacks=[timer],
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET))
     torch.cuda.reset_peak_memory_stats()

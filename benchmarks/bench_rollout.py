@@ -20,6 +20,7 @@ import gc
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,6 +94,12 @@ def hf_rollout(model, processor, policy, batch, generations: int, new_tokens: in
     return done
 
 
+def vllm_rollout(engine: VLLMEngine, batch: list[tuple[list[int], Image.Image]], pad: int) -> int:
+    engine.llm.reset_prefix_cache()  # every round starts cold: sharing within the rollout only
+    return engine.generate([ids for ids, _ in batch], [[image] for _, image in batch], list(range(len(batch))),
+                           pad).ids.shape[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -134,19 +141,14 @@ def main() -> None:
             measure("hf_shared_prefix" if shared else "hf_generate", hf_work, lambda prompts_: hf_rollout(
                 model, processor, policy, prompts_, args.generations, args.new_tokens, stop, banned, shared))
         for caching in (False, True):
-            engine = VLLMEngine(str(path), policy, VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32",
-                                                                prefix_caching=caching),
-                                sampling, [stop], banned, args.generations, model.config.image_token_id)
+            settings = VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32", prefix_caching=caching)
+            engine = VLLMEngine(str(path), policy, settings, sampling, [stop], banned, args.generations,
+                                model.config.image_token_id)
             engine_model = engine._engine_model()
-
-            def rollout(prompts_) -> int:
-                engine.llm.reset_prefix_cache()  # every round starts cold: sharing within the rollout only
-                return engine.generate([ids for ids, _ in prompts_], [[image] for _, image in prompts_],
-                                       list(range(len(prompts_))), tokenizer.pad_token_id).ids.shape[0]
-
             measure(f"vllm_prefix_caching_{'on' if caching else 'off'}",
-                    Work(engine_model.visual, engine_model.language_model.model.norm), rollout)
-            del engine, engine_model
+                    Work(engine_model.visual, engine_model.language_model.model.norm),
+                    partial(vllm_rollout, engine, pad=tokenizer.pad_token_id))
+            del engine, engine_model  # one engine at a time
             gc.collect()
         base = results["hf_generate"]["completions_per_s"]
         results["throughput_over_hf_generate"] = {name: round(r["completions_per_s"] / base, 2)
