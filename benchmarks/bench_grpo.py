@@ -177,8 +177,8 @@ def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, gene
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from llamafactory_qwenvl_patch.policy import ResizePolicy
-    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
 
     spec = SHAPES[shape]
     GRPOConfig, GRPOTrainer = import_trl_grpo()
@@ -330,9 +330,9 @@ def learn_trl(model_dir: Path, images: list[Path], out: Path, steps: int, seed: 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.images import model_input_image
-    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
-    from llamafactory_qwenvl_patch.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.image_io.images import model_input_image
+    from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()
     policy = ResizePolicy(LEARN_MIN, LEARN_MAX)

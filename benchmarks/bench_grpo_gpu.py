@@ -117,8 +117,8 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
 
     from bench_grpo import LORA_TARGET, StepTimer, trl_format, trl_iou
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.policy import ResizePolicy
-    from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
     from trl_compat import import_trl_grpo
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.drift import stock_llamafactory_size
 
 GROUPS = {

@@ -13,7 +13,7 @@ from importlib.abc import Loader, MetaPathFinder
 
 DISABLE_ENV = "QWENVL_PATCH_DISABLE"
 
-# LF module -> name of the function in ``llamafactory_qwenvl_patch.lf_patch`` that patches it right after it loads.
+# LF module -> name of the function in ``llamafactory_qwenvl_patch.integration.lf_patch`` that patches it right after it loads.
 TARGETS = {
     "llamafactory.hparams.parser": "patch_parser",
     "llamafactory.model.loader": "patch_model_loader",
@@ -27,7 +27,7 @@ TARGETS = {
 
 
 def _run_patch(module_name: str) -> None:
-    from llamafactory_qwenvl_patch import lf_patch
+    from llamafactory_qwenvl_patch.integration import lf_patch
 
     getattr(lf_patch, TARGETS[module_name])(sys.modules[module_name])
 

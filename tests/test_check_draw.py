@@ -8,7 +8,7 @@ import cv2
 import pytest
 from helpers import save_image
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.drift import stock_llamafactory_size
 from qwenvl_prep.cli import main
 

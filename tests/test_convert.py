@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from llamafactory_qwenvl_patch.answers import parse_items
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.scoring.answers import parse_items
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
 MIN, MAX = 512 * 28 * 28, 1024 * 28 * 28

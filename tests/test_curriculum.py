@@ -11,8 +11,8 @@ import pytest
 import yaml
 from helpers import read_log, run_cli, save_image, train_config
 
-from llamafactory_qwenvl_patch.answers import parse_items
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.scoring.answers import parse_items
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
 LOW, HIGH = 64 * 28 * 28, 256 * 28 * 28
@@ -58,7 +58,7 @@ def test_each_stage_has_its_frame_and_resumes_the_previous(curriculum):
 
 
 def test_the_stamp_guard_accepts_each_stage_only_in_its_own_frame(curriculum, tiny_model):
-    from llamafactory_qwenvl_patch.lf_patch import StampMismatchError, check_dataset_stamps
+    from llamafactory_qwenvl_patch.integration.lf_patch import StampMismatchError, check_dataset_stamps
 
     root, _ = curriculum
     model_args = SimpleNamespace(model_name_or_path=str(tiny_model))

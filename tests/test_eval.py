@@ -9,8 +9,8 @@ from helpers import save_image
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.metrics import iou, match_boxes
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.scoring.metrics import iou, match_boxes
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
 MIN, MAX = 512 * 28 * 28, 1024 * 28 * 28

@@ -7,13 +7,13 @@ import json
 import pytest
 from helpers import save_image
 
-from llamafactory_qwenvl_patch.families import FAMILIES, Family, register, resolve_family
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, Family, register, resolve_family
 
 
 @pytest.fixture()
 def qwen9():
     """A made-up next generation: factor 56, relative coordinates, its own model type and template."""
-    family = register(Family("qwen9_vl", 56, "rel1000", ("qwen9_vl",), ("qwen9",), "Qwen3VLPlugin"))
+    family = register(Family("qwen9_vl", 56, "rel1000", ("qwen9_vl",), ("qwen9",), "Qwen3VLPlugin", "qwen9"))
     yield family
     del FAMILIES["qwen9_vl"]
 
@@ -35,7 +35,7 @@ def test_resolution_order(tmp_path, qwen9):
 def test_a_new_family_is_one_registration_away(tmp_path, qwen9, capsys):
     """Registered in one place, the family reaches the CLI's choices, the policy (factor 56), convert's
     conventions and the stamp."""
-    from llamafactory_qwenvl_patch.answers import parse_items
+    from llamafactory_qwenvl_patch.scoring.answers import parse_items
     from qwenvl_prep.cli import main
 
     save_image(tmp_path / "wide.jpg", 2000, 1000)

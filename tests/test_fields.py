@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.cheats import CheatRules, cheats
-from llamafactory_qwenvl_patch.fields import as_date, as_number, find_json, reference_value, score_fields
+from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
+from llamafactory_qwenvl_patch.scoring.fields import as_date, as_number, find_json, reference_value, score_fields
 from llamafactory_qwenvl_patch.grpo.rewards import (
     BUILTIN, confident_answer, fields_raw_reward, fields_reward, load_rewards, no_cheat_reward,
 )

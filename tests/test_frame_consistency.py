@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import grounding_record, lf_sft_dataset, save_image, write_sharegpt
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.drift import stock_llamafactory_size
 
 pytestmark = pytest.mark.slow  # LF's dataset pipeline and model, about two minutes

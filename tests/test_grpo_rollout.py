@@ -17,7 +17,7 @@ from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward, load_rewards
 from llamafactory_qwenvl_patch.grpo.rollout import completion_mask, cut_at_tokens, decode_kept, prompt_text
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
-from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
+from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
 QWEN2_ANSWER = "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(10,20),(110,220)<|box_end|>"
 

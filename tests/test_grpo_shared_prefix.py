@@ -21,7 +21,7 @@ from llamafactory_qwenvl_patch.grpo.rewards import Reward
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of, vision_token_ids
 from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
-from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
+from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
 
 G = 3
 # (width, height) of each prompt's images: five frames, five prompt lengths; prompt 4 has two images

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from llamafactory_qwenvl_patch import lf_compat
+from llamafactory_qwenvl_patch.integration import lf_compat
 
 ARGS = {
     "model_name_or_path": "unused",
@@ -90,7 +90,7 @@ def test_pinned_template_is_a_copy_and_shared_plugin_untouched(tiny_model):
     from llamafactory.hparams import get_train_args
     from llamafactory.model import load_tokenizer
 
-    from llamafactory_qwenvl_patch.plugin import PinnedQwen2VLPlugin
+    from llamafactory_qwenvl_patch.integration.plugin import PinnedQwen2VLPlugin
 
     model_args, data_args, *_ = get_train_args({**ARGS, "model_name_or_path": str(tiny_model),
                                                 "template": "qwen2_vl", "image_max_pixels": 602112})

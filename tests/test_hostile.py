@@ -16,9 +16,9 @@ from helpers import BIN, save_image
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.images import ImageError, model_input_image, open_image
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
-from llamafactory_qwenvl_patch.preflight import check_image
+from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image, open_image
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
+from llamafactory_qwenvl_patch.integration.preflight import check_image
 from qwenvl_prep.imageinfo import read_info
 
 POLICY = ResizePolicy(64 * 28 * 28, 256 * 28 * 28)
@@ -139,7 +139,7 @@ def run_convert(tmp_path, records, *extra, name="train.json"):
 def test_tiny_boxes_keep_one_model_pixel_and_pass_check(tmp_path, capsys):
     """Class 3: a valid 1-3 px box on a 4032x3024 photo rounded to zero area (then `check` refused the output).
     Rule: every converted box keeps at least 1 unit of extent per axis, and check agrees."""
-    from llamafactory_qwenvl_patch.answers import parse_items
+    from llamafactory_qwenvl_patch.scoring.answers import parse_items
     from qwenvl_prep.cli import main
 
     save_image(tmp_path / "photo.jpg", 4032, 3024)
@@ -268,7 +268,7 @@ def test_registry_entries_links_and_modes_are_respected(tmp_path, capsys):
 
 
 def test_draw_never_writes_outside_its_folder(tmp_path):
-    from llamafactory_qwenvl_patch.stamp import Stamp
+    from llamafactory_qwenvl_patch.frame.stamp import Stamp
     from qwenvl_prep.dataset import DatasetRef
     from qwenvl_prep.draw import draw
 
@@ -436,7 +436,7 @@ def _corrupt_images(tmp_path) -> dict[str, Path]:
 
 
 def test_preflight_catches_corrupt_files_of_every_format(tmp_path):
-    from llamafactory_qwenvl_patch.preflight import check_image
+    from llamafactory_qwenvl_patch.integration.preflight import check_image
 
     for kind, path in _corrupt_images(tmp_path).items():
         with pytest.raises(ImageError, match=path.name):
@@ -448,7 +448,7 @@ def test_preflight_catches_corrupt_files_of_every_format(tmp_path):
 def test_preflight_reports_all_bad_files_at_once(tmp_path):
     import datasets
 
-    from llamafactory_qwenvl_patch.preflight import DatasetImageError, check_dataset_images
+    from llamafactory_qwenvl_patch.integration.preflight import DatasetImageError, check_dataset_images
 
     bad = [str(p) for p in _corrupt_images(tmp_path).values()]
     dataset = datasets.Dataset.from_dict({"_images": [[p] for p in bad + [str(tmp_path / "good.png")]],
@@ -500,8 +500,8 @@ FORMS = {
 @pytest.mark.parametrize("form", FORMS)
 def test_every_coordinate_anywhere_is_converted(tmp_path, form):
     """Class 1: each of these was left in original pixels with exit 0 (and `check` then said OK)."""
-    from llamafactory_qwenvl_patch.answers import parse_items
-    from llamafactory_qwenvl_patch.policy import convert_coords
+    from llamafactory_qwenvl_patch.scoring.answers import parse_items
+    from llamafactory_qwenvl_patch.frame.policy import convert_coords
 
     save_image(tmp_path / "wide.jpg", 2000, 1000)
     text = FORMS[form]
@@ -517,7 +517,7 @@ def test_every_coordinate_anywhere_is_converted(tmp_path, form):
 
 
 def test_boxes_in_the_user_turn_are_converted_and_unreadable_ones_are_errors(tmp_path):
-    from llamafactory_qwenvl_patch.answers import parse_items
+    from llamafactory_qwenvl_patch.scoring.answers import parse_items
 
     save_image(tmp_path / "wide.jpg", 2000, 1000)
     records = [{"messages": [{"role": "user", "content": f'<image>What is at {json.dumps({"bbox_2d": BOX})}? '

@@ -7,8 +7,8 @@ import json
 import pytest
 from helpers import lf_sft_dataset, save_image
 
-from llamafactory_qwenvl_patch.lf_patch import StampMismatchError
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.integration.lf_patch import StampMismatchError
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
 MIN, MAX = 128 * 28 * 28, 512 * 28 * 28

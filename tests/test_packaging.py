@@ -20,7 +20,7 @@ def test_wheel_installs_the_hook(tmp_path):
     wheel = next(tmp_path.glob("llamafactory_qwenvl_patch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "llamafactory_qwenvl_patch.pth" in names
-    assert "llamafactory_qwenvl_patch/policy.py" in names and "qwenvl_prep/cli.py" in names
+    assert "llamafactory_qwenvl_patch/frame/policy.py" in names and "qwenvl_prep/cli.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "qwenvl-prep = qwenvl_prep.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     target = tmp_path / "site"

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from llamafactory_qwenvl_patch.policy import (
+from llamafactory_qwenvl_patch.frame.policy import (
     PolicyError,
     ResizePolicy,
     check_box,
@@ -115,7 +115,7 @@ def test_torch_free_smart_resize_is_qwen_vl_utils_own(tmp_path):
 
     code = (
         "import sys, json, random\n"
-        "from llamafactory_qwenvl_patch.smart_resize_source import load_smart_resize\n"
+        "from llamafactory_qwenvl_patch.frame.smart_resize_source import load_smart_resize\n"
         "fast = load_smart_resize()\n"
         "assert 'torch' not in sys.modules and 'qwen_vl_utils' not in sys.modules\n"
         "rng = random.Random(7); out = []\n"

@@ -6,8 +6,8 @@ import shutil
 
 from helpers import save_image
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
-from llamafactory_qwenvl_patch.policy_record import write_policy_record
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from qwenvl_prep.predict import Predictor
 
 

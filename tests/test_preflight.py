@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import save_image
 
-from llamafactory_qwenvl_patch.images import ImageError
-from llamafactory_qwenvl_patch.policy import ResizePolicy
-from llamafactory_qwenvl_patch.preflight import check_image
+from llamafactory_qwenvl_patch.image_io.images import ImageError
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.integration.preflight import check_image
 
 POLICY = ResizePolicy(256 * 28 * 28, 1024 * 28 * 28)
 

@@ -20,10 +20,10 @@ import yaml
 from helpers import BIN, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
 from PIL import Image
 
-from llamafactory_qwenvl_patch.answers import parse_items
-from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.scoring.answers import parse_items
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from qwenvl_prep.drift import stock_llamafactory_size
-from llamafactory_qwenvl_patch.serving import FrameConflictError, ServingFrame, check_images, resolve_frame, to_original
+from llamafactory_qwenvl_patch.integration.serving import FrameConflictError, ServingFrame, check_images, resolve_frame, to_original
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
 ANSWER = '[{"bbox_2d": [120, 60, 300, 200], "label": "box"}]'
@@ -218,7 +218,7 @@ def test_to_original_and_image_checks(tmp_path):
     qwen2 = ServingFrame(frame.policy, "rel1000", "original")
     assert to_original(qwen2, "<|box_start|>(500,500),(1000,1000)<|box_end|>", [image]) == \
         "<|box_start|>(2016,1512),(4032,3024)<|box_end|>"
-    from llamafactory_qwenvl_patch.images import ImageError
+    from llamafactory_qwenvl_patch.image_io.images import ImageError
 
     with pytest.raises(ImageError, match="aspect ratio"):
         check_images(frame, [Image.new("RGB", (6000, 20))])

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-from llamafactory_qwenvl_patch.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from qwenvl_prep.tiny_model import ROPE_THETA, build_tiny_model, build_tokenizer
 
 

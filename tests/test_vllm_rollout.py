@@ -10,7 +10,7 @@ from helpers import save_image
 from PIL import Image
 
 from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 pytest.importorskip("vllm", reason="vLLM environment only (scripts/vllm_env.sh)")
 pytestmark = pytest.mark.vllm
@@ -40,7 +40,7 @@ def prompt(tokenizer, pads: int) -> list[int]:
 
 @pytest.mark.parametrize("width, height", [(200, 300), (480, 640), (1200, 1600), (333, 1500)])
 def test_vllm_sees_the_training_frame(parts, tmp_path, width, height):
-    from llamafactory_qwenvl_patch.images import model_input_image
+    from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
     engine, _, tokenizer = parts
     image = model_input_image(save_image(tmp_path / "i.jpg", width, height), POLICY)
@@ -107,7 +107,7 @@ def test_weights_reach_the_engine_full_and_lora(parts):
 def test_sampling_logprobs_are_the_training_models(parts, tmp_path):
     """vLLM's processed log-probs (temperature, vision tokens suppressed) equal the training model's log-softmax of
     the same completion at the same temperature: the two sample the same distribution."""
-    from llamafactory_qwenvl_patch.images import model_input_image
+    from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
     engine, model, tokenizer = parts
     engine.load_weights(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llamafactory_qwenvl_patch.cheats import CheatRules
+from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
 from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
 from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from llamafactory_qwenvl_patch import lf_compat
+from llamafactory_qwenvl_patch.integration import lf_compat
 
 META_COLUMN = "grpo_meta"
 _state: dict[str, Any] = {}

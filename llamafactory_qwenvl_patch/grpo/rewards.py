@@ -23,10 +23,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.answers import try_parse_items
-from llamafactory_qwenvl_patch.cheats import CheatRules, cheats
-from llamafactory_qwenvl_patch.fields import FieldScore, confident, find_json, normalize, reference_value, score_fields
-from llamafactory_qwenvl_patch.metrics import match_boxes
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
+from llamafactory_qwenvl_patch.scoring.fields import FieldScore, confident, find_json, normalize, reference_value, score_fields
+from llamafactory_qwenvl_patch.scoring.metrics import match_boxes
 
 RewardFunc = Callable[..., list[float]]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 

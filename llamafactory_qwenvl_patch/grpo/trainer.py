@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
-from llamafactory_qwenvl_patch.answers import parse_items, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import parse_items, try_parse_items
 from llamafactory_qwenvl_patch.grpo import shared_prefix
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
@@ -38,11 +38,11 @@ from llamafactory_qwenvl_patch.grpo.rollout import (
 from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
-from llamafactory_qwenvl_patch.images import blank_like, model_input_image, open_image
-from llamafactory_qwenvl_patch.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
-from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
-from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.image_io.images import blank_like, model_input_image, open_image
+from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")

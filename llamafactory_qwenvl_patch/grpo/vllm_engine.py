@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 
 class FrameMismatchError(RuntimeError):

@@ -7,7 +7,7 @@ import importlib.util
 from collections import deque
 from typing import Any
 
-from llamafactory_qwenvl_patch import lf_compat
+from llamafactory_qwenvl_patch.integration import lf_compat
 
 
 def _log_callback_class():
@@ -68,7 +68,7 @@ def grpo_training_function(config: dict[str, Any]) -> None:
 
     hparams = lf_compat.require_module("llamafactory.hparams", ["get_train_args"])
     parser = lf_compat.require_module("llamafactory.hparams.parser", ["read_args"])
-    from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
+    from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
     raw_args = parser.read_args(config.get("args"))
     model_args, data_args, training_args, finetuning_args, generating_args = hparams.get_train_args(raw_args)
@@ -132,7 +132,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
     from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
     from llamafactory_qwenvl_patch.grpo.trainer import GRPOCollator, GRPOTrainer
-    from llamafactory_qwenvl_patch.families import resolve_family
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
 
     logger = logging_mod.get_logger("llamafactory.qwenvl_patch.grpo")
     rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights, finetuning_args.cheat_rules)

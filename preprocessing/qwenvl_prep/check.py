@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from llamafactory_qwenvl_patch.images import ImageError
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, check_box, check_point
-from llamafactory_qwenvl_patch.answers import Item
-from llamafactory_qwenvl_patch.stamp import Stamp, differences
+from llamafactory_qwenvl_patch.image_io.images import ImageError
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy, check_box, check_point
+from llamafactory_qwenvl_patch.scoring.answers import Item
+from llamafactory_qwenvl_patch.frame.stamp import Stamp, differences
 from qwenvl_prep.dataset import DatasetRef, iter_samples
 from qwenvl_prep.drift import DriftAudit, processor_bounds
 from qwenvl_prep.imageinfo import read_info
@@ -60,7 +60,7 @@ def _text_counter(model: str | None):
 
 
 def _decode(path: str) -> str | None:
-    from llamafactory_qwenvl_patch.images import decode, open_image
+    from llamafactory_qwenvl_patch.image_io.images import decode, open_image
 
     try:
         decode(open_image(path), path)

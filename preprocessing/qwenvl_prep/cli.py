@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from llamafactory_qwenvl_patch.families import DEFAULT, FAMILIES
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
 
 

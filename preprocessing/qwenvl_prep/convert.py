@@ -19,9 +19,9 @@ from typing import Any, Iterable, Iterator
 
 import orjson
 
-from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_answer
-from llamafactory_qwenvl_patch.images import ImageError
-from llamafactory_qwenvl_patch.policy import (
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
+from llamafactory_qwenvl_patch.image_io.images import ImageError
+from llamafactory_qwenvl_patch.frame.policy import (
     PolicyError,
     ResizePolicy,
     check_box,
@@ -29,7 +29,7 @@ from llamafactory_qwenvl_patch.policy import (
     keep_extent,
     retarget_coords,
 )
-from llamafactory_qwenvl_patch.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
+from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.convert import Abort, ConvertOptions, run_convert
 from qwenvl_prep.run_spec import load_yaml, spec_from_yaml

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from llamafactory_qwenvl_patch.answers import AnswerError, Item, parse_items
-from llamafactory_qwenvl_patch.stamp import Stamp, read_dataset_info, stamp_of
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_items
+from llamafactory_qwenvl_patch.frame.stamp import Stamp, read_dataset_info, stamp_of
 from qwenvl_prep.readers import RecordError, iter_records
 
 

@@ -10,22 +10,18 @@ the untrained model and a constant mean-box baseline, all measured in the same r
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import cv2
 import numpy as np
-import yaml
 
-from llamafactory_qwenvl_patch.families import FAMILIES
-from llamafactory_qwenvl_patch.policy import ResizePolicy, convert_coords
-from llamafactory_qwenvl_patch.policy_record import write_policy_record
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from qwenvl_prep.dataset import load_jsonl
+from qwenvl_prep.demo_steps import run_step, write_jsonl, write_yaml
 
 COLORS = {"red": (40, 40, 220), "green": (60, 180, 60), "blue": (220, 90, 40), "yellow": (40, 220, 230)}
 # Original 4:3 photos of mixed sizes (320x240 to 960x720): all are larger than the frame's upper bound, so each is
@@ -79,37 +75,12 @@ def mean_box_predictions(train: list, held_out: list, image_dir: Path, policy: R
     return rows
 
 
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def run_step(step: str, args: list[str], log_dir: Path) -> None:
-    """Run one step as its own process (as a user would), logging to a file; fail with the log's tail."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
-           "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = log_dir / f"{step}.log"
-    print(f"[demo {time.strftime('%H:%M:%S')}] {step}: {' '.join(args)} (log: {log})", file=sys.stderr, flush=True)
-    with open(log, "w") as f:
-        code = subprocess.run([str(bin_dir / args[0]), *args[1:]], stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    if code != 0:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"demo step {step} failed (exit {code}); end of {log}:\n{tail}")
-
-
-def write_yaml(path: Path, config: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
 SFT_BATCH = 8
 SFT_STEPS_PER_MINUTE = 340  # measured on 2 CPU cores: the small model at batch 8 on this data
 MAX_TRAIN_IMAGES = 1000  # seen 8 times by default: LF tokenizes an image about as slowly as it trains on it
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
 HELD_OUT, HELD_OUT_SMOKE = 100, 8
-TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink"}
 
 
 def sft_steps_for(minutes: float) -> int:
@@ -132,8 +103,9 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     steps = steps if steps is not None else sft_steps_for(minutes)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")
-    if family not in TEMPLATES:
-        raise ValueError(f"demo family must be one of {', '.join(TEMPLATES)}, got {family!r}")
+    if family not in FAMILIES or not FAMILIES[family].tiny:
+        raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
+                         f"got {family!r}")
     out = out.resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
@@ -149,7 +121,7 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--family", family, "--size", "small"], logs)
     policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
     write_policy_record(model, policy)  # the untrained model answers in the run's frame too
-    common = {"template": TEMPLATES[family], "qwenvl_patch": True, "image_min_pixels": MIN_PIXELS,
+    common = {"template": FAMILIES[family].default_template, "qwenvl_patch": True, "image_min_pixels": MIN_PIXELS,
               "image_max_pixels": MAX_PIXELS, "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 512,
               "preprocessing_num_workers": 2, "finetuning_type": "full", "freeze_vision_tower": False,
               "freeze_multi_modal_projector": False, "do_train": True, "report_to": "none", "use_cpu": True,
@@ -191,7 +163,7 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     })
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
     export_yaml = write_yaml(out / "export.yaml", {
-        "model_name_or_path": str(out / "grpo"), "template": TEMPLATES[family], "qwenvl_patch": True,
+        "model_name_or_path": str(out / "grpo"), "template": FAMILIES[family].default_template, "qwenvl_patch": True,
         "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS, "finetuning_type": "full",
         "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
     })

@@ -17,7 +17,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo import run_step, write_jsonl, write_yaml
+from qwenvl_prep.demo_steps import run_step, write_jsonl, write_yaml
 from qwenvl_prep.run_spec import load_yaml
 
 SIZES = [(620, 877), (877, 620), (1240, 1754), (800, 1000), (1000, 700), (595, 842)]

@@ -10,10 +10,10 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.answers import Item, try_parse_items
-from llamafactory_qwenvl_patch.images import decode, model_input_image, open_image
-from llamafactory_qwenvl_patch.policy import convert_coords
-from llamafactory_qwenvl_patch.stamp import Stamp
+from llamafactory_qwenvl_patch.scoring.answers import Item, try_parse_items
+from llamafactory_qwenvl_patch.image_io.images import decode, model_input_image, open_image
+from llamafactory_qwenvl_patch.frame.policy import convert_coords
+from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples, load_jsonl
 

@@ -8,14 +8,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from llamafactory_qwenvl_patch.policy import (
+from llamafactory_qwenvl_patch.frame.policy import (
     HUB_PROCESSOR_MAX_PIXELS,
     HUB_PROCESSOR_MIN_PIXELS,
     MAX_ASPECT_RATIO,
     ResizePolicy,
     map_coords,
 )
-from llamafactory_qwenvl_patch.policy_record import read_processor_bounds
+from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
 
 
 def stock_llamafactory_size(

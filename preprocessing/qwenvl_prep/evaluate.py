@@ -10,10 +10,10 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
-from llamafactory_qwenvl_patch.policy import convert_coords
-from llamafactory_qwenvl_patch.stamp import Stamp
+from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.frame.policy import convert_coords
+from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.dataset import DatasetRef, iter_jsonl, iter_samples
 from qwenvl_prep.imageinfo import read_info

@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.policy_record import read_processor_bounds
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
+from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
 from qwenvl_prep.atomic import write_json
 
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-# Keys that stay inside text_config for Qwen3-VL, whose readers have always used the nested layout.
-NESTED_ONLY_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+def nested_only(model_type: str | None) -> bool:
+    """A family whose readers have always used the nested layout (Qwen3-VL): there is no flat one to write."""
+    family = family_of_model_type(model_type)
+    return family is not None and not FAMILIES[family].flat_config
 
 
 def layout(config: dict[str, Any]) -> str:
@@ -71,8 +74,9 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
     config = json.loads(path.read_text())
     problems = []
     model_type = config.get("model_type")
-    if model_type not in QWEN_VL_TYPES:
-        problems.append(f"model_type {model_type!r} is not a Qwen-VL type ({', '.join(QWEN_VL_TYPES)})")
+    if family_of_model_type(model_type) is None:
+        known = ", ".join(prefix for f in FAMILIES.values() for prefix in f.model_types)
+        problems.append(f"model_type {model_type!r} is not a Qwen-VL type ({known})")
     sub_types = {}
     for key in ("text_config", "vision_config"):
         sub = config.get(key)
@@ -96,7 +100,7 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
         "transformers_installed": transformers.__version__,
         "processor_bounds": list(bounds) if bounds else None,
         "yaml_bounds": list(yaml_bounds) if yaml_bounds else None,
-        "readable_by_transformers_le_4_51": layout(config) == "flat" or model_type in NESTED_ONLY_TYPES,
+        "readable_by_transformers_le_4_51": layout(config) == "flat" or nested_only(model_type),
         "problems": problems,
     }
 
@@ -105,7 +109,7 @@ def rewrite_flat(model_dir: Path) -> dict[str, Any]:
     """Rewrite config.json in the flat layout, keeping a timestamped backup; no-op if already flat."""
     path = model_dir / "config.json"
     config = json.loads(path.read_text())
-    if config.get("model_type") in NESTED_ONLY_TYPES:
+    if nested_only(config.get("model_type")):
         raise ValueError(f"{config['model_type']} configs are nested in every transformers that supports them; "
                          "there is no flat layout to write")
     if layout(config) == "flat":

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from llamafactory_qwenvl_patch import jpeg
-from llamafactory_qwenvl_patch.images import ImageError, open_image, require_regular_file
+from llamafactory_qwenvl_patch.image_io import jpeg
+from llamafactory_qwenvl_patch.image_io.images import ImageError, open_image, require_regular_file
 
 EXIF_ORIENTATION = 0x0112
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_items
-from llamafactory_qwenvl_patch.families import FAMILIES, family_of_model
-from llamafactory_qwenvl_patch.images import model_input_image
-from llamafactory_qwenvl_patch.policy import convert_coords
-from llamafactory_qwenvl_patch.policy_record import folder_policy
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_items
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.frame.policy import convert_coords
+from llamafactory_qwenvl_patch.frame.policy_record import folder_policy
 
 
 class Predictor:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from llamafactory_qwenvl_patch.families import FAMILIES, resolve_family
-from llamafactory_qwenvl_patch.policy import ResizePolicy
-from llamafactory_qwenvl_patch.stamp import Stamp
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, resolve_family
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.stamp import Stamp
 
 # LLaMA-Factory 0.9.5 defaults for the keys a YAML may omit (hparams/model_args.py).
 LF_DEFAULT_MIN_PIXELS = 32 * 32

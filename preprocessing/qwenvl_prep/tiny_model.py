@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from llamafactory_qwenvl_patch.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch import __version__
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 POLICY_FILE = "qwenvl_policy.json"
 

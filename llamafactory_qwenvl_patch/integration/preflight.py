@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 from PIL import Image
 
-from llamafactory_qwenvl_patch import jpeg
-from llamafactory_qwenvl_patch.images import ImageError, describe, open_image
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
+from llamafactory_qwenvl_patch.image_io import jpeg
+from llamafactory_qwenvl_patch.image_io.images import ImageError, describe, open_image
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
 MAX_LISTED = 20
 

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.answers import try_parse_items
-from llamafactory_qwenvl_patch.fields import FieldScore
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.fields import FieldScore
 
 Box = Sequence[float]
 IOU_THRESHOLD = 0.5

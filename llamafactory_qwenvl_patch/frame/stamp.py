@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.families import FAMILIES
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 STAMP_KEY = "qwenvl_policy"
 

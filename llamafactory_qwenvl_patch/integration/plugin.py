@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from llamafactory_qwenvl_patch import lf_compat
-from llamafactory_qwenvl_patch.images import model_input_image
-from llamafactory_qwenvl_patch.policy import ResizePolicy
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 _mm_plugin = lf_compat.require_module("llamafactory.data.mm_plugin", ["Qwen2VLPlugin", "Qwen3VLPlugin"])
 

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from llamafactory_qwenvl_patch.fields import find_json, is_empty, reference_value
+from llamafactory_qwenvl_patch.scoring.fields import find_json, is_empty, reference_value
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 REPETITION_MARGIN = 0.2  # an answer may repeat itself this much more than the reference does

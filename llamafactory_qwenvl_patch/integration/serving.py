@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from llamafactory_qwenvl_patch.answers import AnswerError, parse_answer
-from llamafactory_qwenvl_patch.images import ImageError, open_image
-from llamafactory_qwenvl_patch.policy_record import POLICY_FILE, read_policy_record
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer
+from llamafactory_qwenvl_patch.image_io.images import ImageError, open_image
+from llamafactory_qwenvl_patch.frame.policy_record import POLICY_FILE, read_policy_record
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy, convert_coords
 
 ANSWER_COORDS = ("model", "original")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from llamafactory_qwenvl_patch.answers import FENCE
+from llamafactory_qwenvl_patch.scoring.answers import FENCE
 
 FOUND, EQUAL, FORMAT = 0.3, 0.7, 1.0
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, fields
 from types import MethodType, ModuleType
 from typing import Any, Callable
 
-from llamafactory_qwenvl_patch import lf_compat
-from llamafactory_qwenvl_patch.policy import ResizePolicy
-from llamafactory_qwenvl_patch.policy_record import set_image_processor_bounds, write_policy_record
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds, write_policy_record
 
 
 
@@ -77,8 +77,8 @@ def patch_parser(parser: ModuleType) -> None:
 
     def make_infer(get_infer_args: Callable) -> Callable:
         def wrapper(args: Any = None) -> Any:
-            from llamafactory_qwenvl_patch.serving import ANSWER_COORDS, resolve_frame
-            from llamafactory_qwenvl_patch.yaml_keys import explicit_keys
+            from llamafactory_qwenvl_patch.integration.serving import ANSWER_COORDS, resolve_frame
+            from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
             raw = parser.read_args(args)
             result = get_infer_args(raw)
@@ -140,7 +140,7 @@ def _log_active(policy: ResizePolicy) -> None:
 
 def _warn_unpinned(model_args: Any) -> None:
     """A model or adapter trained with the patch, loaded without it: its frame would silently change."""
-    from llamafactory_qwenvl_patch.serving import folder_policy
+    from llamafactory_qwenvl_patch.integration.serving import folder_policy
 
     found = folder_policy(model_args)
     if found:
@@ -156,8 +156,8 @@ def _warn_unpinned(model_args: Any) -> None:
 
 
 def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
-    from llamafactory_qwenvl_patch.families import resolve_family
-    from llamafactory_qwenvl_patch.serving import ServingFrame
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.integration.serving import ServingFrame
 
     family = resolve_family(model_args.model_name_or_path, factor=policy.factor)
     return ServingFrame(policy, family.coords, getattr(model_args, "qwenvl_answer_coords", "model"))
@@ -197,7 +197,7 @@ def patch_template(template_module: ModuleType) -> None:
                 return template
             from copy import copy
 
-            from llamafactory_qwenvl_patch.plugin import pinned_plugin
+            from llamafactory_qwenvl_patch.integration.plugin import pinned_plugin
 
             pinned = copy(template)
             pinned.mm_plugin = pinned_plugin(template.mm_plugin, policy)
@@ -219,8 +219,8 @@ def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy) 
     """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run; warn about unstamped ones."""
     from llamafactory.extras import logging as lf_logging
 
-    from llamafactory_qwenvl_patch.families import resolve_family
-    from llamafactory_qwenvl_patch.stamp import differences, read_dataset_info, run_stamp, stamp_of
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.frame.stamp import differences, read_dataset_info, run_stamp, stamp_of
 
     names = [*(data_args.dataset or []), *(data_args.eval_dataset or [])]
     info = read_dataset_info(data_args.dataset_dir) if names else {}
@@ -263,11 +263,11 @@ def patch_data_loader(data_loader: ModuleType) -> None:
 
     def make(get_preprocessed: Callable) -> Callable:
         def wrapper(dataset: Any, data_args: Any, training_args: Any, stage: Any, template: Any, *args, **kwargs):
-            from llamafactory_qwenvl_patch.plugin import _PinnedStills
+            from llamafactory_qwenvl_patch.integration.plugin import _PinnedStills
 
             plugin = getattr(template, "mm_plugin", None)
             if dataset is not None and isinstance(plugin, _PinnedStills):
-                from llamafactory_qwenvl_patch.preflight import check_dataset_images
+                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_images
 
                 check_dataset_images(dataset, plugin.policy)
             return get_preprocessed(dataset, data_args, training_args, stage, template, *args, **kwargs)
@@ -325,7 +325,7 @@ def patch_chat_model(chat_module: ModuleType) -> None:
     lf_compat.require(chat_model_cls, ["achat", "astream_chat"])
     if getattr(chat_model_cls.achat, "__qwenvl_wrapped__", False):
         return
-    from llamafactory_qwenvl_patch.serving import check_images, to_original
+    from llamafactory_qwenvl_patch.integration.serving import check_images, to_original
 
     achat, astream_chat = chat_model_cls.achat, chat_model_cls.astream_chat
 
@@ -371,8 +371,8 @@ def patch_api_chat(api_chat: ModuleType) -> None:
         from fastapi import HTTPException, status
         from PIL import UnidentifiedImageError
 
-        from llamafactory_qwenvl_patch.images import ImageError
-        from llamafactory_qwenvl_patch.serving import check_images
+        from llamafactory_qwenvl_patch.image_io.images import ImageError
+        from llamafactory_qwenvl_patch.integration.serving import check_images
 
         try:
             images = api_chat._process_request(request)[3]
@@ -416,7 +416,7 @@ def patch_hf_engine(hf_engine: ModuleType) -> None:
     def wrapper(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
         gen_kwargs, prompt_length = original(model, tokenizer, *args, **kwargs)
         if getattr(tokenizer, "qwenvl_serving", None) is not None and "mm_token_type_ids" not in gen_kwargs:
-            from llamafactory_qwenvl_patch.mrope import needs_token_types, token_types
+            from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
 
             if needs_token_types(model) and ("image_grid_thw" in gen_kwargs or "video_grid_thw" in gen_kwargs):
                 gen_kwargs["mm_token_type_ids"] = token_types(gen_kwargs["inputs"], model.config)

@@ -21,6 +21,8 @@ class Family:
     model_types: tuple[str, ...]  # HF ``model_type`` prefixes of its checkpoints
     templates: tuple[str, ...]  # LF template name prefixes
     lf_plugin: str  # LF's mm_plugin class for its templates
+    default_template: str  # the LF template its runs use unless told otherwise (the demos)
+    flat_config: bool = True  # its config.json can be written flat (readable by transformers <= 4.51)
     tiny: bool = False  # ``qwenvl-prep tiny-model`` can build it
 
 
@@ -33,24 +35,29 @@ def register(family: Family) -> Family:
     return family
 
 
-register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", tiny=True))
-register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", tiny=True))
+register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True))
+register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True))
+# Qwen3-VL (and its MoE) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl", "qwen3_5", "qwen3_6"), "Qwen3VLPlugin",
-                tiny=True))
+                "qwen3_vl_nothink", flat_config=False, tiny=True))
+
+
+def family_of_model_type(model_type: str | None) -> str | None:
+    """The family of an HF ``model_type``; the longest matching prefix wins (``qwen2_5_vl`` before ``qwen2_vl``,
+    ``qwen3_vl`` for ``qwen3_vl_moe``)."""
+    matches = [(len(prefix), f.name) for f in FAMILIES.values() for prefix in f.model_types
+               if (model_type or "").startswith(prefix)]
+    return max(matches)[1] if matches else None
 
 
 def family_of_model(model_dir: str | os.PathLike | None) -> str | None:
-    """The family of a local checkpoint from its ``config.json`` (None for hub names or unknown types); the
-    longest matching ``model_type`` prefix wins (``qwen2_5_vl`` before ``qwen2_vl``)."""
+    """The family of a local checkpoint from its ``config.json`` (None for hub names or unknown types)."""
     if not model_dir:
         return None
     path = Path(model_dir, "config.json")
     if not path.is_file():
         return None
-    model_type = json.loads(path.read_text()).get("model_type", "")
-    matches = [(len(prefix), f.name) for f in FAMILIES.values() for prefix in f.model_types
-               if model_type.startswith(prefix)]
-    return max(matches)[1] if matches else None
+    return family_of_model_type(json.loads(path.read_text()).get("model_type", ""))
 
 
 def family_for_template(template: str | None) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from llamafactory_qwenvl_patch.policy import PolicyError, ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
 
 class ImageError(ValueError):

@@ -87,7 +87,7 @@ class ResizePolicy:
 @lru_cache(maxsize=1)
 def load_backend() -> Callable:
     """qwen-vl-utils' ``smart_resize``, loaded once (forked workers inherit it), without torch when possible."""
-    from llamafactory_qwenvl_patch.smart_resize_source import load_smart_resize
+    from llamafactory_qwenvl_patch.frame.smart_resize_source import load_smart_resize
 
     return load_smart_resize()
 
