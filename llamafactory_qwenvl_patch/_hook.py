@@ -13,7 +13,8 @@ from importlib.abc import Loader, MetaPathFinder
 
 DISABLE_ENV = "QWENVL_PATCH_DISABLE"
 
-# LF module -> name of the function in ``llamafactory_qwenvl_patch.integration.lf_patch`` that patches it right after it loads.
+# LF module -> name of the function in ``llamafactory_qwenvl_patch.integration.lf_patch`` that patches it right
+# after it loads.
 TARGETS = {
     "llamafactory.hparams.parser": "patch_parser",
     "llamafactory.model.loader": "patch_model_loader",

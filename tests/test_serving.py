@@ -23,7 +23,9 @@ from PIL import Image
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from qwenvl_prep.drift import stock_llamafactory_size
-from llamafactory_qwenvl_patch.integration.serving import FrameConflictError, ServingFrame, check_images, resolve_frame, to_original
+from llamafactory_qwenvl_patch.integration.serving import (
+    FrameConflictError, ServingFrame, check_images, resolve_frame, to_original,
+)
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
 ANSWER = '[{"bbox_2d": [120, 60, 300, 200], "label": "box"}]'

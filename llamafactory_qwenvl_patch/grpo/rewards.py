@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
-from llamafactory_qwenvl_patch.scoring.fields import FieldScore, confident, find_json, normalize, reference_value, score_fields
+from llamafactory_qwenvl_patch.scoring.fields import (
+    FieldScore, confident, find_json, normalize, reference_value, score_fields,
+)
 from llamafactory_qwenvl_patch.scoring.metrics import match_boxes
 
 RewardFunc = Callable[..., list[float]]
@@ -230,3 +232,18 @@ def score(reward: Reward, completions: list[str], columns: dict[str, list], shar
                 values.append(math.nan)
     errors = [not math.isfinite(v) for v in values]
     return [0.0 if bad else v for v, bad in zip(values, errors)], errors
+
+
+def reward_inputs(meta: Sequence[Any], repeat: int, resize_policy: Any, coords: str
+                  ) -> tuple[dict[str, list], dict[str, Any]]:
+    """The reward keywords for prompts ``meta`` (``SampleMeta``): per-completion columns (each prompt's values
+    ``repeat`` times) and the values shared by every completion."""
+    columns = dict(
+        references=[m.reference for m in meta for _ in range(repeat)],
+        prompts=[m.prompt for m in meta for _ in range(repeat)],
+        orig_sizes=[m.orig_hw for m in meta for _ in range(repeat)],
+        model_sizes=[m.model_hw for m in meta for _ in range(repeat)],
+        indices=[m.index for m in meta for _ in range(repeat)],
+        metas=[m.meta for m in meta for _ in range(repeat)],
+    )
+    return columns, dict(resize_policy=resize_policy, coords=coords)

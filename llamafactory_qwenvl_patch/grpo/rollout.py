@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.grpo.loss import zero_std_groups
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 
@@ -108,3 +110,19 @@ def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePo
         sizes.append(frame.size_from_grid(rows[first]) if count else None)
         first += count
     return sizes
+
+
+def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor, texts: list[str],
+                    meta: list[SampleMeta], generations: int) -> dict[str, float]:
+    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``."""
+    grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
+    return {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float(zero_std_groups(rewards, generations).float().mean()),
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/max": float(lengths.max()),
+        "truncated_ratio": float((~stopped).float().mean()),
+        "parse_failures": float(sum(not try_parse_items(text) for i, text in enumerate(texts)
+                                    if grounded[i // generations])),
+    }

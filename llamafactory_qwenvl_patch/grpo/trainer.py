@@ -23,66 +23,27 @@ from torch.utils.data import DataLoader
 from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
-from llamafactory_qwenvl_patch.scoring.answers import parse_items, try_parse_items
+from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo import shared_prefix
+from llamafactory_qwenvl_patch.grpo.collate import blank_copy
+from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
-from llamafactory_qwenvl_patch.grpo.record_meta import META_COLUMN, decode_meta
+from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
-from llamafactory_qwenvl_patch.grpo.rewards import Reward, confident_answer, score
+from llamafactory_qwenvl_patch.grpo.rewards import Reward, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
-    prompt_text, repeat_visual,
+    repeat_visual, rollout_metrics,
 )
-from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
-from llamafactory_qwenvl_patch.image_io.images import blank_like, model_input_image, open_image
-from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
-from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
-
-
-class GRPOCollator:
-    """Batches stay raw features until a rollout needs them, so a generation batch that is reused for several
-    micro-steps is loaded and processed once. ``collate`` runs LF's multimodal collator and keeps the reference
-    answer, the original image size and the dataset index of each prompt."""
-
-    def __init__(self, collator: Any, tokenizer: Any) -> None:
-        self.collator = collator
-        self.tokenizer = tokenizer
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"grpo_features": list(features)}
-
-    def collate(self, features: list[dict[str, Any]], drop: set[int]) -> tuple[dict[str, Any], list[SampleMeta]]:
-        meta, stripped = [], []
-        for feature in features:
-            feature = dict(feature)
-            index = int(feature.pop("grpo_index"))
-            blank = bool(feature.pop("grpo_blank", False))
-            record_meta = decode_meta(feature.pop(META_COLUMN, None))
-            labels = [t for t in feature.get("labels") or [] if t >= 0]
-            images = feature.get("images") or []
-            orig_hw = None
-            if images:
-                with open_image(images[0]) as image:
-                    orig_hw = (image.height, image.width)
-            prompt = prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id})
-            meta.append(SampleMeta(index, prompt, decode_kept(self.tokenizer, labels, drop).strip(), orig_hw,
-                                   blank=blank, meta=record_meta))
-            stripped.append(feature)
-        return self.collator(stripped), meta
-
-
-def _blank_copy(feature: dict[str, Any]) -> dict[str, Any]:
-    """The same prompt with every image blanked (same size, same image tokens), marked for the blank control."""
-    return dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)
 
 
 class _SamplerEpoch(TrainerCallback):
@@ -300,20 +261,8 @@ class GRPOTrainer(Trainer):
         with reference_context(self.accelerator.unwrap_model(model)):
             return self._token_logps(model, inputs, ids)
 
-    def _reward_inputs(self, meta: list[SampleMeta], repeat: int) -> tuple[dict[str, list], dict[str, Any]]:
-        """The reward keywords: per-completion columns (each prompt's values ``repeat`` times) and shared values."""
-        columns = dict(
-            references=[m.reference for m in meta for _ in range(repeat)],
-            prompts=[m.prompt for m in meta for _ in range(repeat)],
-            orig_sizes=[m.orig_hw for m in meta for _ in range(repeat)],
-            model_sizes=[m.model_hw for m in meta for _ in range(repeat)],
-            indices=[m.index for m in meta for _ in range(repeat)],
-            metas=[m.meta for m in meta for _ in range(repeat)],
-        )
-        return columns, dict(resize_policy=self.resize_policy, coords=self.coords)
-
     def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
-        columns, shared = self._reward_inputs(meta, self.num_generations)
+        columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords)
         total = torch.zeros(len(texts))
         for reward in self.reward_funcs:
             values, errors = score(reward, texts, columns, shared)
@@ -333,7 +282,7 @@ class GRPOTrainer(Trainer):
             return features
         seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
         draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
-        blanks = [_blank_copy(feature) for feature, draw in zip(features, draws)
+        blanks = [blank_copy(feature) for feature, draw in zip(features, draws)
                   if feature.get("images") and draw < ratio]
         return features + blanks
 
@@ -407,7 +356,8 @@ class GRPOTrainer(Trainer):
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        self._record_rollout(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta)
+        for key, value in rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G).items():
+            self._metrics[key].append(value)
         if self.fa.grpo_log_completions:
             self._log_completions(texts, every_reward.tolist(), meta)
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
@@ -486,7 +436,7 @@ class GRPOTrainer(Trainer):
         for inputs in self.get_eval_dataloader(dataset):
             features = inputs["grpo_features"]
             if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
-                features = features + [_blank_copy(f) for f in features if f.get("images")]
+                features = features + [blank_copy(f) for f in features if f.get("images")]
             batch, meta = self._collate(features)
             texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
             rows += list(zip(meta, texts))
@@ -494,7 +444,7 @@ class GRPOTrainer(Trainer):
         unique = {(sample.index, sample.blank): (sample, text) for sample, text in gather_object(rows)}
         meta = [sample for sample, _ in unique.values() if not sample.blank]
         texts = [text for sample, text in unique.values() if not sample.blank]
-        metrics = self._eval_metrics(meta, texts, metric_key_prefix)
+        metrics = eval_metrics(meta, texts, self.reward_funcs, self.resize_policy, self.coords, metric_key_prefix)
         blank = [confident_answer(text, sample.reference) for sample, text in unique.values() if sample.blank]
         if blank:
             metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
@@ -502,53 +452,7 @@ class GRPOTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def _eval_metrics(self, meta: list[SampleMeta], texts: list[str], prefix: str) -> dict[str, float]:
-        columns, shared = self._reward_inputs(meta, 1)
-        metrics = {f"{prefix}_samples": float(len(texts))}
-        total = torch.zeros(len(texts))
-        for reward in self.reward_funcs:
-            values, _ = score(reward, texts, columns, shared)
-            metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
-            total += reward.weight * torch.tensor(values)
-        metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
-        tally, fields = Tally(), FieldTally()
-        for sample, text in zip(meta, texts):
-            truth = reference_value(sample.reference) if not try_parse_items(sample.reference) else None
-            if truth is not None:
-                fields.add(score_fields(text, truth))
-            if sample.orig_hw is None or sample.model_hw is None or not try_parse_items(sample.reference):
-                continue
-            to_orig = partial(convert_coords, src=self.coords, dst="orig", orig_hw=sample.orig_hw,
-                              model_hw=sample.model_hw, ndigits=None)
-            truth = [to_orig(item.coords) for item in parse_items(sample.reference) if item.kind == "bbox_2d"]
-            tally.add(score_grounding(truth, text, to_orig))
-        if tally.truth_boxes:
-            summary = tally.to_dict()
-            metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
-            metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
-            metrics[f"{prefix}_parse_failure_rate"] = summary["parse_failure_rate"]
-        if fields.samples:
-            summary = fields.to_dict()
-            for key in ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"):
-                metrics[f"{prefix}_fields/{key}"] = summary[key]
-            for path, accuracy in summary["per_field_accuracy"].items():
-                metrics[f"{prefix}_fields/acc/{path}"] = accuracy
-        return {key: round(float(value), 6) for key, value in metrics.items()}
-
     # --- metrics -------------------------------------------------------------------------------------------------
-
-    def _record_rollout(self, rewards, lengths, stopped, texts, meta) -> None:
-        G = self.num_generations
-        m = self._metrics
-        m["reward"].append(float(rewards.mean()))
-        m["reward_std"].append(float(rewards.std()) if rewards.numel() > 1 else 0.0)
-        m["frac_reward_zero_std"].append(float(zero_std_groups(rewards, G).float().mean()))
-        m["completion_length/mean"].append(float(lengths.mean()))
-        m["completion_length/max"].append(float(lengths.max()))
-        m["truncated_ratio"].append(float((~stopped).float().mean()))
-        grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
-        m["parse_failures"].append(float(sum(not try_parse_items(text) for i, text in enumerate(texts)
-                                             if grounded[i // G])))
 
     def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta]) -> None:
         from accelerate.utils import gather_object

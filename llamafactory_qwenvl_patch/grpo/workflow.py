@@ -131,7 +131,8 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     from llamafactory_qwenvl_patch.grpo.reference import add_reference_adapter, record_trainable_adapter_loads
     from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
     from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
-    from llamafactory_qwenvl_patch.grpo.trainer import GRPOCollator, GRPOTrainer
+    from llamafactory_qwenvl_patch.grpo.collate import GRPOCollator
+    from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
     from llamafactory_qwenvl_patch.frame.families import resolve_family
 
     logger = logging_mod.get_logger("llamafactory.qwenvl_patch.grpo")

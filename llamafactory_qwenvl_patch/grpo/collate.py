@@ -1,0 +1,47 @@
+"""Batches for stage: grpo: LF's features stay raw until a rollout needs them, then LF's multimodal collator runs and
+each prompt's reference answer, original image size, dataset index and ``meta`` are kept for the rewards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llamafactory_qwenvl_patch.grpo.record_meta import META_COLUMN, decode_meta
+from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, decode_kept, prompt_text
+from llamafactory_qwenvl_patch.image_io.images import blank_like, open_image
+
+
+class GRPOCollator:
+    """Batches stay raw features until a rollout needs them, so a generation batch that is reused for several
+    micro-steps is loaded and processed once. ``collate`` runs LF's multimodal collator and keeps the reference
+    answer, the original image size and the dataset index of each prompt."""
+
+    def __init__(self, collator: Any, tokenizer: Any) -> None:
+        self.collator = collator
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"grpo_features": list(features)}
+
+    def collate(self, features: list[dict[str, Any]], drop: set[int]) -> tuple[dict[str, Any], list[SampleMeta]]:
+        meta, stripped = [], []
+        for feature in features:
+            feature = dict(feature)
+            index = int(feature.pop("grpo_index"))
+            blank = bool(feature.pop("grpo_blank", False))
+            record_meta = decode_meta(feature.pop(META_COLUMN, None))
+            labels = [t for t in feature.get("labels") or [] if t >= 0]
+            images = feature.get("images") or []
+            orig_hw = None
+            if images:
+                with open_image(images[0]) as image:
+                    orig_hw = (image.height, image.width)
+            prompt = prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id})
+            meta.append(SampleMeta(index, prompt, decode_kept(self.tokenizer, labels, drop).strip(), orig_hw,
+                                   blank=blank, meta=record_meta))
+            stripped.append(feature)
+        return self.collator(stripped), meta
+
+
+def blank_copy(feature: dict[str, Any]) -> dict[str, Any]:
+    """The same prompt with every image blanked (same size, same image tokens), marked for the blank control."""
+    return dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)
