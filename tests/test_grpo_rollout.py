@@ -174,12 +174,14 @@ def test_one_failing_completion_scores_zero_alone():
 
     columns = {"references": ["x"] * 3}
     shared = {"resize_policy": None, "coords": "model"}
-    values, errors = score(Reward("picky", picky, 1.0), ["aaaa", "bad", "cc"], columns, shared)
+    values, errors, failure = score(Reward("picky", picky, 1.0), ["aaaa", "bad", "cc"], columns, shared)
     assert values == [0.4, 0.0, 0.2] and errors == [False, True, False]
-    assert score(Reward("n", nan_one, 1.0), ["a", "b", "c"], columns, shared) == ([1.0, 0.0, 1.0],
-                                                                                  [False, True, False])
-    assert score(Reward("boom", lambda c, **_: 1 / 0, 1.0), ["a", "b"], {"references": ["x"] * 2}, shared)[1] == \
-        [True, True]
+    assert "on the completion 'bad'" in failure and "RuntimeError: cannot score" in failure  # with its traceback
+    scored = score(Reward("n", nan_one, 1.0), ["a", "b", "c"], columns, shared)
+    assert scored[:2] == ([1.0, 0.0, 1.0], [False, True, False])
+    assert scored.failure == "returned nan for the completion 'b'"
+    boom = score(Reward("boom", lambda c, **_: 1 / 0, 1.0), ["a", "b"], {"references": ["x"] * 2}, shared)
+    assert boom.errors == [True, True] and "ZeroDivisionError" in boom.failure
 
 
 def test_legacy_policy_keyword_still_works(tmp_path):
@@ -194,11 +196,11 @@ def test_legacy_policy_keyword_still_works(tmp_path):
     assert old.legacy_policy and not new.legacy_policy
     (tmp_path / "kw_reward.py").write_text("def kw(completions, **kw):\n    return [kw['policy'].factor] * len(completions)\n")
     assert score(load_rewards(f"{tmp_path / 'kw_reward.py'}:kw", None)[0], ["a"], {"references": ["x"]},
-                 {"resize_policy": SimpleNamespace(factor=28), "coords": "model"}) == ([28.0], [False])
+                 {"resize_policy": SimpleNamespace(factor=28), "coords": "model"}) == ([28.0], [False], None)
     shared = {"resize_policy": SimpleNamespace(factor=28), "coords": "model"}
     columns = {"references": ["x"], "prompts": ["p"], "indices": [0]}  # keywords it does not name are not passed
-    assert score(old, ["a"], columns, shared) == ([28.0], [False])
-    assert score(new, ["a"], {"references": ["x"]}, shared) == ([1.0], [False])
+    assert score(old, ["a"], columns, shared) == ([28.0], [False], None)
+    assert score(new, ["a"], {"references": ["x"]}, shared) == ([1.0], [False], None)
 
 
 def test_vision_tokens_are_cut_from_completions():

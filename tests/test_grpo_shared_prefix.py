@@ -8,6 +8,7 @@ samples. Only sampling is fixed in the step tests (chosen completions), so both 
 from __future__ import annotations
 
 import logging
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,10 +116,10 @@ def make_trainer(model_dir, mode: dict, shared: str, tmp_path, batch: int = 2, a
         grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type="grpo", grpo_scale_rewards="group",
         grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
         grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
-        grpo_shared_prefix=shared)
+        grpo_shared_prefix=shared, grpo_stop_on_reward_failure=True)
 
     def reward(completions, **_):
-        return [len(c) / 10 + (hash(c) % 7) / 7 for c in completions]
+        return [len(c) / 10 + (zlib.crc32(c.encode()) % 7) / 7 for c in completions]  # the same in every process
 
     trainer = GRPOTrainer(
         model=model, args=args, train_dataset=[{"grpo_index": i} for i in range(4)],
@@ -159,11 +160,16 @@ def logps_and_grads(trainer, processor, indices: list[int]):
 
 
 def assert_close_grads(shared: dict, repeated: dict) -> None:
-    """Relative 1e-4 per parameter (LoRA's A matrices get exactly zero gradients while B is zero: so must ours)."""
+    """Relative 1e-4 as a whole and per parameter, a parameter's error floored at 1e-6 of the whole gradient (a
+    tensor whose own gradient nearly cancels out keeps float rounding of the size of the terms that cancel). LoRA's
+    A matrices get exactly zero gradients while B is zero: so must ours."""
     assert shared.keys() == repeated.keys()
     assert sum(grad.norm() > 0 for grad in repeated.values()) >= len(repeated) / 2
+    total = torch.cat([grad.flatten() for grad in repeated.values()]).norm()
+    error = torch.cat([(shared[name] - grad).flatten() for name, grad in repeated.items()]).norm()
+    assert error <= 1e-4 * total
     for name, grad in repeated.items():
-        assert (shared[name] - grad).norm() <= 1e-4 * grad.norm(), name
+        assert (shared[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6 * total, name
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -4,6 +4,7 @@ returns chosen completions of very different lengths) so both runs see the same 
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ def finetuning(loss_type: str, **overrides) -> SimpleNamespace:
                grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type, grpo_scale_rewards="group",
                grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
                grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
-               grpo_shared_prefix="auto"),
+               grpo_shared_prefix="auto", grpo_stop_on_reward_failure=True),
         **overrides})
 
 
@@ -37,32 +38,42 @@ def completions(stop: int, pad: int) -> dict[int, torch.Tensor]:
     return out
 
 
+def length_reward(completions, **_):
+    return [len(c) / 10 for c in completions]
+
+
 def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: str, shared: str = "auto"
                ) -> dict[str, torch.Tensor]:
+    trainer = fixed_trainer(tiny_model, tmp_path / f"{batch}x{accumulation}-{shared}", batch, accumulation,
+                            finetuning(loss_type, grpo_shared_prefix=shared))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert trainer.shared_prefix == (shared != "false")
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def fixed_trainer(tiny_model, out, batch: int, accumulation: int, finetuning_args, reward=length_reward,
+                  max_steps: int = 1) -> GRPOTrainer:
+    """The real GRPOTrainer on two text prompts whose sampled completions are fixed (``completions``)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
     fixed = completions(stop, pad)
     prompts = {0: tokenizer.encode("Say something long."), 1: tokenizer.encode("Be brief!")}
-
-    def reward(completions, **_):
-        return [len(c) / 10 for c in completions]
-
-    args = TrainingArguments(output_dir=str(tmp_path / f"{batch}x{accumulation}-{shared}"), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
-                             lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True, report_to="none",
-                             save_strategy="no", logging_steps=1, seed=0)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, max_steps=max_steps, learning_rate=1.0,
+                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True,
+                             report_to="none", save_strategy="no", logging_steps=1, seed=0)
     trainer = GRPOTrainer(
         model=model, args=args, train_dataset=[{"grpo_index": 0}, {"grpo_index": 1}],
-        data_collator=lambda features: {"grpo_features": features},
-        finetuning_args=finetuning(loss_type, grpo_shared_prefix=shared),
+        data_collator=lambda features: {"grpo_features": features}, finetuning_args=finetuning_args,
         sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "max_new_tokens": 9},
-        reward_funcs=[Reward("length", reward, 1.0)], ref_model=None, resize_policy=None, coords="model",
-        stop_token_ids=[stop], suppress_token_ids=[], processor=None, tokenizer=tokenizer)
+        reward_funcs=[Reward(getattr(reward, "__name__", "reward"), reward, 1.0)], ref_model=None,
+        resize_policy=None, coords="model", stop_token_ids=[stop], suppress_token_ids=[], processor=None,
+        tokenizer=tokenizer)
 
     def collate(features):
         indices = [int(f["grpo_index"]) for f in features]
@@ -78,10 +89,44 @@ def step_delta(tiny_model, tmp_path, batch: int, accumulation: int, loss_type: s
         width = max(r.size(1) for r in rows)
         return torch.cat([torch.nn.functional.pad(r, (0, width - r.size(1)), value=pad) for r in rows])
 
-    assert trainer.shared_prefix == (shared != "false")
     trainer._collate, trainer._generate = collate, generate
-    trainer.train()
-    return {n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad}
+    return trainer
+
+
+def buggy(completions, **_):
+    return [undefined_name for _ in completions]  # noqa: F821 - the user's bug
+
+
+def test_a_reward_failing_on_every_completion_stops_the_run_with_its_traceback(tiny_model, tmp_path, caplog):
+    trainer = fixed_trainer(tiny_model, tmp_path / "stop", 2, 1, finetuning("dapo"), reward=buggy)
+    with pytest.raises(RuntimeError, match=r"(?s)reward 'buggy' failed on every completion of this rollout, on the completion .*NameError.*"
+                                           r"undefined_name.*grpo_stop_on_reward_failure: false"):
+        trainer.train()
+
+
+def test_a_failing_reward_is_shown_once_when_the_run_goes_on(tiny_model, tmp_path, caplog):
+    def flaky(completions, *, indices, **_):  # fails on the second prompt's completions
+        return [1 / 0 if index == 1 else 1.0 for index in indices]
+
+    trainer = fixed_trainer(tiny_model, tmp_path / "go-on", 2, 1, finetuning("dapo", grpo_stop_on_reward_failure=False),
+                            reward=flaky, max_steps=2)
+    with caplog.at_level(logging.WARNING, logger="llamafactory.qwenvl_patch.grpo"):
+        trainer.train()
+    shown = [r.getMessage() for r in caplog.records if "reward 'flaky' failed" in r.getMessage()]
+    assert len(shown) == 1 and "failed on 4 of 8" in shown[0] and "ZeroDivisionError" in shown[0]
+    assert trainer.state.log_history[0]["rewards/flaky/errors"] == 4
+
+
+def test_rewards_that_never_differ_are_reported(tiny_model, tmp_path, caplog):
+    """Every group scores alike for 3 rollouts: every advantage is 0, and the run says so once, with a sample."""
+    def constant(completions, **_):
+        return [0.0] * len(completions)
+
+    trainer = fixed_trainer(tiny_model, tmp_path / "flat", 2, 1, finetuning("dapo"), reward=constant, max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="llamafactory.qwenvl_patch.grpo"):
+        trainer.train()
+    shown = [r.getMessage() for r in caplog.records if "GRPO is not learning" in r.getMessage()]
+    assert len(shown) == 1 and "A completion: " in shown[0] and "max_new_tokens" in shown[0]
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])

@@ -96,6 +96,12 @@ def extend_finetuning_arguments(base: type) -> type:
                       "rollouts: auto (on wherever the attention implementation allows), true (an error where it "
                       "cannot apply) or false (repeat the prompt for every completion)."},
         )
+        grpo_stop_on_reward_failure: bool = field(
+            default=True,
+            metadata={"help": "Stop the run when a reward fails (raises, NaN or inf) on every completion of a rollout; "
+                      "false: those completions score 0 and training goes on. Each reward's first failure is "
+                      "logged with its traceback either way."},
+        )
         grpo_log_completions: bool = field(
             default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
         )

@@ -25,7 +25,7 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
     metrics: dict[str, Any] = {f"{prefix}_samples": float(len(texts))}
     total = torch.zeros(len(texts))
     for reward in rewards:
-        values, _ = score(reward, list(texts), columns, shared)
+        values = score(reward, list(texts), columns, shared).values
         metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
         total += reward.weight * torch.tensor(values)
     metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0

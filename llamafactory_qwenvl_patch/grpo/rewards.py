@@ -17,11 +17,12 @@ import importlib
 import importlib.util
 import inspect
 import math
+import traceback
 import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
@@ -217,21 +218,38 @@ def _call(reward: Reward, completions: list[str], columns: dict[str, list], shar
     return values
 
 
-def score(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]
-          ) -> tuple[list[float], list[bool]]:
-    """(values, error flags): a raising reward is called again per completion, so only the completions that make
-    it fail (or give NaN / inf) score 0 and are counted. ``columns`` hold one entry per completion."""
+def _traceback(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error, chain=False)).rstrip()
+
+
+class Scored(NamedTuple):
+    values: list[float]  # 0 where the reward failed
+    errors: list[bool]  # which completions made it fail (raised, NaN or inf)
+    failure: str | None  # the first failure, with its traceback and completion; None when it never failed
+
+
+def score(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]) -> Scored:
+    """A reward's values for ``completions`` (``columns`` hold one entry per completion). A reward that raises on
+    the batch is called again per completion, so only the completions that make it fail (or give NaN / inf) score
+    0; the first failure is described so that the caller can show it."""
+    failure = None
     try:
         values = _call(reward, completions, columns, shared)
-    except Exception:  # noqa: BLE001 - a user reward must never stop training
+    except Exception as error:  # noqa: BLE001 - a user reward is checked here, the caller decides what it costs
+        failure = f"on the batch of {len(completions)} completions:\n{_traceback(error)}"
         values = []
         for i, completion in enumerate(completions):
             try:
                 values += _call(reward, [completion], {k: v[i:i + 1] for k, v in columns.items()}, shared)
-            except Exception:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001
                 values.append(math.nan)
+                if failure.startswith("on the batch"):
+                    failure = f"on the completion {completion!r}:\n{_traceback(error)}"
     errors = [not math.isfinite(v) for v in values]
-    return [0.0 if bad else v for v, bad in zip(values, errors)], errors
+    if failure is None and any(errors):
+        bad = next(c for c, e in zip(completions, errors) if e)
+        failure = f"returned {values[errors.index(True)]} for the completion {bad!r}"
+    return Scored([0.0 if bad else v for v, bad in zip(values, errors)], errors, failure)
 
 
 def reward_inputs(meta: Sequence[Any], repeat: int, resize_policy: Any, coords: str

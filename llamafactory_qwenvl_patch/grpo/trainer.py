@@ -33,7 +33,7 @@ from llamafactory_qwenvl_patch.grpo.loss import (
 )
 from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_trained_adapter_only
-from llamafactory_qwenvl_patch.grpo.rewards import Reward, confident_answer, reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rewards import Reward, Scored, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
     repeat_visual, rollout_metrics,
@@ -41,9 +41,12 @@ from llamafactory_qwenvl_patch.grpo.rollout import (
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
+FLAT_PATIENCE = 3  # rollouts in a row whose every group scored alike before the run warns that it learns nothing
+logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
 
 
 class _SamplerEpoch(TrainerCallback):
@@ -99,6 +102,8 @@ class GRPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
+        self._reported_rewards: set[str] = set()
+        self._flat_rollouts = 0  # rollouts in a row in which every group's rewards were all equal
         self.rollout_sampler: RolloutSampler | None = None
         self.vllm = vllm_engine
         self._vllm_step = -1  # the global step whose weights the engine holds
@@ -264,14 +269,34 @@ class GRPOTrainer(Trainer):
     def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
         columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords)
         total = torch.zeros(len(texts))
-        for reward in self.reward_funcs:
-            values, errors = score(reward, texts, columns, shared)
-            clean = torch.tensor(values)
+        results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+        self._report_reward_failures(results)
+        for reward, scored in zip(self.reward_funcs, results):
+            clean = torch.tensor(scored.values)
             self._metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
             self._metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
-            self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(errors)))
+            self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(scored.errors)))
             total += reward.weight * clean
         return total
+
+    def _report_reward_failures(self, results: list[Scored]) -> None:
+        """Each reward's first failure is logged with its traceback; a reward that fails on every completion of a
+        rollout (on any rank: every rank stops together) stops the run unless ``grpo_stop_on_reward_failure:
+        false``: its signal is gone, and training would go on blind."""
+        everywhere = torch.tensor([bool(r.errors) and all(r.errors) for r in results], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            everywhere = self.accelerator.reduce(everywhere.int(), reduction="sum") > 0
+        for reward, scored, stop in zip(self.reward_funcs, results, everywhere.tolist()):
+            if stop and self.fa.grpo_stop_on_reward_failure:
+                where = scored.failure if all(scored.errors) else "on another rank"
+                raise RuntimeError(f"reward {reward.name!r} failed on every completion of this rollout, {where}\n"
+                                   "Fix the reward (or set grpo_stop_on_reward_failure: false to score such "
+                                   "completions 0 and go on).")
+            if scored.failure is not None and reward.name not in self._reported_rewards:
+                self._reported_rewards.add(reward.name)
+                logger.warning(f"reward {reward.name!r} failed on {sum(scored.errors)} of {len(scored.errors)} "
+                               f"completions (they score 0, counted in rewards/{reward.name}/errors; shown once), "
+                               f"{scored.failure}")
 
     def _with_blanks(self, features: list[dict[str, Any]], part: int) -> list[dict[str, Any]]:
         """``features`` plus, for each prompt with images drawn with probability ``grpo_blank_image_ratio``, a copy
@@ -356,14 +381,33 @@ class GRPOTrainer(Trainer):
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        for key, value in rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G).items():
+        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
+        for key, value in stats.items():
             self._metrics[key].append(value)
+        self._warn_if_flat(stats, real_texts, real_meta)
         if self.fa.grpo_log_completions:
             self._log_completions(texts, every_reward.tolist(), meta)
         return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
                            advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
                 for j, part in enumerate(parts)]
+
+    def _warn_if_flat(self, stats: dict[str, float], texts: list[str], meta: list[SampleMeta]) -> None:
+        """Say so when GRPO cannot learn: in every group all completions got the same reward, so every advantage
+        (and the policy loss) is 0, for ``FLAT_PATIENCE`` rollouts in a row. Once per streak."""
+        flat = bool(texts) and stats["frac_reward_zero_std"] == 1.0
+        self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
+        if self._flat_rollouts != FLAT_PATIENCE:
+            return
+        grounded = sum(bool(try_parse_items(m.reference)) for m in meta) * self.num_generations
+        failures = f"{stats['parse_failures']:.0f} of {grounded} completions did not parse as boxes; " if grounded \
+            else ""
+        logger.warning(
+            f"GRPO is not learning: for {FLAT_PATIENCE} rollouts in a row every group's completions got the same "
+            f"reward (last: mean {stats['reward']:.3g}), so every advantage is 0. {failures}"
+            f"{stats['truncated_ratio']:.0%} hit max_new_tokens. A completion: {texts[0][:300]!r}. Likely causes: "
+            "the model cannot produce the answer format yet (train SFT longer, check the template), max_new_tokens "
+            "cuts the answers, the rewards do not tell these completions apart, or temperature is too low.")
 
     # --- optimisation --------------------------------------------------------------------------------------------
 
