@@ -26,3 +26,50 @@ def test_batched_answers_equal_single_ones(tiny_model, tmp_path):
     for row, (w, h) in zip(batched, sizes):
         assert row["orig_size"] == [w, h]
         assert row["model_size"] == list(reversed(policy.model_size(h, w)))
+
+
+def test_a_lora_adapter_folder_answers_as_its_merged_export(tiny_model, tmp_path):
+    """An adapter folder as LF writes it (adapter, its frame's record, no processor) is loaded through peft on its
+    local base, in the adapter's frame; the answers equal those of the merged model saved as a whole folder."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    write_policy_record(base, ResizePolicy(16 * 28 * 28, 32 * 28 * 28))
+    adapter_policy = ResizePolicy(32 * 28 * 28, 64 * 28 * 28)  # trained at other bounds: the adapter's frame wins
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), LoraConfig(
+        r=4, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # an adapter that changes the answers
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)
+    write_policy_record(adapter, adapter_policy)
+    merged = tmp_path / "merged"
+    model.merge_and_unload().save_pretrained(merged)
+    AutoProcessor.from_pretrained(base).save_pretrained(merged)
+    write_policy_record(merged, adapter_policy)
+    jobs = [(str(save_image(tmp_path / f"i{k}.jpg", w, h)), "Locate the box.") for k, (w, h) in
+            enumerate([(640, 480), (300, 900)])]
+    from_adapter = Predictor(adapter, max_new_tokens=12).batch(jobs)
+    from_export = Predictor(merged, max_new_tokens=12).batch(jobs)
+    base_rows = Predictor(base, max_new_tokens=12).batch(jobs)
+    assert [r["predict"] for r in from_adapter] == [r["predict"] for r in from_export]
+    assert [r["predict"] for r in from_adapter] != [r["predict"] for r in base_rows]
+    for row, (w, h) in zip(from_adapter, [(640, 480), (300, 900)]):
+        assert row["model_size"] == list(reversed(adapter_policy.model_size(h, w)))
+
+
+def test_an_adapter_without_a_local_base_is_refused_with_the_export_advice(tmp_path):
+    import json
+
+    import pytest
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-VL-7B-Instruct"}))
+    with pytest.raises(ValueError, match="not a local model folder: export the merged model"):
+        Predictor(adapter)

@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resize each image with the model folder's pinned policy (the training frame), generate, parse "
         "bbox_2d / point_2d / <|box_start|> answers and map them back to original-image pixels.",
     )
-    pred.add_argument("model_dir", type=Path, help="exported model folder (or a full checkpoint)")
+    pred.add_argument("model_dir", type=Path,
+                      help="exported model folder, a full checkpoint, or a LoRA adapter folder of llamafactory-cli "
+                      "train (its local base is loaded and the adapter merged in memory; the adapter's frame wins)")
     pred.add_argument("images", nargs="*", help="image files (with --prompt)")
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")

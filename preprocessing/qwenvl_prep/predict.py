@@ -1,8 +1,14 @@
 """``qwenvl-prep predict``: generate with transformers under the model folder's pinned policy, then map the answer's
-boxes back to original-image pixels."""
+boxes back to original-image pixels.
+
+A LoRA adapter folder (``adapter_config.json``, as ``llamafactory-cli train`` writes it) works too: its local base is
+loaded, the adapter merged in memory by peft, and the adapter folder's own frame (its ``qwenvl_policy.json``, else
+its processor) wins over the base's. transformers 5.6 cannot load an adapter folder itself with peft 0.18 (it imports
+``_maybe_shard_state_dict_for_tp``, which that peft does not have), so peft loads it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +19,19 @@ from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy
 
 
+def adapter_base(model_dir: Path) -> Path | None:
+    """The local base model of a LoRA adapter folder (None: ``model_dir`` is a whole model)."""
+    config = model_dir / "adapter_config.json"
+    if not config.is_file() or (model_dir / "config.json").is_file():
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base or not Path(base, "config.json").is_file():
+        raise ValueError(f"{model_dir} is a LoRA adapter whose base model {base!r} is not a local model folder: "
+                         "export the merged model (llamafactory-cli export with adapter_name_or_path and export_dir) "
+                         "and predict with the export")
+    return Path(base)
+
+
 class Predictor:
     """Loads a model folder once; ``__call__`` answers one image and returns boxes in original pixels."""
 
@@ -21,13 +40,20 @@ class Predictor:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.model_dir = Path(model_dir)
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        base = adapter_base(self.model_dir)
+        processor_dir = self.model_dir if (self.model_dir / "preprocessor_config.json").is_file() else base
+        self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(base or model_dir, dtype=torch.float32)
+        if base is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, model_dir).merge_and_unload()
+        self.model.eval()
         self.policy = folder_policy(model_dir, self.processor.image_processor)
-        family = family_of_model(model_dir)
+        family = family_of_model(base or model_dir)
         if family is None:
-            raise ValueError(f"{model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
+            raise ValueError(f"{base or model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
         self.convention = FAMILIES[family].coords
         self.max_new_tokens = max_new_tokens
 
