@@ -140,7 +140,7 @@ def test_pinned_folder_is_served_in_its_frame(servers, size):
     policy = ResizePolicy(MIN, MAX)
     sh, sw = stock_llamafactory_size(height, width, 32 * 32, 768 * 768)
     assert pinned - plain == policy.image_tokens(height, width) - (sh // 28) * (sw // 28)
-    assert "serving in its training frame" in servers["pinned"].logfile.read_text()
+    assert "running in its training frame" in servers["pinned"].logfile.read_text()
 
 
 @pytest.mark.slow
@@ -185,6 +185,29 @@ def test_refused_image_is_a_client_error(servers):
 def model_args(folder, **values):
     return SimpleNamespace(model_name_or_path=str(folder), adapter_name_or_path=None, qwenvl_patch=False,
                            image_min_pixels=32 * 32, image_max_pixels=768 * 768, **values)
+
+
+def test_an_adapter_trained_at_other_bounds_runs_in_its_own_frame(tmp_path):
+    """Issue 25, item 2: the base pinned at one frame, the LoRA trained at another: inference and export use the
+    adapter's frame; bounds in the YAML must be the adapter's, and the error speaks of inference and export."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    for folder, (low, high) in ((base, (MIN // 2, MAX // 2)), (adapter, (MIN, MAX))):
+        folder.mkdir()
+        (folder / "qwenvl_policy.json").write_text(json.dumps({"min_pixels": low, "max_pixels": high}))
+    def with_adapter(**bounds):
+        args = model_args(base)
+        args.adapter_name_or_path = [str(adapter)]
+        vars(args).update(bounds)
+        return args
+
+    args = with_adapter()
+    assert str(adapter) in resolve_frame(args, set())
+    assert (args.image_min_pixels, args.image_max_pixels) == (MIN, MAX)
+    same = with_adapter(image_min_pixels=MIN, image_max_pixels=MAX)
+    assert resolve_frame(same, {"image_min_pixels", "image_max_pixels"})
+    base_bounds = with_adapter(image_max_pixels=MAX // 2)
+    with pytest.raises(FrameConflictError, match=rf"(?s){adapter} was trained.*folder {MAX}.*inference and export"):
+        resolve_frame(base_bounds, {"image_max_pixels"})
 
 
 def test_resolve_frame(tmp_path):

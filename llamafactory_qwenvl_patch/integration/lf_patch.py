@@ -155,6 +155,25 @@ def _warn_unpinned(model_args: Any) -> None:
         )
 
 
+def _note_new_frame(model_args: Any, policy: ResizePolicy) -> None:
+    """Say so when a run's frame differs from the one its starting weights were trained in (fine for a resolution
+    curriculum; what it saves carries the new frame, which inference and export then use)."""
+    from llamafactory_qwenvl_patch.integration.serving import folder_policy
+
+    found = folder_policy(model_args)
+    if found is None:
+        return
+    folder, record = found
+    before = (int(record["min_pixels"]), int(record["max_pixels"]))
+    if before != (policy.min_pixels, policy.max_pixels):
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+            f"{folder} was trained in the frame min_pixels={before[0]}, max_pixels={before[1]}; this run uses "
+            f"min_pixels={policy.min_pixels}, max_pixels={policy.max_pixels}. What it saves carries the new frame "
+            "(inference and export use it); keep the old bounds unless you mean to change the resolution.")
+
+
 def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
     from llamafactory_qwenvl_patch.frame.families import resolve_family
     from llamafactory_qwenvl_patch.integration.serving import ServingFrame
@@ -171,6 +190,7 @@ def patch_model_loader(loader: ModuleType) -> None:
             module = load_tokenizer(model_args, *args, **kwargs)
             if getattr(model_args, "qwenvl_patch", False):
                 policy = pin_processor(module.get("processor"), model_args)
+                _note_new_frame(model_args, policy)
                 module["tokenizer"].qwenvl_policy = policy
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
             else:

@@ -23,8 +23,10 @@ class FrameConflictError(ValueError):
 
 
 def folder_policy(model_args: Any) -> tuple[str, dict[str, Any]] | None:
-    """(folder, record) of the first of the model and adapter folders that carries ``qwenvl_policy.json``."""
-    folders = [model_args.model_name_or_path, *(getattr(model_args, "adapter_name_or_path", None) or [])]
+    """(folder, record) of the frame the weights were last trained in: the last adapter that carries
+    ``qwenvl_policy.json``, else the model folder. An adapter trained at other bounds than its base (a resolution
+    curriculum, or a user's choice) is used in its own frame."""
+    folders = [*reversed(getattr(model_args, "adapter_name_or_path", None) or []), model_args.model_name_or_path]
     for folder in folders:
         record = read_policy_record(folder)
         if record is not None:
@@ -51,11 +53,12 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
     if conflicts:
         raise FrameConflictError(
             f"{folder} was trained in the frame min_pixels={trained[0]}, max_pixels={trained[1]} "
-            f"({POLICY_FILE}), but the YAML asks for another: {'; '.join(conflicts)}. Remove those keys to serve in "
-            "the training frame, or set `qwenvl_patch: false` to serve stock LLaMA-Factory (boxes will drift).")
+            f"({POLICY_FILE}), but the YAML asks for another: {'; '.join(conflicts)}. Remove those keys (inference "
+            "and export then use the training frame), or set `qwenvl_patch: false` for stock LLaMA-Factory (boxes "
+            "will drift).")
     model_args.image_min_pixels, model_args.image_max_pixels = trained
     model_args.qwenvl_patch = True
-    return (f"{folder} carries {POLICY_FILE}: serving in its training frame (min_pixels={trained[0]}, "
+    return (f"{folder} carries {POLICY_FILE}: running in its training frame (min_pixels={trained[0]}, "
             f"max_pixels={trained[1]}); `qwenvl_patch: false` opts out")
 
 
