@@ -86,3 +86,18 @@ def test_draw_puts_boxes_where_the_labels_say(tmp_path, dataset, capsys, frame):
         x, y = round(2000 * w / 4032), round(1500 * h / 3024)
     b, g, r = (int(v) for v in image[y + 1, x + 30])
     assert g > 150 and r < 120, (b, g, r)  # the green ground-truth edge runs along the box's top
+
+
+def test_check_counts_image_references_and_distinct_files(tmp_path, capsys):
+    """Three questions about one photo: three image references, one file (was reported as three images)."""
+    raw = tmp_path / "raw"
+    save_image(raw / "a.jpg", 640, 480)
+    lines = [{"image": "a.jpg", "question": f"Where is object {k}?", "answer": '[{"bbox_2d": [1, 2, 30, 40]}]'}
+             for k in range(3)]
+    (raw / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data"
+    assert main(["convert", str(raw / "in.jsonl"), "-o", str(data / "grounding.json"), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    capsys.readouterr()  # convert's summary
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, data), "--workers", "1")
+    assert code == 0 and report["samples"] == 3 and report["images"] == 3 and report["distinct_image_files"] == 1

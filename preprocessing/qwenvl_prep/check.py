@@ -31,7 +31,8 @@ class Report:
     stamp: dict | None
     stamp_problems: list[str] = field(default_factory=list)
     samples: int = 0
-    images: int = 0
+    images: int = 0  # image references: a file used by several records counts once per record
+    image_files: set[str] = field(default_factory=set)  # the distinct files among them
     problems: list[dict] = field(default_factory=list)
     token_overflows: int = 0
     max_sequence_tokens: int = 0
@@ -44,7 +45,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "file": self.file, "ok": self.ok, "stamp": self.stamp,
                 "stamp_problems": self.stamp_problems, "samples": self.samples, "images": self.images,
-                "problems": self.problems, "token_overflows": self.token_overflows,
+                "distinct_image_files": len(self.image_files), "problems": self.problems, "token_overflows": self.token_overflows,
                 "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift}
 
 
@@ -123,6 +124,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
         tokens = count_text(sample.prompt + sample.answer) + 16
         for image in sample.images:
             report.images += 1
+            report.image_files.add(str(image))
             try:
                 hw, model_hw = _scan_image(image, policy)
             except (ImageError, PolicyError) as exc:
@@ -156,7 +158,8 @@ def format_report(report: Report) -> str:
     d = report.drift
     lines = [
         f"dataset {report.dataset} ({report.file}): {'OK' if report.ok else 'PROBLEMS'}",
-        f"  samples {report.samples}, images {report.images}, longest sequence ~{report.max_sequence_tokens} tokens",
+        f"  samples {report.samples}, images {report.images} ({len(report.image_files)} distinct files), longest "
+        f"sequence ~{report.max_sequence_tokens} tokens",
     ]
     lines += [f"  stamp: {p}" for p in report.stamp_problems]
     for row in report.problems[:MAX_LISTED]:

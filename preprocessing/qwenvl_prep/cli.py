@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
 
 
@@ -261,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dataset-name", help="dataset_info.json entry name (default: the output's stem)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace an existing dataset_info.json entry of the same name (refused otherwise)")
-    conv.add_argument("--coco-prompt", help="COCO prompt template, {category} is replaced")
+    conv.add_argument("--coco-prompt", default=DEFAULT_COCO_PROMPT,
+                      help="COCO prompt template, {category} is replaced (default: %(default)r)")
     conv.add_argument("--coco-group", choices=["category", "image"], default="category",
                       help="COCO: one conversation per (image, category) or per image")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -318,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     drw.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     drw.add_argument("--dataset-dir", default=".", help="folder of dataset_info.json when DATASET is a name")
     drw.add_argument("--frame", choices=["original", "model"], default="original")
-    drw.add_argument("--sample", type=int, default=16, help="number of records to draw (0 = all)")
+    drw.add_argument("--sample", type=int, default=16, help="number of records to draw, 0 = all (default: %(default)s)")
     drw.add_argument("--seed", type=int, default=0)
     drw.add_argument("--predictions", type=Path,
                      help="JSONL aligned with the dataset by order, with a 'predict' field (LF generated_predictions)")

@@ -121,6 +121,8 @@ def _grounding_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10} {row['samples']:>7} {row['truth_boxes']:>6} {_fmt(row[acc], '8.3f')} "
                      f"{_fmt(row['mean_iou'], '7.3f')} {_fmt(row['parse_failure_rate'], '10.3f')} "
                      f"{_fmt(row['mean_centre_offset_orig_px'], '10.1f')}")
+    lines.append("offset px: mean distance between the centres of matched boxes, in original pixels; "
+                 "-: nothing to measure in that bucket (no box matched, or no records)")
     return "\n".join(lines)
 
 
