@@ -101,3 +101,21 @@ def test_check_counts_image_references_and_distinct_files(tmp_path, capsys):
     capsys.readouterr()  # convert's summary
     code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, data), "--workers", "1")
     assert code == 0 and report["samples"] == 3 and report["images"] == 3 and report["distinct_image_files"] == 1
+
+
+def test_a_green_truth_box_shows_on_a_green_object(tmp_path, capsys):
+    """Issue 25: the green outline vanished on green objects; a dark halo now borders it."""
+    raw = tmp_path / "raw"
+    save_image(raw / "leaf.jpg", 640, 480, color=(60, 200, 60))  # the truth colour everywhere
+    line = {"image": "leaf.jpg", "question": "Where?", "answer": '[{"bbox_2d": [100, 100, 500, 400]}]'}
+    (raw / "in.jsonl").write_text(json.dumps(line) + "\n")
+    data = tmp_path / "data"
+    assert main(["convert", str(raw / "in.jsonl"), "-o", str(data / "grounding.json"), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert main(["draw", str(data / "grounding.json"), "-o", str(tmp_path / "drawn"), "--sample", "0"]) == 0
+    image = cv2.imread(json.loads(capsys.readouterr().out)["images"][0])
+    column = image[90:111, 300].astype(int)  # across the top edge at y = 100
+    assert column.max(axis=1).min() < 70, column.tolist()  # dark pixels border the line
+    assert any(g > 150 and b < 120 and r < 120 for b, g, r in column.tolist())  # the green line itself
+
