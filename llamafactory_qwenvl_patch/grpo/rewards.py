@@ -232,20 +232,20 @@ def score(reward: Reward, completions: list[str], columns: dict[str, list], shar
     """A reward's values for ``completions`` (``columns`` hold one entry per completion). A reward that raises on
     the batch is called again per completion, so only the completions that make it fail (or give NaN / inf) score
     0; the first failure is described so that the caller can show it."""
-    failure = None
+    batch_failure = first_failure = None
     try:
         values = _call(reward, completions, columns, shared)
     except Exception as error:  # noqa: BLE001 - a user reward is checked here, the caller decides what it costs
-        failure = f"on the batch of {len(completions)} completions:\n{_traceback(error)}"
+        batch_failure = f"on the batch of {len(completions)} completions:\n{_traceback(error)}"
         values = []
         for i, completion in enumerate(completions):
             try:
                 values += _call(reward, [completion], {k: v[i:i + 1] for k, v in columns.items()}, shared)
             except Exception as error:  # noqa: BLE001
                 values.append(math.nan)
-                if failure.startswith("on the batch"):
-                    failure = f"on the completion {completion!r}:\n{_traceback(error)}"
+                first_failure = first_failure or f"on the completion {completion!r}:\n{_traceback(error)}"
     errors = [not math.isfinite(v) for v in values]
+    failure = first_failure or batch_failure
     if failure is None and any(errors):
         bad = next(c for c, e in zip(completions, errors) if e)
         failure = f"returned {values[errors.index(True)]} for the completion {bad!r}"

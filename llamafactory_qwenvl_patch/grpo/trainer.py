@@ -120,12 +120,10 @@ class GRPOTrainer(Trainer):
                 "sampled without dropout but their log-probs are taken with it, so the on-policy ratio is not 1 "
                 "and clipping acts on noise. Set lora_dropout: 0 (LF's default) unless you mean it.")
         self.ref_model = ref_model
-        self.shared_prefix = shared_prefix.resolve(finetuning_args.grpo_shared_prefix,
-                                                   [self.model] + ([ref_model] if ref_model is not None else []))
+        self.shared_prefix = shared_prefix.resolve(finetuning_args.grpo_shared_prefix, self._attention_models())
         if self.shared_prefix:
-            for m in (self.model, ref_model):
-                if m is not None:
-                    shared_prefix.install(m)
+            for m in self._attention_models():
+                shared_prefix.install(m)
         if ref_model is not None:
             if self.is_deepspeed_enabled:
                 from trl.models import prepare_deepspeed
@@ -283,12 +281,14 @@ class GRPOTrainer(Trainer):
         """Each reward's first failure is logged with its traceback; a reward that fails on every completion of a
         rollout (on any rank: every rank stops together) stops the run unless ``grpo_stop_on_reward_failure:
         false``: its signal is gone, and training would go on blind."""
-        everywhere = torch.tensor([bool(r.errors) and all(r.errors) for r in results], device=self.accelerator.device)
+        here = [bool(r.errors) and all(r.errors) for r in results]
+        anywhere = here
         if self.accelerator.num_processes > 1:
-            everywhere = self.accelerator.reduce(everywhere.int(), reduction="sum") > 0
-        for reward, scored, stop in zip(self.reward_funcs, results, everywhere.tolist()):
+            flags = torch.tensor(here, dtype=torch.int, device=self.accelerator.device)
+            anywhere = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
+        for reward, scored, mine, stop in zip(self.reward_funcs, results, here, anywhere):
             if stop and self.fa.grpo_stop_on_reward_failure:
-                where = scored.failure if all(scored.errors) else "on another rank"
+                where = scored.failure if mine else "on another rank"
                 raise RuntimeError(f"reward {reward.name!r} failed on every completion of this rollout, {where}\n"
                                    "Fix the reward (or set grpo_stop_on_reward_failure: false to score such "
                                    "completions 0 and go on).")
@@ -425,10 +425,14 @@ class GRPOTrainer(Trainer):
         with self._shared_attention():  # the backward too: gradient checkpointing recomputes the forward there
             return super().training_step(model, {"grpo": micro}, num_items_in_batch)
 
+    def _attention_models(self) -> list[Any]:
+        """The models whose passes share the prefix: the policy and, when there is one, the separate reference."""
+        return [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+
     def _shared_attention(self) -> ContextManager[None]:
         if not self.shared_prefix:
             return nullcontext()
-        return shared_prefix.attention_active([self.model] + ([self.ref_model] if self.ref_model is not None else []))
+        return shared_prefix.attention_active(self._attention_models())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro: MicroBatch = inputs["grpo"]
