@@ -117,6 +117,16 @@ def test_format_json_fields_accuracy():
     assert BUILTIN["accuracy"](["  Paris. ", "Lyon"], references=["paris", "Paris"]) == [1.0, 0.0]
 
 
+def test_iou_and_format_on_a_not_present_reference():
+    """A "not present" sample (reference ``[]``, from convert --coco-absent) rewards saying nothing, in any
+    spelling of the empty list, and scores a hallucinated box 0."""
+    empties = ["[]", " [ ] ", "```json\n[]\n```"]
+    completions = [*empties, '[{"bbox_2d": [1, 2, 30, 40]}]', "There is none.", "{}", ""]
+    assert BUILTIN["iou"](completions, references=["[]"] * 7) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert BUILTIN["format"](completions, references=["[]"] * 7) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert BUILTIN["iou"](["[]"], references=[BOX]) == [0.0]
+
+
 RANGES = {"no_cheat": (-1.0, 0.0), "fields_raw": (0.0, math.inf)}
 
 

@@ -232,5 +232,13 @@ def try_parse_items(text: str) -> list[Item] | None:
         return None
 
 
+def says_nothing(text: str) -> bool:
+    """The answer is exactly an empty JSON list, bare or in one code fence: a grounding answer that finds nothing
+    (what ``qwenvl-prep convert --coco-absent`` writes for a category absent from the image)."""
+    stripped = text.strip()
+    fence = FENCE.fullmatch(stripped)
+    return _loads(fence.group(1) if fence else stripped) == []
+
+
 def _format_number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.scoring.answers import says_nothing
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, AbsentTally, FieldTally, Tally, score_grounding
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
@@ -47,8 +48,9 @@ def _prediction_text(row: dict, index: int) -> str:
 def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]:
     """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
     overall and by size. Field-extraction records (a JSON object or array answer): per-field accuracy, all-fields-
-    exact, format-valid and parse-failure rates. Other records are counted and skipped."""
-    overall, buckets, fields, skipped = Tally(), {}, FieldTally(), 0
+    exact, format-valid and parse-failure rates. "Not present" records (answer ``[]``): how often the model said
+    nothing and how often it answered with boxes. Other records are counted and skipped."""
+    overall, buckets, fields, absent, skipped = Tally(), {}, FieldTally(), AbsentTally(), 0
     rows = iter_jsonl(predictions)
     samples = iter_samples(ref)
     index = -1
@@ -67,6 +69,9 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
             raise AlignmentError(f"predictions row {index} is for {row['image']}, dataset record {index} for "
                                  f"{sample.images[0]}; the files are misaligned")
         text = _prediction_text(row, index)
+        if not sample.items and says_nothing(sample.answer):
+            absent.add(text)
+            continue
         if not sample.items:
             truth = reference_value(sample.answer)
             if truth is None:
@@ -91,6 +96,8 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
             "overall": overall.to_dict(),
             "by_size": {name: buckets[name].to_dict() for _, name in BUCKETS if name in buckets},
         })
+    if absent.samples:
+        result["not_present"] = absent.to_dict()
     if fields.samples:
         result["fields"] = fields.to_dict()
     return result
@@ -100,6 +107,12 @@ def format_table(result: dict[str, Any]) -> str:
     sections = []
     if "overall" in result:
         sections.append(_grounding_table(result))
+    if "not_present" in result:
+        row = result["not_present"]
+        sections.append(f"not present (answer []): {row['samples']} records; answered [] "
+                        f"{_fmt(row['said_nothing_rate'], '.3f')}, answered with boxes (false positives) "
+                        f"{_fmt(row['false_positive_rate'], '.3f')}, parse failures "
+                        f"{_fmt(row['parse_failure_rate'], '.3f')}")
     if "fields" in result:
         sections.append(_fields_table(result["fields"]))
     if not sections:
