@@ -3,7 +3,8 @@ the code: every fenced block between the README's worked-example markers, in ord
 ``# NAME.yaml`` or ``# NAME.py`` is written to that file; a bash block is run; the one that starts
 ``llamafactory-cli api`` runs in the background until the end. What the test changes is listed here and nothing
 else: the model (a tiny random-weight Qwen2.5-VL instead of the hub id), the port (a free one), and in the training
-YAMLs the keys that size a run for a GPU (``RUN_ON_CPU``, ``SMALLER``; bf16 and num_train_epochs dropped). The data is a small synthetic COCO set in COCO's layout."""
+YAMLs the keys that size a run for a GPU (``RUN_ON_CPU``, ``SMALLER``; bf16 and num_train_epochs dropped). The
+data is a small synthetic COCO set in COCO's layout."""
 
 from __future__ import annotations
 

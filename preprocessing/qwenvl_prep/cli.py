@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
                       "Required when records have coordinates; never guessed")
     conv.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
-    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's folder; "
-                      "for COCO, the folder found as described below)")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's "
+                      "folder; for COCO, the folder found as described below)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")

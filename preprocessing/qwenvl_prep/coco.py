@@ -13,7 +13,7 @@ import os
 import random
 import string
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,8 +45,8 @@ def check_options(options: CocoOptions) -> None:
     except ValueError as exc:
         raise RecordError(f"--coco-prompt {options.prompt!r}: {exc} (write {{{{ and }}}} for literal braces)") from None
     if any(name != "category" for name in fields):
-        raise RecordError(f"--coco-prompt {options.prompt!r}: the only placeholder is {{category}} (write {{{{ and }}}} "
-                          "for literal braces)")
+        raise RecordError(f"--coco-prompt {options.prompt!r}: the only placeholder is {{category}} (write {{{{ and "
+                          "}} for literal braces)")
     if "<image>" in options.prompt:
         raise RecordError("--coco-prompt must not contain <image>: convert puts the one image tag in front of it")
     if options.crowd not in CROWD_MODES:
@@ -55,6 +55,12 @@ def check_options(options: CocoOptions) -> None:
         raise RecordError(f"--coco-absent takes a count >= 0 or 'all', got {options.absent}")
     if options.absent and options.group != "category":
         raise RecordError("--coco-absent needs --coco-group category: a 'not present' sample asks for one category")
+
+
+def _show(value: Any) -> str:
+    """A value from the file for a message, bounded (ids and names may be hostile)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_id(value: Any) -> bool:
@@ -67,7 +73,7 @@ def _box_ok(bbox: Any) -> bool:
 
 
 def _ids(anns: list[tuple[int, dict]]) -> str:
-    shown = [str(ann.get("id", f"#{n}")) for n, ann in anns[:5]]
+    shown = [str(ann.get("id", f"#{n}"))[:40] for n, ann in anns[:5]]
     return ", ".join(shown) + (f" and {len(anns) - 5} more" if len(anns) > 5 else "")
 
 
@@ -95,15 +101,17 @@ class CocoFile:
         """id -> name, and id -> why it cannot be used (malformed, or declared twice with other names)."""
         names: dict[Any, str] = {}
         bad: dict[Any, str] = {}
-        for n, entry in enumerate(entries):
+        for entry in entries:
             cid = entry.get("id") if isinstance(entry, dict) else None
             if not _is_id(cid):
                 continue  # cannot be referred to; an annotation using such an id is reported as unknown
             name = entry.get("name")
             if not isinstance(name, str) or not name.strip():
-                bad[cid] = f"category {cid!r} has no name"
+                bad[cid] = f"category {_show(cid)} has no name"
+            elif "<image>" in name or "<video>" in name:
+                bad[cid] = f"category {_show(cid)} is named {_show(name)}, which LLaMA-Factory reads as a media tag"
             elif cid in names and names[cid] != name:
-                bad[cid] = f"category id {cid!r} is declared twice ({names[cid]!r} and {name!r})"
+                bad[cid] = f"category id {_show(cid)} is declared twice ({_show(names[cid])} and {_show(name)})"
             else:
                 names[cid] = name
         for cid in bad:
@@ -149,9 +157,20 @@ def find_image_dir(path: Path, file_names: list[str]) -> Path:
     return winners[0]
 
 
+@dataclass
+class _Index:
+    """Annotations by image id; image id -> why that image cannot be converted; annotations whose image_id no image
+    has (by that id); messages for annotations without a usable image_id."""
+
+    by_image: dict[Any, list[dict]] = field(default_factory=dict)
+    broken: dict[Any, str] = field(default_factory=dict)
+    orphans: dict[Any, list[tuple[int, dict]]] = field(default_factory=dict)
+    malformed: list[str] = field(default_factory=list)
+
+
 class CocoReader:
-    """Samples from a ``CocoFile``: canonical records, or RecordErrors naming what is wrong; ``stats`` counts what
-    was read and what was left out on purpose, filled as the samples are read."""
+    """Samples from a COCO file: canonical records, or RecordErrors naming what is wrong; ``stats`` counts what was
+    read and what was left out on purpose, filled as the samples are read."""
 
     def __init__(self, path: Path, options: CocoOptions) -> None:
         check_options(options)  # before a large file is read
@@ -165,71 +184,61 @@ class CocoReader:
         for n, image in enumerate(coco.images):
             if isinstance(image, dict) and _is_id(image.get("id")):
                 images.setdefault(image["id"], []).append(n)
-        by_image, broken = self._annotations(images)
+        index = self._index(images)
         for n, image in enumerate(coco.images):
             if not isinstance(image, dict) or not _is_id(image.get("id")) or not isinstance(image.get("file_name"),
                                                                                                 str):
                 got = (image.get("id"), image.get("file_name")) if isinstance(image, dict) else (image, None)
                 yield RecordError(f"COCO image #{n} has no 'id' or string 'file_name' (an id is an integer or a "
-                                  f"string; got id {got[0]!r}, file_name {got[1]!r})"[:300])
+                                  f"string; got id {_show(got[0])}, file_name {_show(got[1])})")
                 continue
-            name = image["file_name"]
-            if len(images[image["id"]]) > 1:
-                others = ", ".join(f"#{k}" for k in images[image["id"]] if k != n)
-                yield RecordError(f"COCO image #{n} ({name}) shares id {image['id']!r} with image(s) {others}: their "
-                                  "annotations cannot be told apart")
-                continue
-            if image["id"] in broken:
-                yield RecordError(f"COCO image {name} (id {image['id']!r}): {broken[image['id']]}")
-                continue
-            yield from self._samples(image, by_image.get(image["id"], []))
-        yield from self._unknown_image_ids(images)
+            name, image_id = image["file_name"], image["id"]
+            if len(images[image_id]) > 1:
+                others = ", ".join(f"#{k}" for k in images[image_id] if k != n)
+                yield RecordError(f"COCO image #{n} ({name}) shares id {_show(image_id)} with image(s) {others}: "
+                                  "their annotations cannot be told apart")
+            elif image_id in index.broken:
+                yield RecordError(f"COCO image {name} (id {_show(image_id)}): {index.broken[image_id]}")
+            else:
+                yield from self._samples(image, index.by_image.get(image_id, []))
+        yield from (RecordError(message) for message in index.malformed)
+        for image_id, anns in index.orphans.items():
+            yield RecordError(f"COCO annotation(s) {_ids(anns)} refer to image_id {_show(image_id)}, which no image "
+                              "has: their boxes belong to no image")
 
-    def _annotations(self, images: dict[Any, list[int]]) -> tuple[dict[Any, list[dict]], dict[Any, str]]:
-        """Annotations by image id, and image id -> why that image cannot be converted."""
-        by_image: dict[Any, list[dict]] = {}
-        broken: dict[Any, str] = {}
-        self._orphans: dict[Any, list[tuple[int, dict]]] = {}
-        self._malformed: list[str] = []
+    def _index(self, images: dict[Any, list[int]]) -> _Index:
+        index = _Index()
         categories, bad_categories = self.coco.categories, self.coco.bad_categories
         for n, ann in enumerate(self.coco.annotations):
             image_id = ann.get("image_id") if isinstance(ann, dict) else None
             if not _is_id(image_id):
-                self._malformed.append(f"COCO annotation #{n} (id {ann.get('id') if isinstance(ann, dict) else None!r})"
-                                       f" needs an integer or string 'image_id', got {image_id!r}"[:300])
+                ann_id = ann.get("id") if isinstance(ann, dict) else None
+                index.malformed.append(f"COCO annotation #{n} (id {_show(ann_id)}) needs an integer or string "
+                                       f"'image_id', got {_show(image_id)}")
                 continue
             if image_id not in images:
-                self._orphans.setdefault(image_id, []).append((n, ann))
+                index.orphans.setdefault(image_id, []).append((n, ann))
                 continue
-            category = ann.get("category_id")
+            ann_id, category = _show(ann.get("id", f"#{n}")), ann.get("category_id")
             if not _is_id(category) or category not in categories:
                 why = bad_categories.get(category, "which 'categories' does not declare") if _is_id(category) \
                     else "which is not an integer or string"
-                broken.setdefault(image_id, f"annotation {ann.get('id', f'#{n}')} has category_id {category!r}, "
-                                            f"{why}")
-                continue
-            if not _box_ok(ann.get("bbox")):
-                broken.setdefault(image_id, f"annotation {ann.get('id', f'#{n}')} has bbox {ann.get('bbox')!r}, not "
-                                            "[x, y, w, h]")
-                continue
-            by_image.setdefault(image_id, []).append(ann)
+                index.broken.setdefault(image_id, f"annotation {ann_id} has category_id {_show(category)}, {why}")
+            elif not _box_ok(ann.get("bbox")):
+                index.broken.setdefault(image_id, f"annotation {ann_id} has bbox {_show(ann.get('bbox'))}, not "
+                                                  "[x, y, w, h]")
+            else:
+                index.by_image.setdefault(image_id, []).append(ann)
         as_text = {str(known): known for known in images}
-        for image_id, anns in self._orphans.items():
+        kind = {str: "string", int: "number"}
+        for image_id in list(index.orphans):
             known = as_text.get(str(image_id), image_id)
             if known != image_id:  # "1" for 1 (or 1 for "1"): the boxes belong there, under the wrong type
-                kind = {str: "string", int: "number"}
-                broken.setdefault(known, f"annotation(s) {_ids(anns)} refer to it as image_id {image_id!r}, a "
-                                         f"{kind[type(image_id)]} where its id is a {kind[type(known)]}; fix the "
-                                         "type so that no box is lost")
-        return by_image, broken
-
-    def _unknown_image_ids(self, images: dict[Any, list[int]]) -> Iterator[RecordError]:
-        yield from (RecordError(message) for message in self._malformed)
-        known = {str(k) for k in images}
-        for image_id, anns in self._orphans.items():
-            if str(image_id) not in known:  # a type mismatch is reported on its image instead
-                yield RecordError(f"COCO annotation(s) {_ids(anns)} refer to image_id {image_id!r}, which no image "
-                                  "has: their boxes belong to no image")
+                anns = index.orphans.pop(image_id)
+                index.broken.setdefault(known, f"annotation(s) {_ids(anns)} refer to it as image_id "
+                                               f"{_show(image_id)}, a {kind[type(image_id)]} where its id is a "
+                                               f"{kind[type(known)]}; fix the type so that no box is lost")
+        return index
 
     def _samples(self, image: dict, anns: list[dict]) -> Iterator[dict]:
         options, stats = self.options, self.stats
@@ -237,8 +246,7 @@ class CocoReader:
         if not anns:
             stats["images_without_annotations"] += 1
         present = {ann["category_id"] for ann in anns}
-        crowd = [ann for ann in anns if ann.get("iscrowd")]
-        stats["crowd_annotations"] += len(crowd)
+        stats["crowd_annotations"] += sum(1 for ann in anns if ann.get("iscrowd"))
         groups: dict[Any, list[dict]] = {}
         for ann in anns:
             groups.setdefault(ann["category_id"] if options.group == "category" else None, []).append(ann)
