@@ -1,5 +1,6 @@
 """GRPO evaluation metrics from greedy answers: each reward's mean and, for grounding data, Acc@0.5, mean IoU and
-parse failures in original-image pixels (the metrics of ``qwenvl-prep eval``); field-extraction metrics for JSON
+parse failures in original-image pixels and, for "not present" samples (reference ``[]``), how often the answer
+was ``[]`` and how often it had boxes (the metrics of ``qwenvl-prep eval``); field-extraction metrics for JSON
 answers. Pure: the trainer collects the answers, this scores them."""
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
-from llamafactory_qwenvl_patch.scoring.answers import parse_items, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import parse_items, says_nothing, try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, AbsentTally, FieldTally, Tally, score_grounding
 
 
 def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequence[Reward],
@@ -29,8 +30,11 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
         metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
         total += reward.weight * torch.tensor(values)
     metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
-    tally, fields = Tally(), FieldTally()
+    tally, fields, absent = Tally(), FieldTally(), AbsentTally()
     for sample, text in zip(meta, texts):
+        if says_nothing(sample.reference):
+            absent.add(text)
+            continue
         truth = reference_value(sample.reference) if not try_parse_items(sample.reference) else None
         if truth is not None:
             fields.add(score_fields(text, truth))
@@ -45,6 +49,10 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
         metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
         metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
         metrics[f"{prefix}_parse_failure_rate"] = summary["parse_failure_rate"]
+    if absent.samples:
+        summary = absent.to_dict()
+        for key in ("said_nothing_rate", "false_positive_rate"):
+            metrics[f"{prefix}_not_present/{key}"] = summary[key]
     if fields.samples:
         summary = fields.to_dict()
         for key in ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"):
