@@ -80,7 +80,7 @@ def synthetic_coco(root: Path) -> None:
 
 def for_this_machine(name: str, text: str, model: Path, port: str) -> str:
     """A block's text with the substitutions the module docstring lists."""
-    text = text.replace(HUB_MODEL, str(model)).replace(PORT, port)
+    text = re.sub(rf"\b{PORT}\b", port, text.replace(HUB_MODEL, str(model)))
     if not name.endswith(".yaml"):
         return text
     config = yaml.safe_load(text)
