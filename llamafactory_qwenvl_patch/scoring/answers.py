@@ -232,5 +232,17 @@ def try_parse_items(text: str) -> list[Item] | None:
         return None
 
 
+_BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
+
+
+def bare_point(text: str) -> tuple[float, float] | None:
+    """A click given as nothing but ``[x, y]`` or ``(x, y)`` (bare or alone in a code fence), the answer style of
+    several GUI-agent datasets; None for any other text. Only a whole answer counts: a pair inside prose is not a
+    coordinate claim."""
+    fence = FENCE.fullmatch(text.strip())
+    match = _BARE_POINT.fullmatch(fence.group(1) if fence else text)
+    return (float(match.group(1)), float(match.group(2))) if match else None
+
+
 def _format_number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
