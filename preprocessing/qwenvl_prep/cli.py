@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
+
+FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -61,7 +64,8 @@ def _convert(args: argparse.Namespace) -> int:
         input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
         skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, coco_prompt=args.coco_prompt,
-        coco_group=args.coco_group, progress=not args.quiet, overwrite=args.overwrite,
+        coco_group=args.coco_group, answer_target=args.answer_target, prompt=args.prompt,
+        refcoco_expressions=args.refcoco_expressions, progress=not args.quiet, overwrite=args.overwrite,
     )
     summary, code = convert(opts)
     if summary["dropped"]:
@@ -250,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                       help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
                       "Required when records have coordinates; never guessed")
-    conv.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    conv.add_argument("--format", choices=FORMATS, default="auto",
+                      help="input format (default: auto, from the first record; .parquet is refcoco-parquet)")
     conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's folder)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
@@ -266,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="COCO prompt template, {category} is replaced (default: %(default)r)")
     conv.add_argument("--coco-group", choices=["category", "image"], default="category",
                       help="COCO: one conversation per (image, category) or per image")
+    conv.add_argument("--target", dest="answer_target", choices=["point", "box"],
+                      help="ScreenSpot / RefCOCO: answer with the element's point_2d (its box centre) or its bbox_2d "
+                      "(default: point for ScreenSpot, box for RefCOCO); the truth box goes to meta.bbox_orig either way")
+    conv.add_argument("--prompt", help="ScreenSpot / RefCOCO prompt template, {instruction} is replaced (default: "
+                      f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes)")
+    conv.add_argument("--refcoco-expressions", choices=["all", "first"], default="all",
+                      help="RefCOCO: one record per referring expression (default) or per row (its first)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
 
@@ -286,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--eval-input", type=Path, help="evaluation data, converted per stage like INPUT")
     cur.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                      help="convention of the input coordinates (required when records have coordinates)")
-    cur.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    cur.add_argument("--format", choices=FORMATS, default="auto")
     cur.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's)")
     cur.add_argument("--exif", choices=["error", "bake", "raw"], default="error")
     cur.add_argument("--workers", type=int, default=os.cpu_count() or 1)

@@ -32,6 +32,7 @@ from llamafactory_qwenvl_patch.frame.policy import (
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS, iter_refcoco_parquet, iter_screenspot
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
@@ -172,10 +173,11 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
             info = infos[0]
             hw = info.hw
-            declared = record.get("coco_size")
+            declared = record.get("coco_size") or record.get("declared_size")
             if declared and tuple(declared) != (info.width, info.height):
+                source = "COCO" if record.get("coco_size") else "the annotation"
                 raise RecordError(
-                    f"COCO declares image {image} as {declared[0]}x{declared[1]}, the file is {info.width}x"
+                    f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {info.width}x"
                     f"{info.height}: a swapped or resized image folder? Boxes would land in the wrong place")
             if info.orientation != 1:
                 if job.exif == "error":
@@ -223,6 +225,9 @@ class ConvertOptions:
     dataset_name: str | None = None
     coco_prompt: str | None = None
     coco_group: str = "category"
+    answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
+    prompt: str | None = None  # benchmark formats: the prompt template, {instruction} is replaced
+    refcoco_expressions: str = "all"
     progress: bool = True
     overwrite: bool = False
 
@@ -239,10 +244,13 @@ def _input_stamp(path: Path) -> Stamp | None:
     return None
 
 
+ORIGINAL_PIXEL_FORMATS = ("coco", *DEFAULT_TARGET)  # formats whose coordinates are original pixels by definition
+
+
 def _source(opts: ConvertOptions, fmt: str) -> Source:
-    if fmt == "coco":  # COCO boxes are original-image pixels by definition
+    if fmt in ORIGINAL_PIXEL_FORMATS:
         if opts.input_coords not in (None, "abs"):
-            raise ConvertError(f"COCO boxes are absolute pixels of the original image by definition; "
+            raise ConvertError(f"{fmt} boxes are absolute pixels of the original image by definition; "
                                f"--input-coords {opts.input_coords} contradicts that (drop it or pass abs)")
         return Source("orig")
     stamp = _input_stamp(opts.input)
@@ -265,6 +273,14 @@ def _records(opts: ConvertOptions, fmt: str) -> Iterator[tuple[int, Any]]:
         from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
 
         stream: Iterable = iter_coco(opts.input, opts.coco_prompt or DEFAULT_COCO_PROMPT, opts.coco_group)
+    elif fmt in DEFAULT_TARGET:
+        target = opts.answer_target or DEFAULT_TARGET[fmt]
+        prompt = opts.prompt or PROMPTS[target]
+        if fmt == "refcoco-parquet":
+            folder = opts.output.parent / f"{opts.output.stem}_images"
+            stream = iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
+        else:
+            stream = iter_screenspot(opts.input, fmt, target, prompt)
     else:
         stream = iter_raw(opts.input)
     shard, count = opts.shard
@@ -278,8 +294,8 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
-    chunks = _chunks(_records(opts, "coco" if job.fmt == "canonical" else job.fmt), CHUNK)
+def _results(opts: ConvertOptions, job: Job, fmt: str) -> Iterator[Result]:
+    chunks = _chunks(_records(opts, fmt), CHUNK)
     if opts.workers <= 1:
         _set_job(job)
         for chunk in chunks:
@@ -319,14 +335,15 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
-              str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
+              str(opts.output.parent.resolve()), str(opts.input),
+              "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
     stopped: Exception | None = None
     with ExitStack() as stack:  # the error report is streamed and committed even when the output is discarded
         try:
             with atomic_writer(opts.output) as out:
-                first = _write_records(opts, job, out, stats, stack, errors_path)
+                first = _write_records(opts, job, fmt, out, stats, stack, errors_path)
                 if stats["dropped"] and not opts.skip_bad:
                     raise Abort(_summary(opts, stats, errors_path, written=False))
                 if first:  # raised inside the writer: an existing output stays as it was
@@ -342,8 +359,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True)
 
 
-def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, stack: ExitStack, errors_path: Path
-                   ) -> bool:
+def _write_records(opts: ConvertOptions, job: Job, fmt: str, out: Any, stats: Counter, stack: ExitStack,
+                   errors_path: Path) -> bool:
     """Stream converted records to ``out`` and bad ones to the error report (opened at the first bad record), so
     memory stays flat however many records are bad. Returns True when nothing was written."""
     from tqdm import tqdm
@@ -352,7 +369,8 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
     as_array = opts.output.suffix == ".json"
     out.write("[\n" if as_array else "")
     first, errors = True, None
-    for result in tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True):
+    results = _results(opts, job, fmt)
+    for result in tqdm(results, desc="convert", unit=" rec", disable=None if opts.progress else True):
         stats["records"] += 1
         for key in ("passthrough", "boxes", "points", "exif_baked"):
             stats[key] += getattr(result, key)
