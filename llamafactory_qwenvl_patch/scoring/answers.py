@@ -232,6 +232,12 @@ def try_parse_items(text: str) -> list[Item] | None:
         return None
 
 
+def not_present(reference: str) -> bool:
+    """A grounding reference saying "nothing here": an empty JSON list (convert's not-present samples). Scored as a
+    grounding record with no truth box, never as an empty field-extraction array."""
+    return reference.strip() == "[]"
+
+
 _BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
 
 

@@ -188,7 +188,7 @@ def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.evaluate import evaluate, format_table, plot
 
     ref, stamp = _stamped_dataset(args)
-    result = evaluate(ref, stamp, args.predictions)
+    result = evaluate(ref, stamp, args.predictions, by=[f.strip() for f in (args.by or "").split(",") if f.strip()])
     if args.json_out:
         write_json(args.json_out, result)
     if args.plot:
@@ -371,10 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "eval",
-        help="metrics in the original frame: Acc@0.5, mean IoU, parse failures, centre offset, by image size",
+        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, by subset",
         description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
         "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
-        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5.",
+        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
+        "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
+        "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
+        "(pycocotools) and the detection-hack monitors.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)
@@ -382,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
     ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
+                    "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     _add_policy_flags(ev)
     ev.set_defaults(func=_eval)
 
