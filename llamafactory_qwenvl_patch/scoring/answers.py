@@ -232,12 +232,25 @@ def try_parse_items(text: str) -> list[Item] | None:
         return None
 
 
-def says_nothing(text: str) -> bool:
-    """The answer is exactly an empty JSON list, bare or in one code fence: a grounding answer that finds nothing
-    (what ``qwenvl-prep convert --coco-absent`` writes for a category absent from the image)."""
+def not_present(text: str) -> bool:
+    """An answer saying "nothing here": exactly an empty JSON list, bare or in one code fence (convert's "not present"
+    samples, ``--coco-absent``). As a reference, scored as a grounding record with no truth box, never as an empty
+    field-extraction array; as a model's answer, the right answer to such a record."""
     stripped = text.strip()
     fence = FENCE.fullmatch(stripped)
     return _loads(fence.group(1) if fence else stripped) == []
+
+
+_BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
+
+
+def bare_point(text: str) -> tuple[float, float] | None:
+    """A click given as nothing but ``[x, y]`` or ``(x, y)`` (bare or alone in a code fence), the answer style of
+    several GUI-agent datasets; None for any other text. Only a whole answer counts: a pair inside prose is not a
+    coordinate claim."""
+    fence = FENCE.fullmatch(text.strip())
+    match = _BARE_POINT.fullmatch(fence.group(1) if fence else text)
+    return (float(match.group(1)), float(match.group(2))) if match else None
 
 
 def _format_number(value: float) -> int | float:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.scoring.answers import says_nothing, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import FieldScore
 
 Box = Sequence[float]
@@ -122,7 +122,7 @@ class AbsentTally:
     def add(self, prediction: str) -> None:
         items = try_parse_items(prediction)
         self.samples += 1
-        self.said_nothing += says_nothing(prediction)
+        self.said_nothing += not_present(prediction)
         self.false_positives += bool(items)
         self.parse_failures += items is None
 

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
+
+FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -70,7 +73,8 @@ def _convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(
         input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
-        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, progress=not args.quiet,
+        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
+        prompt=args.prompt, refcoco_expressions=args.refcoco_expressions, progress=not args.quiet,
         overwrite=args.overwrite, coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group,
                                                    crowd=args.coco_crowd, absent=args.coco_absent),
     )
@@ -211,7 +215,7 @@ def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.evaluate import evaluate, format_table, plot
 
     ref, stamp = _stamped_dataset(args)
-    result = evaluate(ref, stamp, args.predictions)
+    result = evaluate(ref, stamp, args.predictions, by=[f.strip() for f in (args.by or "").split(",") if f.strip()])
     if args.json_out:
         write_json(args.json_out, result)
     if args.plot:
@@ -277,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                       help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
                       "Required when records have coordinates; never guessed")
-    conv.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    conv.add_argument("--format", choices=FORMATS, default="auto",
+                      help="input format (default: auto, from the first record; .parquet is refcoco-parquet)")
     conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's "
                       "folder; for COCO, the folder found as described below)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
@@ -306,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="per image, N 'not present' samples (answer []) asking for categories the image has no "
                       "annotation of, chosen at random (seeded by the image id), or all of them (default 0: only "
                       "when your annotations are exhaustive do missing boxes mean absent objects)")
+    conv.add_argument("--target", dest="answer_target", choices=["point", "box"],
+                      help="ScreenSpot / RefCOCO: answer with the element's point_2d (its box centre) or its bbox_2d "
+                      "(default: point for ScreenSpot, box for RefCOCO); the truth box goes to meta.bbox_orig either way")
+    conv.add_argument("--prompt", help="ScreenSpot / RefCOCO prompt template, {instruction} is replaced (default: "
+                      f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes)")
+    conv.add_argument("--refcoco-expressions", choices=["all", "first"], default="all",
+                      help="RefCOCO: one record per referring expression (default) or per row (its first)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
 
@@ -326,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--eval-input", type=Path, help="evaluation data, converted per stage like INPUT")
     cur.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                      help="convention of the input coordinates (required when records have coordinates)")
-    cur.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    cur.add_argument("--format", choices=FORMATS, default="auto")
     cur.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's)")
     cur.add_argument("--exif", choices=["error", "bake", "raw"], default="error")
     cur.add_argument("--workers", type=int, default=os.cpu_count() or 1)
@@ -399,10 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "eval",
-        help="metrics in the original frame: Acc@0.5, mean IoU, parse failures, centre offset, by image size",
+        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, by subset",
         description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
         "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
-        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5.",
+        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
+        "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
+        "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
+        "(pycocotools) and the detection-hack monitors.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)
@@ -410,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
     ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
+                    "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     _add_policy_flags(ev)
     ev.set_defaults(func=_eval)
 

@@ -12,7 +12,7 @@ import os
 import signal
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -32,6 +32,7 @@ from llamafactory_qwenvl_patch.frame.policy import (
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS, iter_refcoco_parquet, iter_screenspot
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
 from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
@@ -148,9 +149,10 @@ def _transformer(job: Job, hw: tuple[int, int]):
     return transform
 
 
-def _check_declared_size(declared: list[int], image: str, info: ImageInfo, hw: tuple[int, int]) -> None:
-    """A COCO image's declared width/height must be the size its boxes are on: the displayed image under
-    ``--exif bake``, the stored pixels otherwise."""
+def _check_declared_size(source: str, declared: list[int], image: str, info: ImageInfo, hw: tuple[int, int]
+                         ) -> None:
+    """An image's declared width/height (COCO's, a benchmark's ``img_size``) must be the size its boxes are on: the
+    displayed image under ``--exif bake``, the stored pixels otherwise."""
     if (declared[1], declared[0]) == hw:
         return
     hint, seen = "a swapped or resized image folder?", ""
@@ -160,7 +162,7 @@ def _check_declared_size(declared: list[int], image: str, info: ImageInfo, hw: t
             hint = "that is the stored size: pass --exif raw if the boxes are on the stored pixels."
         elif (declared[1], declared[0]) == info.displayed_hw:
             hint = "that is the displayed size: pass --exif bake if the boxes are on the displayed image."
-    raise RecordError(f"COCO declares image {image} as {declared[0]}x{declared[1]}, the file is {hw[1]}x{hw[0]}"
+    raise RecordError(f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {hw[1]}x{hw[0]}"
                       f"{seen}: {hint} Boxes would land in the wrong place")
 
 
@@ -200,8 +202,10 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                     images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
                     hw = info.displayed_hw
                     result.exif_baked = 1
-            if record.get("coco_size"):
-                _check_declared_size(record["coco_size"], image, info, hw)
+            declared = record.get("coco_size") or record.get("declared_size")
+            if declared:
+                _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
+                                     hw)
             transform = _transformer(job, hw)
             for message, answer in zip(answers, parsed):
                 message["content"] = answer.rewrite(transform)
@@ -235,7 +239,10 @@ class ConvertOptions:
     skip_bad: bool = False
     errors: Path | None = None
     dataset_name: str | None = None
-    coco: CocoOptions = CocoOptions()
+    coco: CocoOptions = field(default_factory=CocoOptions)
+    answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
+    prompt: str | None = None  # benchmark formats: the prompt template, {instruction} is replaced
+    refcoco_expressions: str = "all"
     progress: bool = True
     overwrite: bool = False
 
@@ -252,10 +259,13 @@ def _input_stamp(path: Path) -> Stamp | None:
     return None
 
 
+ORIGINAL_PIXEL_FORMATS = ("coco", *DEFAULT_TARGET)  # formats whose coordinates are original pixels by definition
+
+
 def _source(opts: ConvertOptions, fmt: str) -> Source:
-    if fmt == "coco":  # COCO boxes are original-image pixels by definition
+    if fmt in ORIGINAL_PIXEL_FORMATS:
         if opts.input_coords not in (None, "abs"):
-            raise ConvertError(f"COCO boxes are absolute pixels of the original image by definition; "
+            raise ConvertError(f"{fmt} boxes are absolute pixels of the original image by definition; "
                                f"--input-coords {opts.input_coords} contradicts that (drop it or pass abs)")
         return Source("orig")
     stamp = _input_stamp(opts.input)
@@ -271,6 +281,20 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
     if opts.input_coords not in INPUT_COORDS:
         raise ConvertError(f"--input-coords must be one of {', '.join(INPUT_COORDS)}")
     return Source(INPUT_COORDS[opts.input_coords])
+
+
+def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None) -> Iterable:
+    """The input's raw records, in file order."""
+    if coco is not None:
+        return coco
+    if fmt in DEFAULT_TARGET:
+        target = opts.answer_target or DEFAULT_TARGET[fmt]
+        prompt = opts.prompt or PROMPTS[target]
+        if fmt == "refcoco-parquet":
+            folder = opts.output.parent / f"{opts.output.stem}_images"
+            return iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
+        return iter_screenspot(opts.input, fmt, target, prompt)
+    return iter_raw(opts.input)
 
 
 def _records(opts: ConvertOptions, stream: Iterable) -> Iterator[tuple[int, Any]]:
@@ -331,8 +355,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         coco = CocoReader(opts.input, opts.coco)
         image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
     job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
-              str(opts.input), "canonical" if fmt == "coco" else fmt)
-    stream = coco if coco is not None else iter_raw(opts.input)
+              str(opts.input), "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
+    stream = _stream(opts, fmt, coco)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
     extra: dict[str, Any] = {}

@@ -62,7 +62,9 @@ def _value(raw: Any) -> Any:
 
 
 def detect_format(path: Path) -> str:
-    """Guess the format from the first record (COCO from its top-level keys)."""
+    """Guess the format from the first record (COCO from its top-level keys, parquet from its suffix)."""
+    if path.suffix == ".parquet":
+        return "refcoco-parquet"
     with open(path, "rb") as f:
         start = f.read(4096).lstrip()
     if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
@@ -72,6 +74,8 @@ def detect_format(path: Path) -> str:
         if isinstance(value, RecordError):
             continue  # a bad first line is its own error row; the format comes from the next good one
         if isinstance(value, dict):
+            if "img_filename" in value and "bbox" in value:
+                return "screenspot-pro" if "img_size" in value or "ui_type" in value else "screenspot"
             if "messages" in value or "conversations" in value:
                 return "sharegpt"
             if "instruction" in value or "output" in value:
