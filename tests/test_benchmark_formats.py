@@ -199,3 +199,20 @@ def test_eval_detection_precision_recall_map_and_monitors(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "out" / "data.jsonl"), "--predictions", str(perfect), "--json"]) == 0
     best = json.loads(capsys.readouterr().out)["detection"]
     assert best["map"] == 1.0 and best["f1@0.5"] == 1.0
+
+
+def test_draw_shows_the_click_target_and_the_click(tmp_path):
+    from qwenvl_prep.dataset import resolve_dataset, iter_samples
+    from qwenvl_prep.draw import GT_COLOR, PRED_COLOR, render
+
+    _screens(tmp_path)
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps([{"img_filename": "desktop.png", "bbox": [400, 300, 200, 100],
+                                   "instruction": "save", "data_type": "icon"}]))
+    _convert(tmp_path, source)
+    ref = resolve_dataset(str(tmp_path / "out" / "data.jsonl"))
+    sample = next(iter_samples(ref))
+    click = convert_coords([1000, 800], "orig", "model", (1080, 1920), POLICY.model_size(1080, 1920))
+    canvas = render(sample, ref.stamp, "original", json.dumps(click))  # a bare [x, y] prediction
+    assert tuple(canvas[300, 500]) == GT_COLOR  # the target's top edge, from meta.bbox_orig
+    assert tuple(canvas[800, 1000]) == PRED_COLOR  # the click
