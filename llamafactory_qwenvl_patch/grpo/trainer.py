@@ -36,12 +36,13 @@ from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_t
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, Scored, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
-    repeat_visual, rollout_metrics,
+    add_monitors, repeat_visual, rollout_metrics,
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
@@ -100,6 +101,7 @@ class GRPOTrainer(Trainer):
         # what turns an image grid into pixels: the pinned policy, else the processor's own (same factor)
         self.grid_frame = resize_policy or (ResizePolicy.from_processor(image_processor) if image_processor else None)
         self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._monitors = MonitorTally()  # detection-hack counts since the last log
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
         self._reported_rewards: set[str] = set()
@@ -381,7 +383,8 @@ class GRPOTrainer(Trainer):
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G, self.coords)
+        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
+        add_monitors(self._monitors, real_texts, real_meta, G, self.coords)
         for key, value in stats.items():
             self._metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)
@@ -538,11 +541,24 @@ class GRPOTrainer(Trainer):
                 out[name] = round(total / count, 6)
         return out
 
+    def _monitor_metrics(self) -> dict[str, float]:
+        """The detection monitors since the last log, from every rank's counts merged (exact rates)."""
+        tally, self._monitors = self._monitors, MonitorTally()
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            merged = MonitorTally()
+            for part in gather_object([tally]):
+                merged.merge(part)
+            tally = merged
+        return {f"monitor/{key}": round(value, 6) for key, value in tally.to_dict().items() if value is not None}
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
         if "loss" in logs and torch.cuda.is_available():
             logs["memory/max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if "loss" in logs and self._metrics:
             logs.update(self._reduced_metrics())
+            logs.update(self._monitor_metrics())
             self._metrics.clear()
         super().log(logs, *args, **kwargs)

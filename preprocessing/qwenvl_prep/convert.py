@@ -32,7 +32,9 @@ from llamafactory_qwenvl_patch.frame.policy import (
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
-from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS, iter_refcoco_parquet, iter_screenspot
+from qwenvl_prep.benchmark_formats import (
+    DEFAULT_TARGET, PROMPTS, check_prompt, iter_refcoco_parquet, iter_screenspot,
+)
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
 from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
@@ -350,6 +352,11 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     source = _source(opts, fmt)
+    if fmt in DEFAULT_TARGET and opts.prompt is not None:
+        try:
+            check_prompt(opts.prompt)
+        except ValueError as error:
+            raise ConvertError(str(error)) from None
     coco, image_dir = None, opts.image_dir or opts.input.parent
     if fmt == "coco":
         coco = CocoReader(opts.input, opts.coco)
