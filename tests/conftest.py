@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
