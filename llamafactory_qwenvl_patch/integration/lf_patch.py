@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from types import MethodType, ModuleType
 from typing import Any, Callable
@@ -101,11 +102,18 @@ def patch_parser(parser: ModuleType) -> None:
 # --- processor -----------------------------------------------------------------------------------------------------
 
 
+# the folders a pinned processor was saved into during ``export_model`` (None outside an export)
+_EXPORTED: ContextVar[list[str] | None] = ContextVar("qwenvl_exported", default=None)
+
+
 def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
     """Processor save that also writes ``preprocessor_config.json`` and the policy record beside it."""
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     self.image_processor.save_pretrained(save_directory)
     write_policy_record(save_directory, self.qwenvl_policy)
+    exported = _EXPORTED.get()
+    if exported is not None:
+        exported.append(str(save_directory))
     return result
 
 
@@ -313,8 +321,9 @@ def _stage_of(args: Any) -> str | None:
 
 
 def patch_tuner(tuner: ModuleType) -> None:
-    """Route ``stage: grpo`` to our workflow; ``run_exp`` and the Ray worker look the function up at call time."""
-    lf_compat.require(tuner, ["_training_function"])
+    """Route ``stage: grpo`` to our workflow (``run_exp`` and the Ray worker look the function up at call time), and
+    make a pinned export portable."""
+    lf_compat.require(tuner, ["_training_function", "export_model"])
 
     def make(training_function: Callable) -> Callable:
         def wrapper(config: dict[str, Any]) -> None:
@@ -327,6 +336,43 @@ def patch_tuner(tuner: ModuleType) -> None:
         return wrapper
 
     _replace(tuner, "_training_function", make)
+    _replace(tuner, "export_model", _make_export)
+
+
+def _make_export(export_model: Callable) -> Callable:
+    """``llamafactory-cli export`` of a pinned run: once LF has written the folder, put it in the portable layout
+    (transformers 4.49 to 5.x and vLLM 0.11 read it, in the training frame). Unpinned exports stay stock."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        exported: list[str] = []
+        token = _EXPORTED.set(exported)
+        try:
+            result = export_model(*args, **kwargs)
+        finally:
+            _EXPORTED.reset(token)
+        for folder in dict.fromkeys(exported):
+            _portable_export(folder)
+        return result
+
+    return wrapper
+
+
+def _portable_export(folder: str) -> None:
+    from llamafactory.extras import logging as lf_logging
+
+    from llamafactory_qwenvl_patch.model_files.folder import NotPortableError
+    from llamafactory_qwenvl_patch.model_files.portable import make_portable
+
+    logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
+    try:
+        written = make_portable(folder)
+    except NotPortableError as exc:
+        logger.warning_rank0(f"{folder} is exported as this transformers wrote it, which older transformers and vLLM "
+                             f"may not read: {exc}. `qwenvl-prep fix-config {folder}` lists what each reader needs.")
+        return
+    logger.info_rank0(f"{folder}: written in the portable layout (transformers 4.x from the model family's first "
+                      f"release to 5.x, and vLLM 0.11, read it in the training frame); rewrote "
+                      f"{', '.join(written['files']) or 'nothing'}")
 
 
 # --- chat and API --------------------------------------------------------------------------------------------------
