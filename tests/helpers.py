@@ -99,9 +99,11 @@ def lf_sft_dataset(model_dir: Path, data_dir: Path, output_dir: Path, **override
 
 def run_cli(
     args: Iterable[str], config: dict[str, Any] | None, workdir: Path, env: dict[str, str] | None = None,
-    timeout: int = 600,
+    timeout: int = 600, bin_dir: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``llamafactory-cli`` (or another console script of this venv) with a YAML written to ``workdir``."""
+    """Run ``llamafactory-cli`` (or another console script of this venv, or of the venv of ``bin_dir``) with a YAML
+    written to ``workdir``."""
+    bin_dir = bin_dir or BIN
     workdir.mkdir(parents=True, exist_ok=True)
     args = list(args)
     if config is not None:
@@ -109,9 +111,9 @@ def run_cli(
         yaml_path.write_text(yaml.safe_dump(config))
         args.append(str(yaml_path))
     full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+                "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
     return subprocess.run(
-        [str(BIN / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
+        [str(bin_dir / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -78,7 +78,9 @@ def patch_parser(parser: ModuleType) -> None:
 
     def make_infer(get_infer_args: Callable) -> Callable:
         def wrapper(args: Any = None) -> Any:
-            from llamafactory_qwenvl_patch.integration.serving import ANSWER_COORDS, resolve_frame
+            from llamafactory_qwenvl_patch.integration.serving import (
+                ANSWER_COORDS, check_backend_reads, resolve_frame,
+            )
             from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
             raw = parser.read_args(args)
@@ -88,6 +90,7 @@ def patch_parser(parser: ModuleType) -> None:
                 raise ValueError(f"qwenvl_answer_coords must be one of {', '.join(ANSWER_COORDS)}, "
                                  f"got {model_args.qwenvl_answer_coords!r}")
             line = resolve_frame(model_args, explicit_keys(raw))
+            check_backend_reads(model_args)
             if line:
                 from llamafactory.extras import logging as lf_logging
 

@@ -55,7 +55,7 @@ def _config_problems(config: dict[str, Any], reader: str) -> list[str]:
     return found
 
 
-def _tokenizer_problems(folder: ModelFolder, reader: str) -> list[str]:
+def _tokenizer_problems(folder: ModelFolder, reader: str, chat: bool) -> list[str]:
     data = folder.get(TOKENIZER_CONFIG)
     if data is None:
         return [f"{TOKENIZER_CONFIG}: missing"]
@@ -70,7 +70,7 @@ def _tokenizer_problems(folder: ModelFolder, reader: str) -> list[str]:
     if isinstance(data.get("extra_special_tokens"), list):
         found.append(f"{TOKENIZER_CONFIG}: extra_special_tokens: a list (transformers 5.x); 4.x expects a dict "
                      "('list' object has no attribute 'keys')")
-    if not folder.chat_template:
+    if chat and not folder.chat_template:
         found.append(f"{TOKENIZER_CONFIG}: chat_template: none in the folder (chat_template.jinja or the key), so "
                      "chat requests cannot be formatted")
     return found
@@ -105,13 +105,15 @@ def _processor_problems(folder: ModelFolder, reader: str) -> list[str]:
     return found
 
 
-def reader_problems(folder: ModelFolder, reader: str) -> list[str]:
-    """Every problem ``reader`` (a key of READERS) has with the folder, each as 'reader: file: key: what happens'."""
+def reader_problems(folder: ModelFolder, reader: str, chat: bool = True) -> list[str]:
+    """Every problem ``reader`` (a key of READERS) has with the folder, each as 'reader: file: key: what happens'.
+    ``chat``: the reader formats chat requests with the folder's own template (not so under LLaMA-Factory, whose
+    template formats them)."""
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}; one of {', '.join(READERS)}")
     config = folder.get(CONFIG)
     found = [f"{CONFIG}: missing"] if config is None else _config_problems(config, reader)
-    found += _tokenizer_problems(folder, reader) + _processor_problems(folder, reader)
+    found += _tokenizer_problems(folder, reader, chat) + _processor_problems(folder, reader)
     return [f"{reader}: {line}" for line in found]
 
 
