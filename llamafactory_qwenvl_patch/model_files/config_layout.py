@@ -2,8 +2,8 @@
 
 transformers >= 4.52 writes ``text_config`` as a nested dict (5.x also ``rope_parameters`` and ``dtype``); <= 4.51
 loads that nested dict as a plain dict and fails in ``GenerationConfig.from_model_config`` with
-``'dict' object has no attribute 'to_dict'``, and 4.52 to 4.57 read a nested config but not ``rope_parameters``
-(they fall back to their default ``rope_theta`` and no ``mrope_section``, silently). The flat layout (text keys at
+``'dict' object has no attribute 'to_dict'``, and 4.57 reads a nested config but not ``rope_parameters`` (it falls
+back to its default ``rope_theta`` and no ``mrope_section``, silently). The flat layout (text keys at
 the top level, ``rope_scaling`` / ``rope_theta``, ``torch_dtype``) loads the same in all of them and in 5.x.
 Qwen3-VL has no flat layout: its nested ``text_config`` gets the 4.57 keys beside 5.x's (``nested_for_4x``).
 """
