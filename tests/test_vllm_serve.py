@@ -69,7 +69,7 @@ def exported(main_set, tmp_path_factory):
     trained = root / "trained"
     result = run_cli(["llamafactory-cli", "train"], train_config(
         root / "base", data, trained, finetuning_type="full", image_min_pixels=MIN, image_max_pixels=MAX,
-        max_steps=100, save_steps=1000, per_device_train_batch_size=4, learning_rate=5e-3,
+        max_steps=150, save_steps=1000, per_device_train_batch_size=4, learning_rate=5e-3,
         lr_scheduler_type="cosine"), root / "train-run", bin_dir=main_set)
     assert result.returncode == 0, result.stderr[-4000:]
     assert read_log(trained)[-2]["loss"] < 0.01, "the tiny model did not memorise the answers"
