@@ -19,7 +19,7 @@ import pytest
 from helpers import (
     BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt,
 )
-from test_portable_export import MAX, MIN, SIZES, export, policy_grids, read_with
+from test_portable_export import MAX, MIN, SIZES, export, five_x_folder, policy_grids, read_with
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
@@ -194,3 +194,20 @@ def test_qwen3_export_is_read_by_vllm_as_trained(main_set, tmp_path):
         out = processor.apply(prompt, {"image": [Image.new("RGB", (width, height))]}, {})
         assert out["mm_kwargs"].get_data()["image_grid_thw"].tolist() == [grid]
         assert len(out["prompt_token_ids"]) == text_tokens + policy.image_tokens(height, width)
+
+
+def test_llamafactory_on_vllm_refuses_a_folder_vllm_would_misread(tmp_path):
+    """Item 4 for LF's server: a pinned folder as transformers 5.x writes it (not exported by the plugin) stops
+    ``infer_backend: vllm`` before any engine starts, naming file, key and the repair."""
+    from llamafactory.hparams import get_infer_args
+
+    from llamafactory_qwenvl_patch.integration.serving import NotServableError
+
+    folder = five_x_folder(tmp_path / "m")
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(NotServableError) as caught:
+        get_infer_args({"model_name_or_path": str(folder), "template": "qwen2_vl", "infer_backend": "vllm"})
+    message = str(caught.value)
+    assert "vllm: config.json: architectures" in message and "preprocessor_config.json: max_pixels" in message
+    assert f"qwenvl-prep fix-config {folder} --target vllm" in message
+    assert "chat_template" not in message  # LF formats prompts with its own template
