@@ -1,4 +1,5 @@
-"""``qwenvl-prep fix-config``: a nested config becomes one that a real transformers 4.51 reader accepts."""
+"""``qwenvl-prep fix-config --flatten``: a nested config becomes one that a real transformers 4.49 (the flat-layout
+readers are 4.49 to 4.51) accepts."""
 
 from __future__ import annotations
 
