@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from llamafactory_qwenvl_patch.model_files.readers import READERS
 from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
@@ -155,18 +156,25 @@ def _draw(args: argparse.Namespace) -> int:
 
 
 def _fix_config(args: argparse.Namespace) -> int:
-    from qwenvl_prep.fixconfig import inspect_model, rewrite_flat
+    from qwenvl_prep.fixconfig import inspect_model, repair_for, rewrite_flat
 
     bounds = None
     if args.yaml:
         stamp = _spec(argparse.Namespace(from_yaml=args.yaml, family=None)).stamp
         bounds = (stamp.policy.min_pixels, stamp.policy.max_pixels)
-    report = inspect_model(args.model_dir, bounds)
+    if args.dry_run and not args.target:
+        raise ValueError("--dry-run goes with --target READER")
+    rewrite = None
     if args.flatten:
-        report["rewrite"] = rewrite_flat(args.model_dir)
-        report = {**inspect_model(args.model_dir, bounds), "rewrite": report["rewrite"]}
+        rewrite = rewrite_flat(args.model_dir)
+    elif args.target:
+        rewrite = repair_for(args.model_dir, args.target, args.dry_run)
+    report = inspect_model(args.model_dir, bounds)
+    if rewrite is not None:
+        report["rewrite"] = rewrite
     print(json.dumps(report, indent=2))
-    return 1 if report["problems"] else 0
+    needs_repair = args.dry_run and bool(rewrite and rewrite["would_change"])
+    return 1 if report["problems"] or needs_repair else 0
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -381,14 +389,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     fix = sub.add_parser(
         "fix-config",
-        help="check a model folder; optionally rewrite config.json for transformers <= 4.51",
-        description="Report the config layout, sub-config types, transformers version written vs installed, and "
-        "processor bounds vs a training YAML. --flatten rewrites a nested config.json in the flat layout that "
-        "transformers <= 4.51 reads (fixing \"'dict' object has no attribute 'to_dict'\"), keeping a backup.",
+        help="check a model folder against transformers 4.x/5.x and vLLM; repair it for one of them",
+        description="Report the config layout, sub-config types, transformers version written vs installed, "
+        "processor bounds vs a training YAML, and what each reader (transformers 4.49-4.51, 4.57, vLLM 0.11) cannot "
+        "load or would load differently (`readers`: reader, file, key). --target READER rewrites the folder in the "
+        "portable layout that transformers 4.49 to 5.x and vLLM 0.11 all read in the training frame (what an "
+        "export under `qwenvl_patch: true` writes), keeping each replaced file as NAME.bak-STAMP; it refuses, "
+        "writing nothing, what it cannot repair. --flatten rewrites only config.json in the flat layout.",
     )
     fix.add_argument("model_dir", type=Path)
     fix.add_argument("--yaml", metavar="TRAIN.yaml", help="compare the processor bounds with this training YAML")
-    fix.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
+    mode = fix.add_mutually_exclusive_group()
+    mode.add_argument("--target", choices=sorted(READERS),
+                      help="repair the folder so that this reader loads it in the training frame (backups kept)")
+    mode.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
+    fix.add_argument("--dry-run", action="store_true",
+                     help="with --target: list what would change, write nothing (exit 1 when something would)")
     fix.set_defaults(func=_fix_config)
 
     pred = sub.add_parser(
