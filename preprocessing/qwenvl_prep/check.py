@@ -136,7 +136,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             stock_hw = drift.add_image(hw, model_hw)
             if len(sample.images) != 1:
                 continue
-            for item in sample.items:
+            for item in sample.turn_items:
                 error = _item_error(item, data_stamp, hw)
                 if error:
                     problem(sample.index, image, error)

@@ -33,6 +33,7 @@ from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
+from qwenvl_prep.lf_rules import record_problem
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
@@ -41,7 +42,7 @@ SHAREGPT_ENTRY = {
     "formatting": "sharegpt",
     "columns": {"messages": "messages", "images": "images"},
     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-             "system_tag": "system"},
+             "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
 }
 CHUNK = 1024
 
@@ -78,6 +79,7 @@ class Result:
     boxes: int = 0
     points: int = 0
     exif_baked: int = 0
+    tools: int = 0
 
 
 class ConvertError(ValueError):
@@ -155,10 +157,12 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
             raise record
+        if (problem := record_problem(record)) is not None:
+            raise RecordError(problem)
         images = [_resolve(p, job) for p in record["images"]]
         image = images[0] if images else None
-        answers = [m for m in record["messages"] if m["role"] in ("user", "assistant")]  # boxes in prompts too
-        parsed = [parse_answer(m["content"]) for m in answers]
+        turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
+        parsed = [parse_answer(m["content"]) for m in turns]
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         if not items:
@@ -189,13 +193,15 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                     hw = info.displayed_hw
                     result.exif_baked = 1
             transform = _transformer(job, hw)
-            for message, answer in zip(answers, parsed):
-                message["content"] = answer.rewrite(transform)
+            for turn, answer in zip(turns, parsed):
+                turn["content"] = answer.rewrite(transform)
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
-        if record.get("meta") is not None:
-            out["meta"] = record["meta"]
+        for key in ("tools", "meta"):
+            if record.get(key) is not None:
+                out[key] = record[key]
+        result.tools = int("tools" in out)
         result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
@@ -338,7 +344,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise stopped
     if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
-    _register(opts)
+    _register(opts, tools=stats["tools"] > 0)
     return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True)
 
 
@@ -354,7 +360,7 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
     first, errors = True, None
     for result in tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True):
         stats["records"] += 1
-        for key in ("passthrough", "boxes", "points", "exif_baked"):
+        for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
         if result.error is not None:
             if errors is None:
@@ -407,10 +413,13 @@ class Abort(Exception):
         self.summary = summary
 
 
-def _register(opts: ConvertOptions) -> None:
-    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched."""
+def _register(opts: ConvertOptions, tools: bool) -> None:
+    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched. The
+    ``tools`` column is mapped when a record carries tool definitions (LF reads it only when mapped)."""
     name = opts.dataset_name or opts.output.stem
-    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
+    columns = {**SHAREGPT_ENTRY["columns"], **({"tools": "tools"} if tools else {})}
+    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, "columns": columns,
+             STAMP_KEY: _written_stamp(opts).to_dict()}
     merge_dataset_info(opts.output.parent, name, entry)
 
 
