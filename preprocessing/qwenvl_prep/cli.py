@@ -141,19 +141,31 @@ def _fix_config(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from qwenvl_prep.atomic import atomic_writer
     from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.outputs import Outputs
     from qwenvl_prep.predict import Predictor
 
+    registries = []
     if args.dataset:
         ref = resolve_dataset(str(args.dataset))
         from qwenvl_prep.dataset import iter_samples
 
         jobs = [(s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+        registries = [ref.media_dir]
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images with --prompt")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []), *(image for image, _, _ in jobs)],
+                    registries)
+    if args.output:
+        guard.check(args.output, "-o")
+    drawings = []
+    if args.draw:
+        from qwenvl_prep.draw import prediction_paths
+
+        drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
     predictor = Predictor(args.model_dir, args.max_new_tokens)
     from tqdm import tqdm
 
@@ -175,15 +187,17 @@ def _predict(args: argparse.Namespace) -> int:
     if args.draw:
         from qwenvl_prep.draw import draw_predictions
 
-        draw_predictions(rows, args.draw)
+        draw_predictions(rows, drawings)
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.atomic import write_json
     from qwenvl_prep.evaluate import evaluate, format_table, plot
+    from qwenvl_prep.outputs import guard_dataset_outputs
 
     ref, stamp = _stamped_dataset(args)
+    guard_dataset_outputs(ref, [args.predictions], {"--json-out": args.json_out, "--plot": args.plot})
     result = evaluate(ref, stamp, args.predictions)
     if args.json_out:
         write_json(args.json_out, result)

@@ -34,6 +34,7 @@ from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.lf_rules import record_problem
+from qwenvl_prep.outputs import check_output
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
@@ -376,7 +377,8 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
 
 
 def _check_outputs(opts: ConvertOptions) -> None:
-    """Refuse, before anything is written, outputs that would clobber an input, the registry or each other."""
+    """Refuse, before anything is written, outputs that would clobber an input, the registry, a file another
+    registry entry uses, a link's target, or each other."""
     output, registry = opts.output.resolve(), (opts.output.parent / "dataset_info.json").resolve()
     errors = (opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl"))
     if output.is_dir():
@@ -389,19 +391,16 @@ def _check_outputs(opts: ConvertOptions) -> None:
     taken = {opts.input.resolve(): "the input", output: "the output (-o)", registry: "the registry dataset_info.json"}
     if errors.resolve() in taken:
         raise ConvertError(f"--errors {errors} is {taken[errors.resolve()]}; it would be overwritten")
-    if errors.resolve().is_dir():
-        raise ConvertError(f"--errors {errors} is a directory")
-    folder = output.parent if output.parent.exists() else None
-    if folder is not None and not os.access(folder, os.W_OK):
-        raise ConvertError(f"output folder {folder} is not writable")
     if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
         raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
     name = opts.dataset_name or opts.output.stem
+    check_output(opts.output, "output", inputs=[opts.input], own_entry=name)
+    check_output(errors, "--errors", inputs=[opts.input])
     entry = read_dataset_info(opts.output.parent).get(name)
     if entry is not None and not opts.overwrite:
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
-        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); "
-                           "pass --overwrite to replace it, or --dataset-name to add another")
+        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); pass "
+                           "--overwrite to replace it, or add another with both another -o and --dataset-name")
 
 
 class Abort(Exception):
@@ -429,7 +428,7 @@ def merge_dataset_info(folder: Path, name: str, entry: dict[str, Any]) -> None:
     with exclusive(info_path):
         info = read_dataset_info(folder)
         info[name] = entry
-        write_json(info_path, info)
+        write_json(info_path, info, follow_symlink=True)  # a shared registry linked into the folder stays shared
 
 
 def _written_stamp(opts: ConvertOptions) -> Stamp:
