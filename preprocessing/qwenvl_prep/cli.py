@@ -8,12 +8,14 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
+from qwenvl_prep.workers import one_line_warnings
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -47,6 +49,21 @@ def _shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise argparse.ArgumentTypeError(f"--shard i/n needs 0 <= i < n, got {text!r}")
     return index, count
+
+
+def _count(least: int):
+    """An argparse type: an integer >= ``least`` (a negative --workers or --sample is a mistake, not a default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
 
 
 def _print_summary(summary: dict, code: int) -> int:
@@ -155,8 +172,6 @@ def _predict(args: argparse.Namespace) -> int:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images with --prompt")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []), *(image for image, _, _ in jobs)],
                     registries)
     if args.output:
@@ -269,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
-    conv.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel worker processes")
+    conv.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1, help="parallel worker processes")
     conv.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="convert records with index %% N == I")
     conv.add_argument("--skip-bad", action="store_true", help="drop bad records (listed in the error report), exit 0")
     conv.add_argument("--errors", type=Path, help="error report path (default: OUTPUT.errors.jsonl)")
@@ -303,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
     cur.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's)")
     cur.add_argument("--exif", choices=["error", "bake", "raw"], default="error")
-    cur.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    cur.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1)
     cur.add_argument("--dataset-name", help="dataset name prefix (default: the input's stem)")
     cur.add_argument("--overwrite", action="store_true", help="replace existing stage YAMLs")
     cur.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -320,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("datasets", nargs="*", help="dataset_info names or files (default: the YAML's dataset list)")
     chk.add_argument("--yaml", required=True, metavar="TRAIN.yaml", help="the LLaMA-Factory training YAML")
     chk.add_argument("--decode", action="store_true", help="fully decode every image (parallel), not just headers")
-    chk.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    chk.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1)
     chk.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     chk.set_defaults(func=_check)
 
@@ -334,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     drw.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     drw.add_argument("--dataset-dir", default=".", help="folder of dataset_info.json when DATASET is a name")
     drw.add_argument("--frame", choices=["original", "model"], default="original")
-    drw.add_argument("--sample", type=int, default=16, help="number of records to draw, 0 = all (default: %(default)s)")
+    drw.add_argument("--sample", type=_count(0), default=16, help="number of records to draw, 0 = all (default: %(default)s)")
     drw.add_argument("--seed", type=int, default=0)
     drw.add_argument("--predictions", type=Path,
                      help="JSONL aligned with the dataset by order, with a 'predict' field (LF generated_predictions)")
@@ -367,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
-    pred.add_argument("--max-new-tokens", type=int, default=128)
-    pred.add_argument("--batch-size", type=int, default=8, help="images per generate call (left-padded, greedy)")
+    pred.add_argument("--max-new-tokens", type=_count(1), default=128)
+    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded, greedy)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -421,15 +436,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # unwind: temps removed, workers stopped
+    shown = warnings.showwarning
+    one_line_warnings(f"qwenvl-prep {args.command}")
     try:
         return func(args)
-    except (FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # OSError: a folder not writable, a disk full, ...
         print(f"qwenvl-prep {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"qwenvl-prep {args.command}: interrupted; nothing partial was left behind", file=sys.stderr)
         return 130
     finally:
+        warnings.showwarning = shown
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.lf_rules import record_problem
 from qwenvl_prep.outputs import check_output
 from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
+from qwenvl_prep.workers import init_worker
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -98,10 +98,9 @@ def _set_job(job: Job) -> None:
 
 
 def _init_worker(job: Job) -> None:
-    """Pool workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or
-    SIGTERM)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """Pool workers leave interrupts to the parent, which stops them, and die with it (``workers.init_worker``: no
+    traceback per worker on Ctrl-C, SIGTERM or a killed parent)."""
+    init_worker("qwenvl-prep convert")
     _set_job(job)
 
 
@@ -280,6 +279,21 @@ def _records(opts: ConvertOptions, fmt: str) -> Iterator[tuple[int, Any]]:
             yield index, record
 
 
+def _check_coco_prompt(prompt: str | None) -> None:
+    """A --coco-prompt that every record can use: ``{category}`` its only placeholder, no ``<image>`` tag (convert
+    puts one before the prompt)."""
+    if prompt is None:
+        return
+    try:
+        prompt.format(category="cat")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConvertError(f"--coco-prompt {prompt!r} cannot be filled in ({type(exc).__name__}: {exc}); its only "
+                           "placeholder is {category} (write {{ and }} for literal braces)") from None
+    if "<image>" in prompt:
+        raise ConvertError(f"--coco-prompt {prompt!r} has an <image> tag; convert puts the image's tag before the "
+                           "prompt, so drop it")
+
+
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
     while chunk := list(itertools.islice(items, size)):
         yield chunk
@@ -325,6 +339,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
+    if fmt == "coco":
+        _check_coco_prompt(opts.coco_prompt)
     job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
               str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")

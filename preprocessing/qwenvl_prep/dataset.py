@@ -48,7 +48,12 @@ def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) ->
     entry = read_dataset_info(folder).get(name_or_path)
     if not isinstance(entry, dict) or "file_name" not in entry:
         raise ValueError(f"dataset {name_or_path!r} is neither a file nor an entry of {folder}/dataset_info.json")
-    return DatasetRef(name_or_path, folder / entry["file_name"], folder, stamp_of(entry), entry)
+    path = folder / str(entry["file_name"])
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not found"
+        raise ValueError(f"dataset {name_or_path!r} in {folder}/dataset_info.json names file_name "
+                         f"{entry['file_name']!r}, which is {what}: qwenvl-prep reads a dataset stored in one file")
+    return DatasetRef(name_or_path, path, folder, stamp_of(entry), entry)
 
 
 def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
@@ -75,14 +80,19 @@ def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Any]:
-    """The values of a JSONL file, streamed; a bad line is a ValueError naming the file and the line."""
-    with open(path, encoding="utf-8") as f:
+    """The values of a JSONL file, streamed; a bad line is a ValueError naming the file and the line. A UTF-8
+    byte-order mark is skipped, as convert skips it."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path} is {'a folder' if Path(path).is_dir() else 'not found'}, not a JSONL file")
+    with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except ValueError as exc:
+                yield json.loads(line.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
                 raise ValueError(f"{path} line {number} is not valid JSON ({exc})") from None
 
 

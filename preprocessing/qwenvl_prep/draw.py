@@ -15,7 +15,8 @@ from llamafactory_qwenvl_patch.image_io.images import decode, model_input_image,
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples, load_jsonl
+from qwenvl_prep.alignment import aligned
+from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples
 from qwenvl_prep.outputs import Outputs
 
 GT_COLOR = (60, 200, 60)  # BGR green
@@ -102,7 +103,7 @@ def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", 
     output path is checked (``outputs``: inside ``out_dir``, never an input or a registered file) before the first
     is written."""
     samples = [s for s in iter_samples(ref) if not s.error and len(s.images) == 1]
-    preds = [row.get("predict", row.get("prediction", "")) for row in load_jsonl(predictions)] if predictions else None
+    preds = [text for _, _, text in aligned(ref, predictions)] if predictions else None  # checked as eval checks
     chosen = samples if sample <= 0 or sample >= len(samples) else random.Random(seed).sample(samples, sample)
     chosen.sort(key=lambda s: s.index)
     stem = safe_stem(ref.name)
