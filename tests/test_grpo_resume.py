@@ -116,3 +116,47 @@ def test_a_run_killed_inside_a_reuse_window_resumes_as_the_same_run(runs):
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     moved = adapter(runs["whole"] / "checkpoint-3")
     assert any(not torch.equal(expected[name], moved[name]) for name in expected)  # steps 4-6 changed the weights
+
+
+def test_completeness_rules(tmp_path):
+    """Which checkpoint a relaunch resumes from: with markers, the marker (and the sizes it lists) decide; a run
+    written before markers existed is judged by its files; a log line cut short by a kill is dropped."""
+    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete, mark_complete, trim_jsonl
+
+    def checkpoint(step: int, state: bool = True, empty: str | None = None) -> Path:
+        folder = tmp_path / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"weights")
+        if state:
+            (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        if empty:
+            (folder / empty).write_bytes(b"")
+        return folder
+
+    checkpoint(2), checkpoint(4, empty="processor_config.json"), checkpoint(6, state=False)
+    best, skipped = last_complete(tmp_path / "run")  # no markers anywhere: the files decide
+    assert best.endswith("checkpoint-2") and [(Path(f).name, why) for f, why in skipped] == [
+        ("checkpoint-6", "no readable trainer_state.json"), ("checkpoint-4", "processor_config.json is empty")]
+    mark_complete(tmp_path / "run" / "checkpoint-2", 2)
+    marked = checkpoint(8)
+    mark_complete(marked, 8)
+    (marked / "adapter_model.safetensors").write_bytes(b"cut")  # changed after its marker was written
+    best, skipped = last_complete(tmp_path / "run")
+    assert best.endswith("checkpoint-2") and [Path(f).name for f, _ in skipped] == [
+        "checkpoint-8", "checkpoint-6", "checkpoint-4"]
+    assert "adapter_model.safetensors is missing or has another size" in checkpoint_problem(marked)
+    assert "no complete-marker" in checkpoint_problem(tmp_path / "run" / "checkpoint-4")
+    from types import SimpleNamespace
+
+    from llamafactory_qwenvl_patch.grpo.workflow import _resume_point
+
+    warnings: list[str] = []
+    logger = SimpleNamespace(warning_rank0=warnings.append)
+    args = SimpleNamespace(resume_from_checkpoint=str(marked), output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="resume_from_checkpoint .*checkpoint-8 cannot be resumed from"):
+        _resume_point(args, True, logger)  # named in the YAML: an error, never a silent substitute
+    assert _resume_point(args, False, logger).endswith("checkpoint-2") and len(warnings) == 4  # picked by LF
+    log = tmp_path / "trainer_log.jsonl"
+    log.write_text("".join(json.dumps({"current_steps": s}) + "\n" for s in range(1, 6)) + '{"current_st')
+    assert trim_jsonl(log, lambda row: row["current_steps"] <= 3) == 3
+    assert [json.loads(line)["current_steps"] for line in log.read_text().splitlines()] == [1, 2, 3]

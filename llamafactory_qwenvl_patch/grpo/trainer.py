@@ -82,11 +82,24 @@ class _Resumable(TrainerCallback):
                                  state.global_step)
 
 
+def _require_trainer_hooks() -> None:
+    """The Trainer methods a resumed run relies on (``_save_checkpoint`` and ``_load_rng_state`` are overridden);
+    if transformers renamed them, resuming would silently sample a new rollout."""
+    import transformers
+
+    missing = [name for name in ("_save_checkpoint", "_load_rng_state") if not callable(getattr(Trainer, name, None))]
+    if missing:
+        raise RuntimeError(f"transformers {transformers.__version__} has no Trainer.{', Trainer.'.join(missing)}, "
+                           "which stage: grpo overrides to resume a run as the same run; install the tested set "
+                           "(pip install -c constraints.txt)")
+
+
 class GRPOTrainer(Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
                  suppress_token_ids: list[int], processor: Any, tokenizer: Any, vllm_engine: Any = None,
                  **kwargs: Any) -> None:
+        _require_trainer_hooks()
         super().__init__(processing_class=processor or tokenizer, **kwargs)
         self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
         self.fa = finetuning_args

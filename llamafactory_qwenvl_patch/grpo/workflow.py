@@ -152,7 +152,8 @@ def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
 
 def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
              explicit: set[str] = frozenset()) -> None:
-    """``explicit``: the sampling keys the user set (the others get GRPO's no-truncation defaults)."""
+    """``explicit``: the keys the user set (sampling keys they did not set get GRPO's no-truncation defaults; a
+    ``resume_from_checkpoint`` they did not set was LF's automatic choice)."""
     data = lf_compat.require_module("llamafactory.data", ["MultiModalDataCollatorForSeq2Seq", "get_dataset",
                                                           "get_template_and_fix_tokenizer"])
     model_mod = lf_compat.require_module("llamafactory.model", ["load_model", "load_tokenizer"])
