@@ -82,6 +82,40 @@ def _walk(value: Any, visit: Callable[[str, Any, dict], Any]) -> None:
             _walk(inner, visit)
 
 
+def _coordinate_ordinals(value: Any, out: list[list[int]], seen: list[int]) -> bool:
+    """``_walk``'s order over a parsed value: append, per coordinate list, the ordinals of its numbers among all the
+    value's numbers in text order (``seen[0]`` counts them). False when coordinates sit inside a string
+    (double-encoded JSON): their place in the text needs ``json_text.spans``."""
+    if isinstance(value, Number):
+        seen[0] += 1
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            if key in COORD_KEYS and isinstance(child, list) and all(isinstance(v, Number) for v in child):
+                out.append(list(range(seen[0], seen[0] + len(child))))
+                seen[0] += len(child)
+            elif not _coordinate_ordinals(child, out, seen):
+                return False
+    elif isinstance(value, list):
+        return all(_coordinate_ordinals(child, out, seen) for child in value)
+    elif isinstance(value, str) and any(k in value for k in COORD_KEYS):
+        inner = _loads(value)
+        return inner is None or not _has_coords(inner)
+    return True
+
+
+def _site_spans(text: str, site: "_Site", out: list[list[tuple[int, int]]]) -> None:
+    """Where the numbers of each coordinate list of a JSON site lie in ``text``: by counting numbers (fast), or,
+    for coordinates inside a string, by walking the site's tokens (``json_text.spans``)."""
+    ordinals: list[list[int]] = []
+    seen = [0]
+    if _coordinate_ordinals(site.value, ordinals, seen):
+        numbers = json_text.number_spans(text, site.start, site.end)
+        if len(numbers) == seen[0]:
+            out.extend([numbers[i] for i in row] for row in ordinals)
+            return
+    _coordinate_spans(json_text.spans(text, site.start)[0], lambda i: i, out)
+
+
 def _coordinate_spans(tree: Any, where: Callable[[int], int], out: list[list[tuple[int, int]]]) -> None:
     """``_walk``'s order over a ``json_text.spans`` tree: append, per coordinate list, where its numbers lie in the
     text (``where`` maps a position inside a decoded string back to the text)."""
@@ -223,7 +257,7 @@ class ParsedAnswer:
                 match = _BOX_TOKENS.match(self.text, site.start)
                 where.append([match.span(g) for g in range(1, 5)])
             else:
-                _coordinate_spans(json_text.spans(self.text, site.start)[0], lambda i: i, where)
+                _site_spans(self.text, site, where)
         if [len(w) for w in where] != [len(item.coords) for item in self.items]:
             raise RuntimeError(f"coordinates found twice in different places in {self.text[:200]!r}; please report")
         edits = sorted((span, _format_number(v)) for item, spans in zip(self.items, where)

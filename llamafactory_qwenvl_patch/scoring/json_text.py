@@ -43,7 +43,8 @@ class Number:
     @property
     def value(self) -> int | float:
         """The Python number: an int for integer syntax (any size), else a float."""
-        return float(self.text) if any(c in self.text for c in ".eE") else int(self.text)
+        text = self.text
+        return float(text) if "." in text or "e" in text or "E" in text else int(text)
 
     def __str__(self) -> str:
         return self.text
@@ -90,8 +91,9 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def _bounded(value: Any) -> Any:
-    if depth(value) > MAX_DEPTH:
+def _bounded(value: Any, brackets: int | None = None) -> Any:
+    """``value``, or TooDeepError; ``brackets`` (how many the text held) skips the walk when they are too few."""
+    if (brackets is None or brackets > MAX_DEPTH) and depth(value) > MAX_DEPTH:
         raise TooDeepError()
     return value
 
@@ -101,9 +103,10 @@ def loads(text: str, allow_nan: bool = False) -> Any:
     error) when it cannot be taken as written. ``allow_nan``: read ``NaN`` and ``Infinity`` as Python floats (as
     ``json.loads`` does), for callers that name them as bad values themselves."""
     try:
-        return _bounded((_LENIENT if allow_nan else _STRICT).decode(text))
+        value = (_LENIENT if allow_nan else _STRICT).decode(text)
     except RecursionError:
         raise TooDeepError() from None
+    return _bounded(value, text.count("[") + text.count("{"))
 
 
 def raw_decode(text: str, start: int = 0, allow_nan: bool = False) -> tuple[Any, int]:
@@ -112,7 +115,7 @@ def raw_decode(text: str, start: int = 0, allow_nan: bool = False) -> tuple[Any,
         value, end = (_LENIENT if allow_nan else _STRICT).raw_decode(text, start)
     except RecursionError:
         raise TooDeepError() from None
-    return _bounded(value), end
+    return _bounded(value, text.count("[", start, end) + text.count("{", start, end)), end
 
 
 def plain(value: Any) -> Any:
@@ -155,6 +158,15 @@ def dumps(value: Any, separators: tuple[str, str] = (",", ":")) -> str:
 
 
 # --- where values lie in a JSON text ----------------------------------------------------------------------------
+
+_NUMBER_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)', re.DOTALL)
+
+
+def number_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Where each number of the JSON text ``text[start:end]`` lies, in text order (numbers inside strings are text,
+    not numbers): the order in which ``loads`` creates its ``Number`` objects."""
+    return [m.span(1) for m in _NUMBER_OR_STRING.finditer(text, start, end) if m.group(1) is not None]
+
 
 _TOKEN = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)|([\[\]{},:])'
                     r"|(true|false|null|NaN|-?Infinity))", re.DOTALL)
