@@ -608,6 +608,7 @@ def test_malformed_exif_huge_integers_and_broken_stamps_are_named(tmp_path, caps
     capsys.readouterr()
     assert main(["eval", str(out), "--predictions", str(tmp_path / "none.jsonl")]) == 2
     assert "qwenvl_policy stamp" in (err := capsys.readouterr().err) and "lacks factor" in err
+    assert f"dataset 'train' in {info_path}" in err  # issue 22, item 11: the message names the registry
 
 
 # --- issue 22: items 8-11 -----------------------------------------------------------------------------------------

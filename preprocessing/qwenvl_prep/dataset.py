@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_items
-from llamafactory_qwenvl_patch.frame.stamp import Stamp, read_dataset_info, stamp_of
+from llamafactory_qwenvl_patch.frame.stamp import Stamp, StampError, read_dataset_info, stamp_of
 from qwenvl_prep.lf_rules import entry_reader, record_problem
 from qwenvl_prep.readers import RecordError, iter_records
 
@@ -42,7 +42,7 @@ def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) ->
         folder = path.parent
         for name, entry in read_dataset_info(folder).items():
             if isinstance(entry, dict) and entry.get("file_name") == path.name:
-                return DatasetRef(name, path, folder, stamp_of(entry), entry)
+                return DatasetRef(name, path, folder, _stamp(entry, name, folder), entry)
         return DatasetRef(path.stem, path, folder, None)
     folder = Path(dataset_dir or ".")
     entry = read_dataset_info(folder).get(name_or_path)
@@ -53,7 +53,14 @@ def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) ->
         what = "a folder" if path.is_dir() else "not found"
         raise ValueError(f"dataset {name_or_path!r} in {folder}/dataset_info.json names file_name "
                          f"{entry['file_name']!r}, which is {what}: qwenvl-prep reads a dataset stored in one file")
-    return DatasetRef(name_or_path, path, folder, stamp_of(entry), entry)
+    return DatasetRef(name_or_path, path, folder, _stamp(entry, name_or_path, folder), entry)
+
+
+def _stamp(entry: dict, name: str, folder: Path) -> Stamp | None:
+    try:
+        return stamp_of(entry)
+    except StampError as exc:
+        raise StampError(f"dataset {name!r} in {folder / 'dataset_info.json'}: {exc}") from None
 
 
 def iter_samples(ref: DatasetRef) -> Iterator[Sample]:

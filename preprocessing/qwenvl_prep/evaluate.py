@@ -37,7 +37,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
     index = -1
     for index, sample, text in aligned(ref, predictions):
         if sample.error:
-            raise AlignmentError(f"dataset record {index} cannot be evaluated: {sample.error}")
+            raise AlignmentError(f"record {index} of {ref.path} cannot be evaluated: {sample.error}")
         if not sample.items:
             truth = reference_value(sample.answer)
             if truth is None:
@@ -46,7 +46,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
                 fields.add(score_fields(text, truth))
             continue
         if len(sample.images) != 1:
-            raise AlignmentError(f"dataset record {index} has boxes and {len(sample.images)} images; needs 1")
+            raise AlignmentError(f"record {index} of {ref.path} has boxes and {len(sample.images)} images; needs 1")
         info = read_info(sample.images[0])
         hw = info.hw
         model_hw = stamp.policy.model_size(*hw)
