@@ -213,7 +213,7 @@ def test_what_convert_writes_lf_loads_and_what_it_cannot_carry_is_an_error_row(t
     cases = {  # per input format: (records LF must load, {what the error row says: a refused record})
         "sharegpt": ([{"messages": [user, answer], "images": ["photo.jpg"], "system": "You locate things."},
                       agent_record([200, 100, 1800, 900])], {
-            "starts with a assistant": {"messages": [answer, user, answer], "images": ["photo.jpg"]},
+            "starts with an assistant": {"messages": [answer, user, answer], "images": ["photo.jpg"]},
             "ends with a user": {"messages": [user, answer, {"role": "user", "content": "More?"}],
                                  "images": ["photo.jpg"]},
             "system turn only first": {"messages": [user, {"role": "system", "content": "S"}, answer],
@@ -236,7 +236,7 @@ def test_what_convert_writes_lf_loads_and_what_it_cannot_carry_is_an_error_row(t
         "jsonl": ([{"image": "photo.jpg", "question": "Find it.", "answer": box}], {
             "1 image(s) but 2 <image> tag(s)": {"image": "photo.jpg", "question": "<image><image>Find it.",
                                                 "answer": box},
-            "an <image> tag in a assistant turn": {"image": "photo.jpg", "question": "Find it.",
+            "an <image> tag in an assistant turn": {"image": "photo.jpg", "question": "Find it.",
                                                    "answer": "<image>" + box}}),
     }
     written = {}
@@ -259,3 +259,28 @@ def test_what_convert_writes_lf_loads_and_what_it_cannot_carry_is_an_error_row(t
     _, _, dataset = lf_sft_dataset(tiny_model, data_dir, tmp_path / "lf", dataset="sharegpt,alpaca,jsonl",
                                    image_min_pixels=MIN, image_max_pixels=MAX)
     assert len(dataset) == sum(len(accepted) for accepted, _ in cases.values())  # LF's own loader drops none
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='ab"\\[]{},: é\n', max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                       max_size=3), max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(items=st.lists(JSON_VALUES, max_size=5), indent=st.sampled_from([None, 1]), chunk=st.integers(1, 64))
+def test_json_arrays_are_split_into_their_records_as_written(items, indent, chunk):
+    """JSON arrays are read record by record as raw text (ijson rounded numbers and kept the last of two equal
+    keys): whatever the strings hold (quotes, brackets, escapes) and wherever a read ends."""
+    import io
+
+    from qwenvl_prep import json_array
+
+    text = json.dumps(items, indent=indent, ensure_ascii=False)
+    original, json_array.CHUNK = json_array.CHUNK, chunk
+    try:
+        raw = list(json_array.iter_array_items(io.BytesIO(text.encode())))
+    finally:
+        json_array.CHUNK = original
+    assert [json.loads(item) for item in raw] == items
+    with pytest.raises(json_array.ArraySyntaxError):
+        list(json_array.iter_array_items(io.BytesIO(text.encode()[:-1] + b"x")))

@@ -24,6 +24,10 @@ _DEFAULT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 
 
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def record_problem(record: dict[str, Any]) -> str | None:
     """Why LF would drop or refuse a canonical record (``{"messages": [{"role", "content"}], "images": [...]}``),
     None when it loads it. Roles: an optional system turn first, then user or observation turns and assistant or
@@ -35,17 +39,18 @@ def record_problem(record: dict[str, Any]) -> str | None:
         expected = USER_SIDE if position % 2 == 0 else MODEL_SIDE
         if turn["role"] not in expected:
             where = "starts with" if position == 0 else f"has at turn {position + 1 + len(messages) - len(turns)}"
-            return (f"the record {where} a {turn['role']} turn where LLaMA-Factory expects {' or '.join(expected)} "
-                    "(a system turn only first, then user and assistant turns alternating); LF would drop it")
+            return (f"the record {where} {_a(turn['role'])} turn where LLaMA-Factory expects "
+                    f"{' or '.join(expected)} (a system turn only first, then user and assistant turns alternating); "
+                    "LF would drop it")
     if len(turns) % 2 or not turns:
-        return (f"the record ends with a {turns[-1]['role'] if turns else 'system'} turn: LLaMA-Factory needs a "
+        return (f"the record ends with {_a(turns[-1]['role'] if turns else 'system')} turn: LLaMA-Factory needs a "
                 "final assistant (or function_call) turn to train on and would drop it")
     for tag in OTHER_MEDIA_TAGS:
         if any(tag in m["content"] for m in messages):
             return f"the record has a {tag} tag: convert carries still images only, and LF fails on a tag without media"
     misplaced = sorted({m["role"] for m in messages if m["role"] not in USER_SIDE and "<image>" in m["content"]})
     if misplaced:
-        return (f"an <image> tag in a {' and '.join(misplaced)} turn: LLaMA-Factory would expand it into image tokens "
+        return (f"an <image> tag in {_a(' and '.join(misplaced))} turn: LLaMA-Factory would expand it into image tokens "
                 "there; tags belong in user (or observation) turns")
     tags = sum(m["content"].count("<image>") for m in messages)
     if tags != len(record["images"]):
