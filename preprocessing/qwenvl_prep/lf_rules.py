@@ -25,7 +25,7 @@ _DEFAULT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
 
 
 def _a(word: str) -> str:
-    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+    return f"{'an' if word[:1] in 'aeio' else 'a'} {word}"  # a user, an assistant
 
 
 def record_problem(record: dict[str, Any]) -> str | None:
