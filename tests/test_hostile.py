@@ -662,9 +662,9 @@ def test_user_mistakes_are_one_line_not_a_traceback(tmp_path, capsys):
         (["eval", str(out), "--predictions", str(tmp_path)], "is a folder"),
         (["eval", "dot", "--dataset-dir", str(out.parent), "--predictions", str(predictions)], "which is a folder"),
         (["convert", str(coco), "-o", str(tmp_path / "c" / "t.json"), "--coco-prompt", "Find {thing}.", *policy],
-         "--coco-prompt 'Find {thing}.' cannot be filled in"),
+         "--coco-prompt 'Find {thing}.': the only placeholder is {category}"),
         (["convert", str(coco), "-o", str(tmp_path / "c" / "t.json"), "--coco-prompt", "<image>Find {category}.",
-          *policy], "has an <image> tag"),
+          *policy], "--coco-prompt must not contain <image>"),
     ]
     for args, expected in cases:
         assert main(args) == 2, args

@@ -306,7 +306,10 @@ def not_present(text: str) -> bool:
     field-extraction array; as a model's answer, the right answer to such a record."""
     stripped = text.strip()
     fence = FENCE.fullmatch(stripped)
-    return _loads(fence.group(1) if fence else stripped) == []
+    return _EMPTY_LIST.fullmatch(fence.group(1) if fence else stripped) is not None
+
+
+_EMPTY_LIST = re.compile(r"\s*\[\s*\]\s*")
 
 
 _BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
