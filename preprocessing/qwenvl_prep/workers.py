@@ -24,9 +24,11 @@ def one_line_warnings(prog: str) -> None:
 
 def init_worker(prog: str = "qwenvl-prep") -> None:
     """Pool initializer: Ctrl-C and SIGTERM are the parent's to handle (it stops the pool); the worker is sent
-    SIGTERM when its parent dies (Linux), and warnings stay one line."""
+    SIGTERM when its parent dies (Linux) and dies of SIGPIPE if it hands back a result first (the two race when the
+    parent is killed), and warnings stay one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a write to a dead parent's pipe ends the worker, silently
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: an orphan ends when it finds its pipe closed
