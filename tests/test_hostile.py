@@ -679,8 +679,7 @@ def test_orphaned_workers_end_quietly(tmp_path):
 
     process, _ = convert_mid_run(tmp_path)
     process.send_signal(signal.SIGKILL)
-    err = process.stderr.read()  # EOF only once every worker holding the pipe has ended
-    process.wait(timeout=60)
+    _, err = process.communicate(timeout=120)  # EOF only once every worker holding the pipe has ended
     assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 

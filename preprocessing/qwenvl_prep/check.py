@@ -6,6 +6,7 @@ stock LLaMA-Factory (without the plugin) would do to these labels.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ def _decode_all(jobs: list[tuple[int, str]], workers: int) -> Iterator[tuple[int
     if not jobs:
         return
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("forkserver"),
-                             initializer=init_worker, initargs=("qwenvl-prep check",)) as pool:
+                             initializer=init_worker, initargs=("qwenvl-prep check", os.getpid())) as pool:
         for (index, image), error in zip(jobs, pool.map(_decode, [p for _, p in jobs], chunksize=16)):
             if error:
                 yield index, image, error

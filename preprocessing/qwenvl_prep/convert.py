@@ -101,10 +101,10 @@ def _set_job(job: Job) -> None:
     _info_cache.clear()
 
 
-def _init_worker(job: Job) -> None:
+def _init_worker(job: Job, parent_pid: int) -> None:
     """Pool workers leave interrupts to the parent, which stops them, and die with it (``workers.init_worker``: no
     traceback per worker on Ctrl-C, SIGTERM or a killed parent)."""
-    init_worker("qwenvl-prep convert")
+    init_worker("qwenvl-prep convert", parent_pid)
     _set_job(job)
 
 
@@ -324,7 +324,7 @@ def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Resul
         for chunk in chunks:
             yield from _convert_chunk(chunk)
         return
-    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
+    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job, os.getpid())) as pool:
         for results in pool.imap(_convert_chunk, chunks):
             yield from results
 
