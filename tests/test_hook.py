@@ -89,7 +89,6 @@ def test_pinned_template_is_a_copy_and_shared_plugin_untouched(tiny_model):
     from llamafactory.data.template import TEMPLATES, get_template_and_fix_tokenizer
     from llamafactory.hparams import get_train_args
     from llamafactory.model import load_tokenizer
-
     from transformers import Qwen2VLImageProcessor
 
     from llamafactory_qwenvl_patch.integration.plugin import PinnedQwen2VLPlugin
