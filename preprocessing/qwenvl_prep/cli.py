@@ -206,6 +206,10 @@ def _demo(args: argparse.Namespace) -> int:
         from qwenvl_prep.demo import format_summary
 
         print(format_summary(summary), file=sys.stderr)
+    elif args.task == "gui":
+        from qwenvl_prep.demo_gui import format_gui_summary
+
+        print(format_gui_summary(summary), file=sys.stderr)
     return 0
 
 
@@ -395,16 +399,19 @@ def build_parser() -> argparse.ArgumentParser:
         "summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--minutes", type=float, default=3.0,
-                      help="grounding demo: SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
-                      "(%(default)s: the model learns to localise; less is a quicker smoke run)")
+    demo.add_argument("--minutes", type=float,
+                      help="grounding and gui demos: SFT training budget in minutes of 2 CPU cores, turned into a "
+                      "fixed step count (default 3 for grounding, GUI_MINUTES for gui: the model learns; less is a "
+                      "quicker smoke run)")
     demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,
-                      help="model family of the grounding demo (Qwen3-VL answers in 0-1000)")
-    demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",
-                      help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "
-                      "a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the blank-image "
-                      "control, field metrics")
+                      help="model family of the grounding and gui demos (Qwen3-VL answers in 0-1000)")
+    demo.add_argument("--task", choices=["grounding", "gui", "fields"], default="grounding",
+                      help="grounding (boxes, the default); gui: screenshots at real screen sizes written as a "
+                      "ScreenSpot file, 'click <label>' answered with a point, GRPO with click,click_dense,format, "
+                      "click accuracy by platform and element type; or fields: rendered invoices answered as JSON "
+                      "objects, a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the "
+                      "blank-image control, field metrics")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -1,0 +1,292 @@
+"""``qwenvl-prep demo OUT --task gui``: click grounding for GUI agents on CPU, on screenshots it draws itself.
+
+Draw app-like screenshots at real screen sizes (desktop 1920x1080, laptop 1280x800, phone 1170x2532, tablet
+2048x1536) with labelled buttons (``text``) and icons (``icon``), written as a ScreenSpot annotation file (``bbox``
+as left, top, width, height; ``instruction`` "click <label>"; ``data_type``, ``platform``) -> ``qwenvl-prep convert``
+(answers as ``point_2d`` in the model's frame, the truth box in ``meta``) -> check -> a small random-weight model ->
+``llamafactory-cli train`` (SFT from scratch, then GRPO with click, click_dense and format) -> export -> predict ->
+click accuracy on held-out screenshots by platform and element type, next to the untrained model and the training
+set's mean click point, all measured in the same run -> the clicks drawn on the original screenshots.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any, Iterator
+
+import cv2
+import numpy as np
+
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.scoring.clicks import click_hit, click_point
+from qwenvl_prep.dataset import load_jsonl
+from qwenvl_prep.demo_steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
+                                    new_run_folder, predict, run_step, sft_stage, small_model, write_jsonl,
+                                    write_yaml)
+
+SCREENS = {"desktop": (1920, 1080), "laptop": (1280, 800), "phone": (1170, 2532), "tablet": (2048, 1536)}
+# One colour and one icon shape per label, on every screen: at the demo's bounds a 1920x1080 screenshot becomes a
+# 280x168 model input (7x smaller), where label text is a few grey pixels; a ~1M-parameter model finds the element by
+# its colour, which the instruction's label names (a real model would also read the text, which is drawn too).
+LABELS = {"Delete": (50, 50, 210), "Save": (60, 170, 60), "Search": (210, 110, 40), "Share": (30, 150, 250),
+          "Settings": (170, 60, 150), "Home": (170, 170, 30)}
+SHAPES = {"Delete": "cross", "Save": "square", "Search": "circle", "Share": "triangle", "Settings": "diamond",
+          "Home": "house"}
+ELEMENTS_PER_SCREEN = (1, 3)
+BUTTON_SHARE = ((0.22, 0.32), (0.11, 0.15))  # button width and height as shares of the screen's short side
+ICON_SHARE = (0.13, 0.18)  # icon side as a share of the short side
+FONT = cv2.FONT_HERSHEY_SIMPLEX
+
+
+@dataclass(frozen=True)
+class Element:
+    label: str
+    kind: str  # "text" (a button with its label) or "icon" (a shape, its label written below)
+    box: tuple[int, int, int, int]  # x1, y1, x2, y2 in original pixels (x2, y2 exclusive)
+
+
+def _text(canvas: np.ndarray, text: str, centre: tuple[int, int], height: int, color: tuple[int, int, int],
+          width: int | None = None) -> None:
+    """``text`` centred on ``centre``, about ``height`` pixels tall and at most ``width`` wide."""
+    scale = height / cv2.getTextSize("Hg", FONT, 1.0, 1)[0][1]
+    if width is not None:
+        scale = min(scale, width / cv2.getTextSize(text, FONT, 1.0, 1)[0][0])
+    thickness = max(1, round(scale * 2))
+    (tw, th), _ = cv2.getTextSize(text, FONT, scale, thickness)
+    cv2.putText(canvas, text, (centre[0] - tw // 2, centre[1] + th // 2), FONT, scale, color, thickness, cv2.LINE_AA)
+
+
+def _icon(canvas: np.ndarray, shape: str, box: tuple[int, int, int, int], color: tuple[int, int, int]) -> None:
+    x1, y1, x2, y2 = box
+    cx, cy, r = (x1 + x2) // 2, (y1 + y2) // 2, (x2 - x1) * 2 // 5
+    cv2.rectangle(canvas, (x1, y1), (x2 - 1, y2 - 1), (250, 250, 250), -1)
+    cv2.rectangle(canvas, (x1, y1), (x2 - 1, y2 - 1), (200, 200, 200), max(1, r // 12))
+    points = {
+        "triangle": [(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)],
+        "diamond": [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)],
+        "house": [(cx, cy - r), (cx + r, cy), (cx + r, cy + r), (cx - r, cy + r), (cx - r, cy)],
+        "square": [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)],
+    }
+    if shape == "circle":
+        cv2.circle(canvas, (cx, cy), r, color, -1, cv2.LINE_AA)
+    elif shape == "cross":
+        cv2.line(canvas, (cx - r, cy - r), (cx + r, cy + r), color, max(2, r // 2), cv2.LINE_AA)
+        cv2.line(canvas, (cx - r, cy + r), (cx + r, cy - r), color, max(2, r // 2), cv2.LINE_AA)
+    else:
+        cv2.fillPoly(canvas, [np.array(points[shape], np.int32)], color, cv2.LINE_AA)
+
+
+def _free(box: tuple[int, int, int, int], taken: list[tuple[int, int, int, int]], gap: int) -> bool:
+    return all(box[2] + gap <= t[0] or t[2] + gap <= box[0] or box[3] + gap <= t[1] or t[3] + gap <= box[1]
+               for t in taken)
+
+
+def draw_screen(size: tuple[int, int], rng: random.Random) -> tuple[np.ndarray, list[Element]]:
+    """One app-like screenshot: a title bar, grey text lines and panels, and 2-4 elements with distinct labels."""
+    width, height = size
+    short = min(width, height)
+    canvas = np.full((height, width, 3), rng.randint(236, 252), np.uint8)
+    bar = round(short * 0.08)
+    cv2.rectangle(canvas, (0, 0), (width - 1, bar), (rng.randint(50, 90),) * 3, -1)
+    _text(canvas, rng.choice(("Files", "Mail", "Notes", "Photos", "Calendar")), (width // 2, bar // 2), bar // 3,
+          (235, 235, 235))
+    for _ in range(rng.randint(4, 9)):  # clutter in greys: paragraphs and panels
+        x, y = rng.randint(0, width - short // 4), rng.randint(bar + 4, height - short // 20)
+        if rng.random() < 0.3:
+            cv2.rectangle(canvas, (x, y), (x + rng.randint(short // 6, short // 2), y + rng.randint(short // 10, short // 4)),
+                          (rng.randint(215, 230),) * 3, -1)
+        else:
+            for line in range(rng.randint(1, 4)):
+                top = y + line * short // 30
+                cv2.rectangle(canvas, (x, top), (x + rng.randint(short // 8, short // 3), top + short // 90),
+                              (rng.randint(150, 190),) * 3, -1)
+    elements: list[Element] = []
+    taken: list[tuple[int, int, int, int]] = []  # element boxes with their labels below
+    gap = short // 40
+    for label in rng.sample(list(LABELS), rng.randint(*ELEMENTS_PER_SCREEN)):
+        kind = rng.choice(("text", "icon"))
+        if kind == "text":
+            w, h = round(short * rng.uniform(*BUTTON_SHARE[0])), round(short * rng.uniform(*BUTTON_SHARE[1]))
+        else:
+            w = h = round(short * rng.uniform(*ICON_SHARE))
+        below = round(h * 0.35) if kind == "icon" else 0  # the icon's label under it, outside its box
+        for _ in range(100):
+            x1, y1 = rng.randint(gap, width - w - gap), rng.randint(bar + gap, height - h - below - gap)
+            box = (x1, y1, x1 + w, y1 + h)
+            if _free((x1, y1, x1 + w, y1 + h + below), taken, gap):
+                break
+        else:
+            continue
+        if kind == "text":
+            cv2.rectangle(canvas, box[:2], (box[2] - 1, box[3] - 1), LABELS[label], -1)
+            _text(canvas, label, ((box[0] + box[2]) // 2, (box[1] + box[3]) // 2), h // 3, (255, 255, 255),
+                  w * 4 // 5)
+        else:
+            _icon(canvas, SHAPES[label], box, LABELS[label])
+            _text(canvas, label, ((box[0] + box[2]) // 2, box[3] + below // 2), below // 2, (70, 70, 70))
+        elements.append(Element(label, kind, box))
+        taken.append((x1, y1, x1 + w, y1 + h + below))
+    return canvas, elements
+
+
+@dataclass(frozen=True)
+class Shot:
+    """One screenshot on disk and every element on it (the distractors too, for the wrong-element rate)."""
+
+    name: str
+    platform: str
+    size: tuple[int, int]
+    elements: tuple[Element, ...]
+
+
+def synthesise_screens(folder: Path, seed: int) -> Iterator[Shot]:
+    """Screenshots without end, the platforms in turn, each written when it is drawn. Written as JPEG, not PNG as
+    most screenshots are: LF decodes every image at every step, and a 3-megapixel PNG decodes about 3.5x slower than
+    a JPEG (measured here), which would double a step of the small model."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    platforms = list(SCREENS)
+    for i in count():
+        platform = platforms[i % len(platforms)]
+        canvas, elements = draw_screen(SCREENS[platform], rng)
+        name = f"s{seed}_{i:04d}_{platform}.jpg"
+        cv2.imwrite(str(folder / name), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90])
+        yield Shot(name, platform, SCREENS[platform], tuple(elements))
+
+
+def screenspot_entries(shots: Iterator[Shot], total: int, per_shot: int, seed: int
+                       ) -> list[tuple[dict[str, Any], Shot]]:
+    """``total`` ScreenSpot annotations (``bbox`` as left, top, width, height in original pixels), up to
+    ``per_shot`` per screenshot, each naming another element on it, each with the screenshot it belongs to."""
+    rng = random.Random(seed)
+    entries: list[tuple[dict[str, Any], Shot]] = []
+    while len(entries) < total:
+        shot = next(shots)
+        for element in rng.sample(list(shot.elements), min(per_shot, len(shot.elements), total - len(entries))):
+            x1, y1, x2, y2 = element.box
+            entries.append(({"img_filename": shot.name, "bbox": [x1, y1, x2 - x1, y2 - y1],
+                             "instruction": f"click {element.label}", "data_type": element.kind,
+                             "data_source": "synthetic", "platform": shot.platform}, shot))
+    return entries
+
+
+def write_screenspot(path: Path, entries: list[tuple[dict[str, Any], Shot]]) -> Path:
+    path.write_text(json.dumps([entry for entry, _ in entries], indent=1))
+    return path
+
+
+PROMPT = "{instruction}. Answer with its point_2d in JSON."
+MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
+SFT_BATCH = 8
+PER_SHOT = 2  # training instructions per screenshot (each naming another element on it)
+MAX_TRAIN = 1200
+GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
+GRPO_PROMPTS = 64
+HELD_OUT, HELD_OUT_SMOKE = 200, 8
+
+
+def mean_click_predictions(train: list[tuple[dict[str, Any], Shot]], held_out: list[tuple[dict[str, Any], Shot]],
+                           image_dir: Path, policy: ResizePolicy, convention: str) -> list[dict[str, Any]]:
+    """The constant baseline: the training set's mean click point (the box centres, as shares of the screen's
+    sides) clicked on every held-out screenshot, written as ``qwenvl-prep predict`` rows in the model's convention."""
+    shares = [((x + w / 2) / shot.size[0], (y + h / 2) / shot.size[1])
+              for (x, y, w, h), shot in ((entry["bbox"], shot) for entry, shot in train)]
+    mx, my = (sum(column) / len(shares) for column in zip(*shares))
+    rows = []
+    for entry, shot in held_out:
+        width, height = shot.size
+        model_hw = policy.model_size(height, width)
+        point = convert_coords([mx * width, my * height], "orig", convention, (height, width), model_hw)
+        rows.append({"image": str(image_dir / entry["img_filename"]), "predict": json.dumps([{"point_2d": point}]),
+                     "orig_size": [width, height], "model_size": [model_hw[1], model_hw[0]], "coords": convention})
+    return rows
+
+
+def click_results(predictions: Path, held_out: list[tuple[dict[str, Any], Shot]]) -> dict[str, Any]:
+    """Click accuracy in original pixels (the click inside the truth box), overall and by platform and element
+    type, and how often the click lands on another element of the screenshot (the instruction not followed)."""
+    tallies: dict[str, list[int]] = {}
+    for row, (entry, shot) in zip(load_jsonl(predictions), held_out, strict=True):
+        width, height = row["orig_size"]
+        point = click_point(row["predict"])
+        if point is not None:
+            point = convert_coords(point, row["coords"], "orig", (height, width), tuple(row["model_size"][::-1]),
+                                   ndigits=None)
+        x, y, w, h = entry["bbox"]
+        hit = point is not None and click_hit(point, (x, y, x + w, y + h))
+        other = point is not None and not hit and any(click_hit(point, e.box) for e in shot.elements)
+        for key in ("overall", f"platform={shot.platform}", f"data_type={entry['data_type']}"):
+            tally = tallies.setdefault(key, [0, 0, 0, 0])
+            tally[0] += 1
+            tally[1] += hit
+            tally[2] += other
+            tally[3] += point is None
+    return {key: {"samples": n, "click_acc": round(hits / n, 4), "other_element_rate": round(others / n, 4),
+                  "parse_failure_rate": round(failures / n, 4)}
+            for key, (n, hits, others, failures) in sorted(tallies.items())}
+
+
+def run_gui_demo(out: Path, steps: int, family: str = "qwen2_5_vl") -> dict[str, Any]:
+    out, logs = new_run_folder(out)
+    data, raw = out / "data", out / "raw"
+    learning = steps >= 50
+    n_train = min(MAX_TRAIN, max(64, steps * SFT_BATCH))
+    train = screenspot_entries(synthesise_screens(raw, seed=0), n_train, PER_SHOT, seed=0)
+    held_out = screenspot_entries(synthesise_screens(raw, seed=1), HELD_OUT if learning else HELD_OUT_SMOKE, 1,
+                                  seed=1)
+    write_screenspot(raw / "train.json", train)
+    write_screenspot(raw / "grpo.json", train[:GRPO_PROMPTS])
+    write_screenspot(raw / "eval.json", held_out)
+    policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
+    model = small_model(out / "model", family, policy, logs)
+    common = full_training(family, data, "gui_train", policy)
+    sft_yaml = write_yaml(out / "sft.yaml", sft_stage(common, model, out / "sft", steps, SFT_BATCH))
+    converted = convert_and_check({split: raw / f"{split}.json" for split in ("train", "grpo", "eval")}, data, "gui",
+                                  sft_yaml, ["--format", "screenspot", "--target", "point", "--prompt", PROMPT], logs)
+    results = {}
+    eval_data = converted["eval"]
+    write_jsonl(out / "predictions-baseline.jsonl",
+                mean_click_predictions(train, held_out, raw, policy, FAMILIES[family].coords))
+    results["baseline"] = click_results(out / "predictions-baseline.jsonl", held_out)
+    results["untrained"] = click_results(predict("untrained", model, eval_data, out / "predictions-untrained.jsonl",
+                                                 logs, 32), held_out)
+    run_step("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
+    results["sft"] = click_results(predict("sft", out / "sft", eval_data, out / "predictions-sft.jsonl", logs, 32),
+                                   held_out)
+    grpo_yaml = write_yaml(out / "grpo.yaml", grpo_stage(common, out / "sft", out / "grpo", "gui_grpo",
+                                                         "click,click_dense,format",
+                                                         GRPO_STEPS if learning else GRPO_SMOKE_STEPS, 32))
+    run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
+    export_full(out / "grpo", out / "exported", family, policy, sft_yaml, logs)
+    results["grpo"] = click_results(predict("grpo", out / "exported", eval_data, out / "predictions-grpo.jsonl",
+                                            logs, 32), held_out)
+    run_step("draw", ["qwenvl-prep", "draw", str(eval_data), "-o", str(out / "drawn"), "--sample", "16",
+                      "--predictions", str(out / "predictions-grpo.jsonl")], logs)
+    grpo_log = load_jsonl(out / "grpo" / "trainer_log.jsonl")
+    sft_loss = losses(out / "sft")
+    return {"task": "gui", "family": family, "sft_steps": steps, "train_instructions": len(train),
+            "held_out_instructions": len(held_out), "click": results,
+            "sft_loss_first_last": [sft_loss[0], sft_loss[-1]] if sft_loss else None,
+            "grpo_reward_first_last": [r[0], r[-1]] if (r := [row["reward"] for row in grpo_log if "reward" in row])
+            else None,
+            "data": str(data), "exported": str(out / "exported"), "drawn": str(out / "drawn"), "logs": str(logs)}
+
+
+def format_gui_summary(summary: dict[str, Any]) -> str:
+    """The held-out click table a person reads at the end of the demo (the JSON summary goes to stdout)."""
+    names = {"untrained": "untrained", "baseline": "mean-click baseline", "sft": "SFT", "grpo": "SFT + GRPO"}
+    subsets = [key for key in summary["click"]["grpo"] if key != "overall"]
+    header = f"{'':20}{'click acc':>10}{'other element':>14}" + "".join(f"{k.split('=')[1]:>9}" for k in subsets)
+    lines = [f"held-out instructions: {summary['held_out_instructions']} ({summary['family']}, "
+             f"{summary['sft_steps']} SFT steps); click accuracy overall, then by platform and element type", header]
+    for key, name in names.items():
+        result = summary["click"][key]
+        lines.append(f"{name:20}{result['overall']['click_acc']:>10.2f}{result['overall']['other_element_rate']:>14.2f}"
+                     + "".join(f"{result[k]['click_acc']:>9.2f}" for k in subsets))
+    lines.append(f"clicks drawn on the original screenshots: {summary['drawn']}")
+    return "\n".join(lines)
