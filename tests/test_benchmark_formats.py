@@ -8,6 +8,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from helpers import save_image
@@ -122,3 +123,96 @@ def test_refcoco_parquet_needs_its_columns(tmp_path, capsys):
                  "200704", "-q"])
     assert code == 2 and "missing image, answer, bbox" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def _predictions(path, texts):
+    path.write_text("".join(json.dumps({"predict": text}) + "\n" for text in texts))
+    return path
+
+
+def test_eval_click_accuracy_by_subset(tmp_path, capsys):
+    sizes = _screens(tmp_path)
+    entries = [{"img_filename": name, "bbox": [400, 300, 200, 100], "instruction": f"button {i}",
+                "data_type": kind, "data_source": source}
+               for i, (name, kind, source) in enumerate([("desktop.png", "icon", "windows"),
+                                                         ("desktop.png", "text", "windows"),
+                                                         ("phone.png", "icon", "ios"), ("phone.png", "text", "ios")])]
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps(entries))
+    _convert(tmp_path, source)
+    capsys.readouterr()
+
+    def model(name, x, y):
+        hw = sizes[name]
+        return convert_coords([x, y], "orig", "model", hw, POLICY.model_size(*hw))
+
+    texts = [json.dumps([{"point_2d": model("desktop.png", 500, 350)}]),  # centre: hit
+             json.dumps([{"point_2d": model("desktop.png", 900, 900)}]),  # miss
+             json.dumps(model("phone.png", 410, 310)),  # bare [x, y] near the corner: hit
+             "I cannot see it"]  # no click
+    predictions = _predictions(tmp_path / "pred.jsonl", texts)
+    out = tmp_path / "out"
+    assert main(["eval", str(out / "data.jsonl"), "--predictions", str(predictions), "--by", "data_source",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["clicks"] == {"samples": 4, "click_acc": 0.5, "click_dense_mean": pytest.approx(0.5, abs=0.01),
+                                "no_click_rate": 0.25}
+    assert result["by"]["data_source=windows"]["clicks"]["click_acc"] == 0.5
+    assert result["by"]["data_source=ios"]["clicks"]["click_acc"] == 0.5
+    assert "overall" not in result  # point answers: no box metrics
+    assert main(["eval", str(out / "data.jsonl"), "--predictions", str(predictions), "--by", "data_type"]) == 0
+    table = capsys.readouterr().out
+    assert "data_type=icon" in table and "click acc" in table
+
+
+def test_eval_detection_precision_recall_map_and_monitors(tmp_path, capsys):
+    save_image(tmp_path / "a.png", 1280, 960)
+    save_image(tmp_path / "b.png", 1280, 960)
+    truth_a = [{"bbox_2d": [100, 100, 400, 300], "label": "cat"}, {"bbox_2d": [600, 200, 900, 600], "label": "dog"},
+               {"bbox_2d": [200, 500, 500, 900], "label": "cat"}]
+    truth_b = [{"bbox_2d": [100, 100, 400, 300], "label": "cat"}, {"bbox_2d": [600, 200, 900, 600], "label": "dog"}]
+    records = [{"image": name, "question": "<image>Find every cat and dog.", "answer": json.dumps(truth)}
+               for name, truth in [("a.png", truth_a), ("b.png", truth_b)]]
+    source = tmp_path / "pets.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _convert(tmp_path, source, "--input-coords", "abs")
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    model_hw = POLICY.model_size(960, 1280)
+    whole = convert_coords([0, 0, 1280, 960], "orig", "model", (960, 1280), model_hw)
+    answer_b = json.loads(rows[1]["messages"][1]["content"])
+    answer_b[1]["label"] = "cat"  # right place, wrong label
+    answer_b.append({"bbox_2d": whole, "label": "dog"})
+    predictions = _predictions(tmp_path / "pred.jsonl", [rows[0]["messages"][1]["content"], json.dumps(answer_b)])
+    assert main(["eval", str(tmp_path / "out" / "data.jsonl"), "--predictions", str(predictions), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    detection = result["detection"]
+    assert (detection["truth_boxes"], detection["predicted_boxes"]) == (5, 6)
+    assert detection["precision@0.5"] == pytest.approx(4 / 6, abs=1e-4)
+    assert detection["recall@0.5"] == pytest.approx(4 / 5, abs=1e-4)
+    assert detection["f1@0.5"] == pytest.approx(8 / 11, abs=1e-4)
+    assert detection["map"] == pytest.approx(0.75, abs=0.01)  # cat: every truth found first (AP 1); dog: half (0.5)
+    assert detection["ap50"] >= detection["map"]
+    assert result["monitors"]["whole_image_rate"] == 0.5 and result["monitors"]["empty_answer_rate"] == 0.0
+    assert result["monitors"]["count_ratio"] == pytest.approx(6 / 5)
+    perfect = _predictions(tmp_path / "perfect.jsonl", [row["messages"][1]["content"] for row in rows])
+    assert main(["eval", str(tmp_path / "out" / "data.jsonl"), "--predictions", str(perfect), "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["detection"]
+    assert best["map"] == 1.0 and best["f1@0.5"] == 1.0
+
+
+def test_draw_shows_the_click_target_and_the_click(tmp_path):
+    from qwenvl_prep.dataset import resolve_dataset, iter_samples
+    from qwenvl_prep.draw import GT_COLOR, PRED_COLOR, render
+
+    _screens(tmp_path)
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps([{"img_filename": "desktop.png", "bbox": [400, 300, 200, 100],
+                                   "instruction": "save", "data_type": "icon"}]))
+    _convert(tmp_path, source)
+    ref = resolve_dataset(str(tmp_path / "out" / "data.jsonl"))
+    sample = next(iter_samples(ref))
+    click = convert_coords([1000, 800], "orig", "model", (1080, 1920), POLICY.model_size(1080, 1920))
+    canvas = render(sample, ref.stamp, "original", json.dumps(click))  # a bare [x, y] prediction
+    assert tuple(canvas[300, 500]) == GT_COLOR  # the target's top edge, from meta.bbox_orig
+    assert tuple(canvas[800, 1000]) == PRED_COLOR  # the click

@@ -98,11 +98,14 @@ def boxes(draw):
 @settings(max_examples=200, deadline=None)
 @given(box=boxes(), x=COORD, y=COORD)
 def test_click_properties(box, x, y):
-    """click and click_dense lie in [0, 1]; click_dense is 1 exactly where click is, and never below it."""
+    """click and click_dense lie in [0, 1]; click_dense is 1 wherever click is (never below it) and falls with the
+    distance outside the box."""
     hit, dense = click_hit((x, y), box), click_dense_score((x, y), box)
     assert 0.0 <= dense <= 1.0
-    assert (dense == 1.0) == hit
     assert dense >= float(hit)
+    if not hit:
+        farther = (x + (box[2] - box[0]) if x > box[2] else x, y)
+        assert click_dense_score(farther, box) <= dense
 
 
 LABELS = st.sampled_from([None, "cat", "dog"])

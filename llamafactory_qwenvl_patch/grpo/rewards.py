@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, frame_extent, map_coords
-from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
 from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point, truth_box
 from llamafactory_qwenvl_patch.scoring.detection import detection_f1, detections, sanity_penalty
@@ -46,10 +46,14 @@ def _boxes(text: str) -> list[tuple[float, ...]]:
 
 
 def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """Continuous IoU in [0, 1]: boxes matched one-to-one, summed IoU over max(#truth, #predicted)."""
+    """Continuous IoU in [0, 1]: boxes matched one-to-one, summed IoU over max(#truth, #predicted). A reference that
+    finds nothing (``[]``: the category is absent) scores 1 for an answer that is ``[]`` too, else 0."""
     out = []
     for completion, reference in zip(completions, references):
         truth, predicted = _boxes(reference), _boxes(completion)
+        if not_present(reference):
+            out.append(1.0 if not_present(completion) else 0.0)
+            continue
         if not truth or not predicted:
             out.append(0.0)
             continue
@@ -59,12 +63,15 @@ def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: An
 
 
 def format_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """1 when the answer parses into the reference's structure: grounding items; for a JSON object or array, exactly
-    one JSON value of its type (bare or in one code fence, no prose around it); else any text."""
+    """1 when the answer parses into the reference's structure: grounding items (or ``[]`` when the reference is
+    ``[]``, nothing found); for a JSON object or array, exactly one JSON value of its type (bare or in one code
+    fence, no prose around it); else any text."""
     out = []
     for completion, reference in zip(completions, references):
         ref_items = _parsed(reference)
-        if ref_items:
+        if not_present(reference):
+            out.append(1.0 if not_present(completion) or {i.kind for i in _parsed(completion)} == {"bbox_2d"} else 0.0)
+        elif ref_items:
             items = _parsed(completion)
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)

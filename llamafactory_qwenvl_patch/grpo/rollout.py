@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, frame_extent
 from llamafactory_qwenvl_patch.grpo.loss import zero_std_groups
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.detection import MonitorTally, detections
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 
@@ -113,10 +114,11 @@ def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePo
 
 
 def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor, texts: list[str],
-                    meta: list[SampleMeta], generations: int) -> dict[str, float]:
-    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``."""
+                    meta: list[SampleMeta], generations: int, coords: str) -> dict[str, float]:
+    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``, with the
+    detection-hack monitors (``monitor/...``) when its prompts have reference boxes."""
     grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
-    return {
+    stats = {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "frac_reward_zero_std": float(zero_std_groups(rewards, generations).float().mean()),
@@ -126,3 +128,11 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
         "parse_failures": float(sum(not try_parse_items(text) for i, text in enumerate(texts)
                                     if grounded[i // generations])),
     }
+    monitors = MonitorTally()
+    for i, text in enumerate(texts):
+        sample = meta[i // generations]
+        truth = detections(sample.reference) if grounded[i // generations] else None
+        if truth and sample.orig_hw is not None and sample.model_hw is not None:
+            monitors.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))
+    stats.update({f"monitor/{key}": value for key, value in monitors.to_dict().items() if value is not None})
+    return stats

@@ -381,7 +381,7 @@ class GRPOTrainer(Trainer):
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
+        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G, self.coords)
         for key, value in stats.items():
             self._metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)
@@ -517,19 +517,32 @@ class GRPOTrainer(Trainer):
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
+    def _reduced_metrics(self) -> dict[str, float]:
+        """Every metric collected since the last log over all ranks: counters summed, the rest averaged over every
+        value any rank collected. Ranks may hold different names (a rank whose rollouts had no reference boxes has
+        no monitors), so the names are gathered first and each rank sends a sum and a count per name."""
+        names = sorted(self._metrics)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted(set().union(*gather_object([names])))
+        values = [self._metrics.get(name, []) for name in names]
+        totals = torch.tensor([[float(sum(v)), float(len(v))] for v in values], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        out = {}
+        for name, (total, count) in zip(names, totals.tolist()):
+            if name.endswith(COUNTERS):
+                out[name] = round(total, 6)
+            elif count:
+                out[name] = round(total / count, 6)
+        return out
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
         if "loss" in logs and torch.cuda.is_available():
             logs["memory/max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if "loss" in logs and self._metrics:
-            for reduction, names in (("mean", [n for n in sorted(self._metrics) if not n.endswith(COUNTERS)]),
-                                     ("sum", [n for n in sorted(self._metrics) if n.endswith(COUNTERS)])):
-                if not names:
-                    continue
-                agg = sum if reduction == "sum" else (lambda v: sum(v) / len(v))
-                local = torch.tensor([float(agg(self._metrics[n])) for n in names], device=self.accelerator.device)
-                if self.accelerator.num_processes > 1:
-                    local = self.accelerator.reduce(local, reduction=reduction)
-                logs.update({name: round(value, 6) for name, value in zip(names, local.tolist())})
+            logs.update(self._reduced_metrics())
             self._metrics.clear()
         super().log(logs, *args, **kwargs)

@@ -232,6 +232,15 @@ def try_parse_items(text: str) -> list[Item] | None:
         return None
 
 
+def not_present(text: str) -> bool:
+    """An answer saying "nothing here": exactly an empty JSON list, bare or in one code fence (convert's "not present"
+    samples, ``--coco-absent``). As a reference, scored as a grounding record with no truth box, never as an empty
+    field-extraction array; as a model's answer, the right answer to such a record."""
+    stripped = text.strip()
+    fence = FENCE.fullmatch(stripped)
+    return _loads(fence.group(1) if fence else stripped) == []
+
+
 _BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
-from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
+from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
 
 FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
@@ -52,26 +52,53 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _absent(text: str) -> int:
+    """``--coco-absent``: a count, or ``all`` (-1)."""
+    if text == "all":
+        return -1
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--coco-absent takes a count >= 0 or 'all', got {text!r}")
+    return int(text)
+
+
 def _print_summary(summary: dict, code: int) -> int:
     print(json.dumps(summary, indent=2))
     return code
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from qwenvl_prep.coco import CocoOptions
     from qwenvl_prep.convert import ConvertOptions, convert
 
     opts = ConvertOptions(
         input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
-        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, coco_prompt=args.coco_prompt,
-        coco_group=args.coco_group, answer_target=args.answer_target, prompt=args.prompt,
-        refcoco_expressions=args.refcoco_expressions, progress=not args.quiet, overwrite=args.overwrite,
+        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
+        prompt=args.prompt, refcoco_expressions=args.refcoco_expressions, progress=not args.quiet,
+        overwrite=args.overwrite, coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group,
+                                                   crowd=args.coco_crowd, absent=args.coco_absent),
     )
     summary, code = convert(opts)
     if summary["dropped"]:
         verb = "skipped" if code == 0 else "found; nothing was written"
         print(f"{summary['dropped']} bad record(s) {verb}: see {summary['error_report']}", file=sys.stderr)
+    if "coco" in summary:
+        print(_coco_note(summary["coco"]), file=sys.stderr)
     return _print_summary(summary, code)
+
+
+def _coco_note(coco: dict) -> str:
+    """One line on what a COCO file gave and what it left out, and why."""
+    note = (f"COCO: {coco['images']} images, {coco['annotations']} annotations (images from {coco['image_dir']}) -> "
+            f"{coco['samples_with_boxes']} samples with boxes, {coco['samples_not_present']} 'not present' samples")
+    if coco["images_without_annotations"]:
+        note += (f"; {coco['images_without_annotations']} images have no annotation"
+                 + ("" if coco["samples_not_present"] else " and gave no sample (--coco-absent N asks about absent "
+                    "categories)"))
+    if coco["samples_dropped_for_crowd"]:
+        note += (f"; {coco['samples_dropped_for_crowd']} samples with crowd regions not written (--coco-crowd "
+                 "ignore|box keeps them)")
+    return note
 
 
 def _curriculum(args: argparse.Namespace) -> int:
@@ -188,7 +215,7 @@ def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.evaluate import evaluate, format_table, plot
 
     ref, stamp = _stamped_dataset(args)
-    result = evaluate(ref, stamp, args.predictions)
+    result = evaluate(ref, stamp, args.predictions, by=[f.strip() for f in (args.by or "").split(",") if f.strip()])
     if args.json_out:
         write_json(args.json_out, result)
     if args.plot:
@@ -260,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "Required when records have coordinates; never guessed")
     conv.add_argument("--format", choices=FORMATS, default="auto",
                       help="input format (default: auto, from the first record; .parquet is refcoco-parquet)")
-    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's folder)")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's "
+                      "folder; for COCO, the folder found as described below)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
@@ -271,10 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dataset-name", help="dataset_info.json entry name (default: the output's stem)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace an existing dataset_info.json entry of the same name (refused otherwise)")
-    conv.add_argument("--coco-prompt", default=DEFAULT_COCO_PROMPT,
-                      help="COCO prompt template, {category} is replaced (default: %(default)r)")
-    conv.add_argument("--coco-group", choices=["category", "image"], default="category",
-                      help="COCO: one conversation per (image, category) or per image")
+    coco = conv.add_argument_group(
+        "COCO instances", "Images are looked up under --image-dir, else under the one folder near the JSON that holds "
+        "them: the JSON's folder, the folder above it, its images/, its <split>/ and images/<split>/ (split from the "
+        "file name: annotations/instances_val2017.json -> val2017/); two folders holding them is an error")
+    coco.add_argument("--coco-prompt", default=DEFAULT_COCO_PROMPT,
+                      help="prompt template, {category} is replaced (default: %(default)r)")
+    coco.add_argument("--coco-group", choices=["category", "image"], default="category",
+                      help="one conversation per (image, category) (default) or per image")
+    coco.add_argument("--coco-crowd", choices=CROWD_MODES, default="drop",
+                      help="iscrowd regions: drop (default) = a sample whose category has a crowd region in the image "
+                      "is not written, since its answer cannot list every object; ignore = leave the crowd region "
+                      "out of the answer; box = a crowd region is one more box")
+    coco.add_argument("--coco-absent", type=_absent, default=0, metavar="N|all",
+                      help="per image, N 'not present' samples (answer []) asking for categories the image has no "
+                      "annotation of, chosen at random (seeded by the image id), or all of them (default 0: only "
+                      "when your annotations are exhaustive do missing boxes mean absent objects)")
     conv.add_argument("--target", dest="answer_target", choices=["point", "box"],
                       help="ScreenSpot / RefCOCO: answer with the element's point_2d (its box centre) or its bbox_2d "
                       "(default: point for ScreenSpot, box for RefCOCO); the truth box goes to meta.bbox_orig either way")
@@ -375,10 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "eval",
-        help="metrics in the original frame: Acc@0.5, mean IoU, parse failures, centre offset, by image size",
+        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, by subset",
         description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
         "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
-        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5.",
+        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
+        "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
+        "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
+        "(pycocotools) and the detection-hack monitors.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)
@@ -386,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
     ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
+                    "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     _add_policy_flags(ev)
     ev.set_defaults(func=_eval)
 

@@ -12,7 +12,7 @@ import os
 import signal
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -34,7 +34,8 @@ from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS, iter_refcoco_parquet, iter_screenspot
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
-from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
+from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
+from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -148,6 +149,23 @@ def _transformer(job: Job, hw: tuple[int, int]):
     return transform
 
 
+def _check_declared_size(source: str, declared: list[int], image: str, info: ImageInfo, hw: tuple[int, int]
+                         ) -> None:
+    """An image's declared width/height (COCO's, a benchmark's ``img_size``) must be the size its boxes are on: the
+    displayed image under ``--exif bake``, the stored pixels otherwise."""
+    if (declared[1], declared[0]) == hw:
+        return
+    hint, seen = "a swapped or resized image folder?", ""
+    if info.orientation != 1:
+        seen = " as displayed" if hw == info.displayed_hw else " as stored"
+        if (declared[1], declared[0]) == info.hw:
+            hint = "that is the stored size: pass --exif raw if the boxes are on the stored pixels."
+        elif (declared[1], declared[0]) == info.displayed_hw:
+            hint = "that is the displayed size: pass --exif bake if the boxes are on the displayed image."
+    raise RecordError(f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {hw[1]}x{hw[0]}"
+                      f"{seen}: {hint} Boxes would land in the wrong place")
+
+
 def convert_record(index: int, raw: Any, job: Job) -> Result:
     """Convert one raw input record; every failure becomes an error row naming record, file and image."""
     result = Result(index)
@@ -173,12 +191,6 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
             info = infos[0]
             hw = info.hw
-            declared = record.get("coco_size") or record.get("declared_size")
-            if declared and tuple(declared) != (info.width, info.height):
-                source = "COCO" if record.get("coco_size") else "the annotation"
-                raise RecordError(
-                    f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {info.width}x"
-                    f"{info.height}: a swapped or resized image folder? Boxes would land in the wrong place")
             if info.orientation != 1:
                 if job.exif == "error":
                     raise RecordError(
@@ -190,6 +202,10 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                     images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
                     hw = info.displayed_hw
                     result.exif_baked = 1
+            declared = record.get("coco_size") or record.get("declared_size")
+            if declared:
+                _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
+                                     hw)
             transform = _transformer(job, hw)
             for message, answer in zip(answers, parsed):
                 message["content"] = answer.rewrite(transform)
@@ -223,8 +239,7 @@ class ConvertOptions:
     skip_bad: bool = False
     errors: Path | None = None
     dataset_name: str | None = None
-    coco_prompt: str | None = None
-    coco_group: str = "category"
+    coco: CocoOptions = field(default_factory=CocoOptions)
     answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
     prompt: str | None = None  # benchmark formats: the prompt template, {instruction} is replaced
     refcoco_expressions: str = "all"
@@ -268,21 +283,21 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
     return Source(INPUT_COORDS[opts.input_coords])
 
 
-def _records(opts: ConvertOptions, fmt: str) -> Iterator[tuple[int, Any]]:
-    if fmt == "coco":
-        from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
-
-        stream: Iterable = iter_coco(opts.input, opts.coco_prompt or DEFAULT_COCO_PROMPT, opts.coco_group)
-    elif fmt in DEFAULT_TARGET:
+def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None) -> Iterable:
+    """The input's raw records, in file order."""
+    if coco is not None:
+        return coco
+    if fmt in DEFAULT_TARGET:
         target = opts.answer_target or DEFAULT_TARGET[fmt]
         prompt = opts.prompt or PROMPTS[target]
         if fmt == "refcoco-parquet":
             folder = opts.output.parent / f"{opts.output.stem}_images"
-            stream = iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
-        else:
-            stream = iter_screenspot(opts.input, fmt, target, prompt)
-    else:
-        stream = iter_raw(opts.input)
+            return iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
+        return iter_screenspot(opts.input, fmt, target, prompt)
+    return iter_raw(opts.input)
+
+
+def _records(opts: ConvertOptions, stream: Iterable) -> Iterator[tuple[int, Any]]:
     shard, count = opts.shard
     for index, record in enumerate(stream):
         if index % count == shard:
@@ -294,8 +309,8 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _results(opts: ConvertOptions, job: Job, fmt: str) -> Iterator[Result]:
-    chunks = _chunks(_records(opts, fmt), CHUNK)
+def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Result]:
+    chunks = _chunks(_records(opts, stream), CHUNK)
     if opts.workers <= 1:
         _set_job(job)
         for chunk in chunks:
@@ -334,18 +349,26 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
-    job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
-              str(opts.output.parent.resolve()), str(opts.input),
-              "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
+    source = _source(opts, fmt)
+    coco, image_dir = None, opts.image_dir or opts.input.parent
+    if fmt == "coco":
+        coco = CocoReader(opts.input, opts.coco)
+        image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
+    job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
+              str(opts.input), "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
+    stream = _stream(opts, fmt, coco)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
+    extra: dict[str, Any] = {}
     stopped: Exception | None = None
     with ExitStack() as stack:  # the error report is streamed and committed even when the output is discarded
         try:
             with atomic_writer(opts.output) as out:
-                first = _write_records(opts, job, fmt, out, stats, stack, errors_path)
+                first = _write_records(opts, job, stream, out, stats, stack, errors_path)
+                if coco is not None:
+                    extra = {"coco": coco.summary(Path(job.image_root), "--image-dir" if opts.image_dir else "found")}
                 if stats["dropped"] and not opts.skip_bad:
-                    raise Abort(_summary(opts, stats, errors_path, written=False))
+                    raise Abort(_summary(opts, stats, errors_path, written=False, extra=extra))
                 if first:  # raised inside the writer: an existing output stays as it was
                     raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, "
                                        f"{stats['dropped']} bad): nothing was written or registered")
@@ -356,10 +379,10 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
     _register(opts)
-    return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True)
+    return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True, extra=extra)
 
 
-def _write_records(opts: ConvertOptions, job: Job, fmt: str, out: Any, stats: Counter, stack: ExitStack,
+def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, stats: Counter, stack: ExitStack,
                    errors_path: Path) -> bool:
     """Stream converted records to ``out`` and bad ones to the error report (opened at the first bad record), so
     memory stays flat however many records are bad. Returns True when nothing was written."""
@@ -369,8 +392,8 @@ def _write_records(opts: ConvertOptions, job: Job, fmt: str, out: Any, stats: Co
     as_array = opts.output.suffix == ".json"
     out.write("[\n" if as_array else "")
     first, errors = True, None
-    results = _results(opts, job, fmt)
-    for result in tqdm(results, desc="convert", unit=" rec", disable=None if opts.progress else True):
+    for result in tqdm(_results(opts, job, stream), desc="convert", unit=" rec",
+                       disable=None if opts.progress else True):
         stats["records"] += 1
         for key in ("passthrough", "boxes", "points", "exif_baked"):
             stats[key] += getattr(result, key)
@@ -445,7 +468,8 @@ def _written_stamp(opts: ConvertOptions) -> Stamp:
     return Stamp(opts.target.policy, opts.target.coords, opts.target.family, f"qwenvl-prep {__version__}")
 
 
-def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool) -> dict[str, Any]:
+def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "input": str(opts.input),
         "output": str(opts.output) if written else None,
@@ -459,6 +483,7 @@ def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, wri
         "exif_baked": stats["exif_baked"],
         "error_report": str(errors_path) if errors_path else None,
         "stamp": _written_stamp(opts).to_dict(),
+        **(extra or {}),
     }
 
 

@@ -99,7 +99,7 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
             try:
                 summary = run_convert(ConvertOptions(
                     input=Path(source), output=data_dir / f"{dataset}.jsonl", target=target,
-                    input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir or Path(source).parent,
+                    input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir,
                     exif=opts.exif, workers=opts.workers, dataset_name=dataset, progress=opts.progress,
                     overwrite=opts.overwrite))
             except Abort as abort:

@@ -30,6 +30,7 @@ class Sample:
     answer: str
     items: list[Item]
     error: str | None = None
+    meta: Any = None  # the record's ``meta``, parsed when it is JSON text
 
 
 def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) -> DatasetRef:
@@ -61,7 +62,16 @@ def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
             error = None
         except AnswerError as exc:
             items, error = [], str(exc)
-        yield Sample(index, images, prompt, answer, items, error)
+        yield Sample(index, images, prompt, answer, items, error, _meta(record.get("meta")))
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Any]:

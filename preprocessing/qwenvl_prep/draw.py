@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.scoring.answers import Item, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import Item, bare_point, try_parse_items
+from llamafactory_qwenvl_patch.scoring.clicks import truth_box
 from llamafactory_qwenvl_patch.image_io.images import decode, model_input_image, open_image
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
@@ -58,8 +59,15 @@ def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = No
         return [convert_coords(it.coords, stamp.coords, target, hw, model_hw, ndigits=None) for it in items]
 
     _draw_items(canvas, sample.items, mapped(sample.items), GT_COLOR, thickness)
+    box = truth_box("", sample.meta, list)  # a click record's target element, in original pixels
+    if box is not None:
+        _draw_items(canvas, [Item("bbox_2d", tuple(box))], [convert_coords(box, "orig", target, hw, model_hw,
+                                                                             ndigits=None)], GT_COLOR, thickness)
     if prediction is not None:
         predicted = try_parse_items(prediction) or []
+        point = bare_point(prediction) if predicted == [] else None
+        if point is not None:  # a bare [x, y] click
+            predicted = [Item("point_2d", point)]
         _draw_items(canvas, predicted, mapped(predicted), PRED_COLOR, thickness)
     return canvas
 

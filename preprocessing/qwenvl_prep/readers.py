@@ -11,7 +11,6 @@ from typing import Any, Iterator
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
             "observation": "observation", "function_call": "function_call"}
-DEFAULT_COCO_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
 
 
 class RecordError(ValueError):
@@ -202,56 +201,3 @@ def to_record(raw: Any, fmt: str) -> dict | RecordError:
 def iter_records(path: Path, fmt: str) -> Iterator[dict | RecordError]:
     """Canonical records in file order (a malformed one is yielded as its RecordError, keeping its index)."""
     return (to_record(raw, fmt) for raw in iter_raw(path))
-
-
-def iter_coco(path: Path, prompt: str = DEFAULT_COCO_PROMPT, group: str = "category",
-              include_crowd: bool = False) -> Iterator[dict | RecordError]:
-    """COCO instances -> grounding conversations; one per (image, category) or one per image listing all objects.
-
-    Boxes come out as ``bbox_2d`` JSON in original pixels (COCO's [x, y, w, h] turned into corners); each record
-    keeps the image's declared ``width``/``height`` as ``coco_size`` so convert can compare it with the file. An
-    image or annotation with missing or malformed fields becomes a RecordError naming it (the rest still convert).
-    """
-    with open(path, encoding="utf-8") as f:
-        coco = json.load(f)
-    if not isinstance(coco, dict):
-        raise RecordError(f"{path}: a COCO file is a JSON object with 'images' and 'annotations'")
-    categories = {c.get("id"): c.get("name") for c in coco.get("categories") or [] if isinstance(c, dict)}
-    by_image: dict[Any, list[dict]] = {}
-    broken: dict[Any, str] = {}
-    for n, ann in enumerate(coco.get("annotations") or []):
-        if not isinstance(ann, dict) or "image_id" not in ann:
-            raise RecordError(f"{path}: annotation {n} has no image_id")
-        if ann.get("iscrowd") and not include_crowd:
-            continue
-        bbox = ann.get("bbox")
-        if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and
-                                                                   not isinstance(v, bool) for v in bbox)):
-            broken.setdefault(ann["image_id"], f"annotation {ann.get('id', n)} has bbox {bbox!r}, not [x, y, w, h]")
-            continue
-        by_image.setdefault(ann["image_id"], []).append(ann)
-    for n, image in enumerate(coco.get("images") or []):
-        if not isinstance(image, dict) or not isinstance(image.get("file_name"), str) or "id" not in image:
-            yield RecordError(f"COCO image {n} has no 'id' or string 'file_name'")
-            continue
-        if image["id"] in broken:
-            yield RecordError(f"COCO image {image['file_name']}: {broken[image['id']]}")
-            continue
-        anns = by_image.get(image["id"], [])
-        groups: dict[str, list[dict]] = {}
-        for ann in anns:
-            name = categories.get(ann.get("category_id")) or str(ann.get("category_id"))
-            groups.setdefault(name if group == "category" else "", []).append({**ann, "_label": name})
-        size = [image.get("width"), image.get("height")]
-        for key, members in groups.items():
-            items = []
-            for ann in members:
-                x, y, w, h = ann["bbox"]
-                items.append({"bbox_2d": [x, y, x + w, y + h], "label": ann["_label"]})
-            names = key or ", ".join(sorted({m["_label"] for m in members}))
-            record = {"messages": [{"role": "user", "content": "<image>" + prompt.format(category=names)},
-                                   {"role": "assistant", "content": json.dumps(items)}],
-                      "images": [image["file_name"]]}
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in size):
-                record["coco_size"] = size
-            yield record
