@@ -40,6 +40,7 @@ SHAPES = {"Delete": "cross", "Save": "square", "Search": "circle", "Share": "tri
 ELEMENTS_PER_SCREEN = (1, 3)
 BUTTON_SHARE = ((0.22, 0.32), (0.11, 0.15))  # button width and height as shares of the screen's short side
 ICON_SHARE = (0.13, 0.18)  # icon side as a share of the short side
+CLUTTER = (4, 9)  # grey paragraphs and panels per screen
 FONT = cv2.FONT_HERSHEY_SIMPLEX
 
 
@@ -95,7 +96,7 @@ def draw_screen(size: tuple[int, int], rng: random.Random) -> tuple[np.ndarray, 
     cv2.rectangle(canvas, (0, 0), (width - 1, bar), (rng.randint(50, 90),) * 3, -1)
     _text(canvas, rng.choice(("Files", "Mail", "Notes", "Photos", "Calendar")), (width // 2, bar // 2), bar // 3,
           (235, 235, 235))
-    for _ in range(rng.randint(4, 9)):  # clutter in greys: paragraphs and panels
+    for _ in range(rng.randint(*CLUTTER)):  # clutter in greys: paragraphs and panels
         x, y = rng.randint(0, width - short // 4), rng.randint(bar + 4, height - short // 20)
         if rng.random() < 0.3:
             cv2.rectangle(canvas, (x, y), (x + rng.randint(short // 6, short // 2), y + rng.randint(short // 10, short // 4)),
@@ -185,6 +186,7 @@ MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 SFT_BATCH = 8
 PER_SHOT = 2  # training instructions per screenshot (each naming another element on it)
 MAX_TRAIN = 1200
+MAX_NEW_TOKENS = 32  # a point answer is about 20 tokens
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64
 HELD_OUT, HELD_OUT_SMOKE = 200, 8
@@ -207,36 +209,31 @@ def mean_click_predictions(train: list[tuple[dict[str, Any], Shot]], held_out: l
     return rows
 
 
-def click_results(predictions: Path, held_out: list[tuple[dict[str, Any], Shot]]) -> dict[str, Any]:
-    """Click accuracy in original pixels (the click inside the truth box), overall and by platform and element
-    type, and how often the click lands on another element of the screenshot (the instruction not followed)."""
-    tallies: dict[str, list[int]] = {}
+def other_element_rate(predictions: Path, held_out: list[tuple[dict[str, Any], Shot]]) -> float:
+    """How often the click lands on another element of the screenshot than the one named: the model found the
+    elements but did not follow the instruction (clicks on nothing are not counted)."""
+    others = 0
     for row, (entry, shot) in zip(load_jsonl(predictions), held_out, strict=True):
-        width, height = row["orig_size"]
         point = click_point(row["predict"])
-        if point is not None:
-            point = convert_coords(point, row["coords"], "orig", (height, width), tuple(row["model_size"][::-1]),
-                                   ndigits=None)
-        x, y, w, h = entry["bbox"]
-        hit = point is not None and click_hit(point, (x, y, x + w, y + h))
-        other = point is not None and not hit and any(click_hit(point, e.box) for e in shot.elements)
-        for key in ("overall", f"platform={shot.platform}", f"data_type={entry['data_type']}"):
-            tally = tallies.setdefault(key, [0, 0, 0, 0])
-            tally[0] += 1
-            tally[1] += hit
-            tally[2] += other
-            tally[3] += point is None
-    return {key: {"samples": n, "click_acc": round(hits / n, 4), "other_element_rate": round(others / n, 4),
-                  "parse_failure_rate": round(failures / n, 4)}
-            for key, (n, hits, others, failures) in sorted(tallies.items())}
+        if point is None:
+            continue
+        width, height = shot.size
+        x, y = convert_coords(point, row["coords"], "orig", (height, width), tuple(row["model_size"][::-1]),
+                              ndigits=None)
+        x1, y1, w, h = entry["bbox"]
+        others += not click_hit((x, y), (x1, y1, x1 + w, y1 + h)) and any(
+            click_hit((x, y), element.box) for element in shot.elements)
+    return round(others / len(held_out), 4)
 
 
 def run_gui_demo(out: Path, steps: int, family: str = "qwen2_5_vl") -> dict[str, Any]:
+    """The GUI demo (see the module's docstring) with ``steps`` SFT steps; under 50 is a smoke run (fewer
+    held-out screenshots and GRPO steps)."""
     out, logs = new_run_folder(out)
     data, raw = out / "data", out / "raw"
     learning = steps >= 50
-    n_train = min(MAX_TRAIN, max(64, steps * SFT_BATCH))
-    train = screenspot_entries(synthesise_screens(raw, seed=0), n_train, PER_SHOT, seed=0)
+    train = screenspot_entries(synthesise_screens(raw, seed=0), min(MAX_TRAIN, max(64, steps * SFT_BATCH)),
+                               PER_SHOT, seed=0)
     held_out = screenspot_entries(synthesise_screens(raw, seed=1), HELD_OUT if learning else HELD_OUT_SMOKE, 1,
                                   seed=1)
     write_screenspot(raw / "train.json", train)
@@ -248,45 +245,57 @@ def run_gui_demo(out: Path, steps: int, family: str = "qwen2_5_vl") -> dict[str,
     sft_yaml = write_yaml(out / "sft.yaml", sft_stage(common, model, out / "sft", steps, SFT_BATCH))
     converted = convert_and_check({split: raw / f"{split}.json" for split in ("train", "grpo", "eval")}, data, "gui",
                                   sft_yaml, ["--format", "screenspot", "--target", "point", "--prompt", PROMPT], logs)
-    results = {}
-    eval_data = converted["eval"]
+    evaluated: dict[str, Any] = {}
+
+    def evaluate(name: str, model_dir: Path | None) -> None:
+        predictions = out / f"predictions-{name}.jsonl"
+        if model_dir is not None:
+            predict(name, model_dir, converted["eval"], predictions, logs, MAX_NEW_TOKENS)
+        report = out / f"eval-{name}.json"
+        run_step(f"eval-{name}", ["qwenvl-prep", "eval", str(converted["eval"]), "--predictions", str(predictions),
+                                  "--by", "platform,data_type", "--json-out", str(report)], logs)
+        result = json.loads(report.read_text())
+        evaluated[name] = {"overall": result["clicks"], "other_element_rate": other_element_rate(predictions, held_out),
+                           "by": {group: value["clicks"] for group, value in result["by"].items()}}
+
     write_jsonl(out / "predictions-baseline.jsonl",
                 mean_click_predictions(train, held_out, raw, policy, FAMILIES[family].coords))
-    results["baseline"] = click_results(out / "predictions-baseline.jsonl", held_out)
-    results["untrained"] = click_results(predict("untrained", model, eval_data, out / "predictions-untrained.jsonl",
-                                                 logs, 32), held_out)
+    evaluate("baseline", None)
+    evaluate("untrained", model)
     run_step("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
-    results["sft"] = click_results(predict("sft", out / "sft", eval_data, out / "predictions-sft.jsonl", logs, 32),
-                                   held_out)
+    evaluate("sft", out / "sft")
     grpo_yaml = write_yaml(out / "grpo.yaml", grpo_stage(common, out / "sft", out / "grpo", "gui_grpo",
                                                          "click,click_dense,format",
-                                                         GRPO_STEPS if learning else GRPO_SMOKE_STEPS, 32))
+                                                         GRPO_STEPS if learning else GRPO_SMOKE_STEPS,
+                                                         MAX_NEW_TOKENS))
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
     export_full(out / "grpo", out / "exported", family, policy, sft_yaml, logs)
-    results["grpo"] = click_results(predict("grpo", out / "exported", eval_data, out / "predictions-grpo.jsonl",
-                                            logs, 32), held_out)
-    run_step("draw", ["qwenvl-prep", "draw", str(eval_data), "-o", str(out / "drawn"), "--sample", "16",
+    evaluate("grpo", out / "exported")
+    run_step("draw", ["qwenvl-prep", "draw", str(converted["eval"]), "-o", str(out / "drawn"), "--sample", "16",
                       "--predictions", str(out / "predictions-grpo.jsonl")], logs)
     grpo_log = load_jsonl(out / "grpo" / "trainer_log.jsonl")
+    rewards = [[row.get(f"rewards/{name}/mean") for row in grpo_log if "reward" in row] for name in ("click", "click_dense")]
     sft_loss = losses(out / "sft")
     return {"task": "gui", "family": family, "sft_steps": steps, "train_instructions": len(train),
-            "held_out_instructions": len(held_out), "click": results,
+            "held_out_instructions": len(held_out), "click": evaluated,
             "sft_loss_first_last": [sft_loss[0], sft_loss[-1]] if sft_loss else None,
-            "grpo_reward_first_last": [r[0], r[-1]] if (r := [row["reward"] for row in grpo_log if "reward" in row])
-            else None,
+            "grpo_click_reward_first_last": [rewards[0][0], rewards[0][-1]],
+            "grpo_click_dense_reward_first_last": [rewards[1][0], rewards[1][-1]],
             "data": str(data), "exported": str(out / "exported"), "drawn": str(out / "drawn"), "logs": str(logs)}
 
 
 def format_gui_summary(summary: dict[str, Any]) -> str:
     """The held-out click table a person reads at the end of the demo (the JSON summary goes to stdout)."""
     names = {"untrained": "untrained", "baseline": "mean-click baseline", "sft": "SFT", "grpo": "SFT + GRPO"}
-    subsets = [key for key in summary["click"]["grpo"] if key != "overall"]
-    header = f"{'':20}{'click acc':>10}{'other element':>14}" + "".join(f"{k.split('=')[1]:>9}" for k in subsets)
+    groups = sorted(summary["click"]["grpo"]["by"])
+    short = [group.replace("platform=", "").replace(", data_type=", " ") for group in groups]
     lines = [f"held-out instructions: {summary['held_out_instructions']} ({summary['family']}, "
-             f"{summary['sft_steps']} SFT steps); click accuracy overall, then by platform and element type", header]
+             f"{summary['sft_steps']} SFT steps): click accuracy overall and by platform and element type, and the "
+             "share of clicks on another element than the one named",
+             f"{'':20}{'overall':>8}{'other':>7}" + "".join(f"{name:>15}" for name in short)]
     for key, name in names.items():
         result = summary["click"][key]
-        lines.append(f"{name:20}{result['overall']['click_acc']:>10.2f}{result['overall']['other_element_rate']:>14.2f}"
-                     + "".join(f"{result[k]['click_acc']:>9.2f}" for k in subsets))
-    lines.append(f"clicks drawn on the original screenshots: {summary['drawn']}")
+        lines.append(f"{name:20}{result['overall']['click_acc']:>8.2f}{result['other_element_rate']:>7.2f}"
+                     + "".join(f"{result['by'][group]['click_acc']:>15.2f}" for group in groups))
+    lines.append(f"clicks (red) and target boxes (green) on the original screenshots: {summary['drawn']}")
     return "\n".join(lines)
