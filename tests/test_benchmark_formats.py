@@ -191,8 +191,9 @@ def test_eval_detection_precision_recall_map_and_monitors(tmp_path, capsys):
     assert detection["precision@0.5"] == pytest.approx(4 / 6, abs=1e-4)
     assert detection["recall@0.5"] == pytest.approx(4 / 5, abs=1e-4)
     assert detection["f1@0.5"] == pytest.approx(8 / 11, abs=1e-4)
-    assert detection["map"] == pytest.approx(0.75, abs=0.01)  # cat: every truth found first (AP 1); dog: half (0.5)
-    assert detection["ap50"] >= detection["map"]
+    # cat: 3 of 4 boxes right, every truth found (AP 0.75); dog: 1 of 2 right, half found (0.5 x 51/101 points)
+    assert detection["map"] == pytest.approx((0.75 + 0.5 * 51 / 101) / 2, abs=0.01)
+    assert detection["ap50"] >= detection["map"] and "pycocotools_map" in detection
     assert result["monitors"]["whole_image_rate"] == 0.5 and result["monitors"]["empty_answer_rate"] == 0.0
     assert result["monitors"]["count_ratio"] == pytest.approx(6 / 5)
     perfect = _predictions(tmp_path / "perfect.jsonl", [row["messages"][1]["content"] for row in rows])
@@ -216,3 +217,41 @@ def test_draw_shows_the_click_target_and_the_click(tmp_path):
     canvas = render(sample, ref.stamp, "original", json.dumps(click))  # a bare [x, y] prediction
     assert tuple(canvas[300, 500]) == GT_COLOR  # the target's top edge, from meta.bbox_orig
     assert tuple(canvas[800, 1000]) == PRED_COLOR  # the click
+
+
+def test_hostile_benchmark_entries_are_error_rows(tmp_path, capsys):
+    _screens(tmp_path)
+    entries = [
+        {"img_filename": "desktop.png", "bbox": [10, 10, 50, 20], "instruction": "open <image> twice"},
+        {"img_filename": "desktop.png", "bbox": [10, 10, 50, 20], "instruction": "save",
+         "bbox_orig": [0, 0, 1920, 1080]},  # an entry's own key never replaces the truth box
+    ]
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps(entries))
+    code, rows, errors = _convert(tmp_path, source)
+    assert code == 0 and len(rows) == 1 and "<image>" in errors[0]["error"]
+    assert json.loads(rows[0]["meta"])["bbox_orig"] == [10, 10, 60, 30]
+    capsys.readouterr()
+    for prompt in ("Click it.", "<image>Click {instruction}"):
+        code = main(["convert", str(source), "-o", str(tmp_path / "p.jsonl"), "--min-pixels", "3136",
+                     "--max-pixels", "200704", "-q", "--prompt", prompt])
+        assert code == 2 and "--prompt" in capsys.readouterr().err
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys):
+    good = io.BytesIO()
+    pq.write_table(pa.table({"image": [{"bytes": _png(64, 48, (1, 2, 3)), "path": None}] * 40,
+                             "answer": [["thing"]] * 40, "bbox": [[1.0, 1.0, 10.0, 10.0]] * 40}), good,
+                   row_group_size=8)
+    data = bytearray(good.getvalue())
+    start = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(3).column(0).data_page_offset
+    data[start:start + 64] = b"\xff" * 64  # the fourth row group's first page is garbage; the footer is intact
+    source = tmp_path / "broken.parquet"
+    source.write_bytes(bytes(data))
+    code = main(["convert", str(source), "-o", str(tmp_path / "out" / "b.jsonl"), "--min-pixels", "3136",
+                 "--max-pixels", "200704", "-q", "--workers", "1"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Traceback" not in captured.err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "b.jsonl.errors.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and "cannot be read from here on" in rows[0]["error"]

@@ -16,7 +16,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN
 from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point
 from llamafactory_qwenvl_patch.scoring.detection import (
-    Detection, MonitorTally, detection_f1, detections, hacks, match_detections,
+    Detection, MonitorTally, detection_f1, hacks, match_detections,
 )
 
 SCREEN_SIZES = [(1080, 1920), (2532, 1170), (1440, 2560), (800, 1280)]  # (height, width)
@@ -130,14 +130,15 @@ def test_det_f1_properties(truth, answer, seed):
     sanity = BUILTIN["box_sanity"]([json.dumps(answer), reference], references=[reference] * 2,
                                    orig_sizes=[(1000, 1000)] * 2, model_sizes=[(1000, 1000)] * 2, coords="rel1000")
     assert -1.0 <= sanity[0] <= 0.0
-    assert sanity[1] == 0.0 or "duplicates" in hacks(detections(reference), detections(reference), (1000, 1000))
+    assert sanity[1] == 0.0  # the truth itself is never a hack
 
 
 def test_det_f1_by_hand():
     truth = [Detection((0, 0, 10, 10), "cat"), Detection((20, 20, 30, 30), "dog")]
     assert detection_f1(truth, [Detection((0, 0, 10, 10), "cat")]) == pytest.approx(2 / 3)
     assert detection_f1(truth, [Detection((0, 0, 10, 10), "dog")]) == 0.0  # right place, wrong label
-    assert detection_f1(truth, [Detection((0, 0, 10, 10))]) == pytest.approx(2 / 3)  # no label: place only
+    assert detection_f1(truth, [Detection((0, 0, 10, 10))]) == 0.0  # a labelled truth needs the label
+    assert detection_f1([Detection((0, 0, 10, 10))], [Detection((0, 0, 10, 10), "cat")]) == 1.0  # class-agnostic
     assert detection_f1(truth, [Detection((1, 1, 11, 11), "Cat "), Detection((21, 20, 30, 30), "DOG")]) == 1.0
     assert detection_f1([], []) == 1.0 and detection_f1([], [Detection((0, 0, 1, 1))]) == 0.0
     # IoU 0.5 exactly counts; the matching prefers more matches over one better match
@@ -145,6 +146,9 @@ def test_det_f1_by_hand():
     two = [Detection((0, 0, 10, 10)), Detection((0, 0, 10, 12))]
     assert len(match_detections(two, [Detection((0, 0, 10, 11)), Detection((0, 0, 10, 9))])) == 2
     assert BUILTIN["det_f1"](['[{"bbox_2d": [0, 0, 10]}]'], references=['[{"bbox_2d": [0, 0, 10, 10]}]']) == [0.0]
+    # a "not present" reference: only an empty list answers it
+    assert BUILTIN["det_f1"](["[]", "```json\n[]\n```", "", "nothing here", '[{"bbox_2d": [0, 0, 5, 5]}]'],
+                             references=["[]"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_hacks_by_hand():
@@ -156,6 +160,9 @@ def test_hacks_by_hand():
     assert hacks(truth, [Detection((i, i, i + 5, i + 5)) for i in range(0, 50, 10)], frame) == ["too_many"]
     assert hacks(truth, [Detection((10, 10, 20, 20)), Detection((10, 10, 20, 20.5))], frame) == ["duplicates"]
     assert hacks(truth, [Detection((10, 10, 20, 20), "a"), Detection((10, 10, 20, 20), "b")], frame) == []
+    crowded = [Detection((10, 10, 20, 20), "a"), Detection((10, 10, 20, 20.5), "a")]  # two real overlapping objects
+    assert hacks(crowded, crowded, frame) == []
+    assert hacks(crowded, crowded + [Detection((10, 10, 20.2, 20), "a")], frame) == ["duplicates"]
     assert BUILTIN["box_sanity"](['[{"bbox_2d": [0, 0, 1000, 1000]}, {"bbox_2d": [0, 0, 1000, 1000]}]'],
                                  references=['[{"bbox_2d": [10, 10, 20, 20]}]'], orig_sizes=[(50, 50)],
                                  model_sizes=[(56, 56)], coords="rel1000") == [pytest.approx(-2 / 3)]
@@ -175,3 +182,63 @@ def test_monitor_tally():
     assert summary["count_ratio"] == pytest.approx(4 / 8)
     assert summary["area_ratio_median"] == pytest.approx((100 + 200 / 100) / 2)
     assert MonitorTally().to_dict()["whole_image_rate"] is None
+
+
+@st.composite
+def family_frames(draw):
+    """(coords, orig_hw, model_hw) of a real family and screen size: model pixels or 0-1000."""
+    coords, model_hw = _family_frame(draw(st.sampled_from(sorted(FAMILIES))), orig_hw := draw(st.sampled_from(
+        SCREEN_SIZES)))
+    return coords, orig_hw, model_hw
+
+
+@settings(max_examples=100, deadline=None)
+@given(frame=family_frames(), truth=answers(), answer=answers(), seed=st.randoms())
+def test_box_sanity_in_every_family_frame(frame, truth, answer, seed):
+    """Boxes drawn in 0-1000 and scaled into the family's frame: box_sanity stays in [-1, 0], ignores the order of
+    the boxes and never flags the truth."""
+    coords, orig_hw, model_hw = frame
+    width, height = (model_hw[1], model_hw[0]) if coords == "model" else (1000, 1000)
+
+    def scaled(items):
+        return json.dumps([{**item, "bbox_2d": [item["bbox_2d"][0] * width / 1001, item["bbox_2d"][1] * height / 1001,
+                                                 item["bbox_2d"][2] * width / 1001, item["bbox_2d"][3] * height / 1001]}
+                           for item in items])
+    shuffled = list(answer)
+    seed.shuffle(shuffled)
+    reference = scaled(truth)
+    values = BUILTIN["box_sanity"]([scaled(answer), scaled(shuffled), reference], references=[reference] * 3,
+                                   orig_sizes=[orig_hw] * 3, model_sizes=[model_hw] * 3, coords=coords)
+    assert -1.0 <= values[0] <= 0.0 and values[0] == values[1] and values[2] == 0.0
+
+
+def test_coco_map_is_order_free_and_counts_every_box():
+    from llamafactory_qwenvl_patch.scoring.coco_map import coco_map
+
+    truth = [Detection((0, 0, 10, 10), "cat"), Detection((20, 20, 30, 30), "dog")]
+    wrong = Detection((40, 40, 50, 50), "cat")
+    images = [(truth, [wrong, *truth], (100, 100)), (truth[:1], truth[:1], (100, 100))]
+    first = coco_map(images)
+    reordered = coco_map([(t, list(reversed(p)), s) for t, p, s in images])  # box order
+    order_free = ("map", "ap50", "ap75")
+    assert [reordered[k] for k in order_free] == [first[k] for k in order_free]
+    assert [coco_map(list(reversed(images)))[k] for k in order_free] == [first[k] for k in order_free]
+    assert reordered["pycocotools_map"] != first["pycocotools_map"]  # why `map` is not pycocotools' ranking AP
+    # cat: 2 of 3 predictions right, both truths found (AP 2/3); dog: 1 of 1 (AP 1)
+    assert first["map"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-4)
+    many = [Detection((i * 3, 0, i * 3 + 2, 2)) for i in range(120)]  # 120 boxes in one image, all right
+    result = coco_map([(many, many, (400, 10))])
+    assert result["map"] == 1.0 and result["pycocotools_map"] == 1.0
+
+
+def test_monitors_in_a_non_square_model_frame():
+    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, add_monitors
+
+    meta = [SampleMeta(0, "p", '[{"bbox_2d": [10, 10, 40, 30]}]', (1080, 1920), (336, 588))]
+    tally = MonitorTally()
+    add_monitors(tally, ['[{"bbox_2d": [0, 0, 588, 336]}]', '[{"bbox_2d": [0, 0, 336, 336]}]'], meta, 2, "model")
+    assert tally.to_dict()["whole_image_rate"] == 0.5  # 588 x 336 covers the frame; 336 x 336 does not
+    other = MonitorTally()
+    add_monitors(other, ["[]", "[]"], meta, 2, "model")
+    tally.merge(other)
+    assert tally.to_dict()["empty_answer_rate"] == 0.5 and tally.answers == 4

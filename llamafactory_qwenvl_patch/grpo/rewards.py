@@ -181,11 +181,15 @@ def click_dense_reward(completions: Sequence[str], *, references: Sequence[str],
 
 def det_f1_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
     """F1 of the answer's boxes against the reference's at IoU >= 0.5, one-to-one and label-aware (labels must
-    agree when both have one); 1 for an empty answer to an empty reference; 0 for malformed coordinates."""
+    agree when the reference has them); on a "not present" reference ``[]``, 1 for an empty list and 0 for anything
+    else; 0 for malformed coordinates."""
     out = []
     for completion, reference in zip(completions, references):
         truth, predicted = detections(reference) or [], detections(completion)
-        out.append(0.0 if predicted is None else detection_f1(truth, predicted))
+        if not truth:  # "not present": only an empty list answers it (prose or silence is not an answer)
+            out.append(1.0 if not_present(completion) else 0.0)
+        else:
+            out.append(0.0 if predicted is None else detection_f1(truth, predicted))
     return out
 
 

@@ -114,9 +114,8 @@ def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePo
 
 
 def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor, texts: list[str],
-                    meta: list[SampleMeta], generations: int, coords: str) -> dict[str, float]:
-    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``, with the
-    detection-hack monitors (``monitor/...``) when its prompts have reference boxes."""
+                    meta: list[SampleMeta], generations: int) -> dict[str, float]:
+    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``."""
     grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
     stats = {
         "reward": float(rewards.mean()),
@@ -128,11 +127,14 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
         "parse_failures": float(sum(not try_parse_items(text) for i, text in enumerate(texts)
                                     if grounded[i // generations])),
     }
-    monitors = MonitorTally()
+    return stats
+
+
+def add_monitors(tally: MonitorTally, texts: list[str], meta: list[SampleMeta], generations: int,
+                 coords: str) -> None:
+    """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame."""
     for i, text in enumerate(texts):
         sample = meta[i // generations]
-        truth = detections(sample.reference) if grounded[i // generations] else None
+        truth = detections(sample.reference)
         if truth and sample.orig_hw is not None and sample.model_hw is not None:
-            monitors.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))
-    stats.update({f"monitor/{key}": value for key, value in monitors.to_dict().items() if value is not None})
-    return stats
+            tally.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))

@@ -34,11 +34,15 @@ def detections(text: str) -> list[Detection] | None:
     return [Detection(item.coords, item.label) for item in items if item.kind == "bbox_2d"]
 
 
-def _same_label(a: str | None, b: str | None) -> bool:
-    """Labels agree when either is absent or both read the same after case folding and Unicode normalisation."""
-    if a is None or b is None:
-        return True
-    return unicodedata.normalize("NFKC", a).strip().casefold() == unicodedata.normalize("NFKC", b).strip().casefold()
+def label_key(label: str | None) -> str | None:
+    """A label as matching and mAP compare it: Unicode width folded (NFKC), case folded, whitespace collapsed."""
+    return None if label is None else " ".join(unicodedata.normalize("NFKC", label).casefold().split())
+
+
+def _same_label(truth: str | None, guess: str | None) -> bool:
+    """A truth without a label matches any box (class-agnostic data); a labelled truth needs the same label, so
+    leaving labels out never matches more than naming them."""
+    return truth is None or label_key(truth) == label_key(guess)
 
 
 def match_detections(truth: Sequence[Detection], predicted: Sequence[Detection],
@@ -77,8 +81,8 @@ def _area(box: Sequence[float]) -> float:
 
 def hacks(truth: Sequence[Detection], predicted: Sequence[Detection], extent: tuple[float, float]) -> list[str]:
     """The known detection hacks an answer shows, in ``HACKS`` order: ``whole_image`` (a box over most of the frame
-    when no truth box is that large), ``too_many`` (more than twice the truth's boxes and at least 3 extra) and
-    ``duplicates`` (two boxes of one label with IoU >= 0.9)."""
+    when no truth box is that large), ``too_many`` (more than twice the truth's boxes and more than 3 extra) and
+    ``duplicates`` (more pairs of one label with IoU >= 0.9 than the truth has)."""
     frame = extent[0] * extent[1]
     found = []
     largest_truth = max((_area(d.box) for d in truth), default=0.0)
@@ -87,10 +91,16 @@ def hacks(truth: Sequence[Detection], predicted: Sequence[Detection], extent: tu
         found.append("whole_image")
     if len(predicted) > max(2 * len(truth), len(truth) + 3):
         found.append("too_many")
-    if any(_same_label(a.label, b.label) and iou(a.box, b.box) >= DUPLICATE_IOU
-           for i, a in enumerate(predicted) for b in predicted[i + 1:]):
+    if _duplicate_pairs(predicted) > _duplicate_pairs(truth):
         found.append("duplicates")
     return found
+
+
+def _duplicate_pairs(boxes: Sequence[Detection]) -> int:
+    """Pairs of boxes of one label (or unlabelled) with IoU >= 0.9: in the truth these are real overlapping objects,
+    so an answer is flagged only for pairs beyond the truth's own."""
+    return sum(label_key(a.label) == label_key(b.label) and iou(a.box, b.box) >= DUPLICATE_IOU
+               for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def sanity_penalty(truth: Sequence[Detection], predicted: Sequence[Detection], extent: tuple[float, float]) -> float:
@@ -128,6 +138,13 @@ class MonitorTally:
             mean_truth = sum(_area(d.box) for d in truth) / len(truth)
             if mean_truth > 0:
                 self.area_ratios = (self.area_ratios or []) + [mean_predicted / mean_truth]
+
+    def merge(self, other: "MonitorTally") -> None:
+        """Add another tally's counts (another rank's, or another rollout's): rates stay exact, not means of means."""
+        for name in ("answers", "whole_image", "empty", "duplicates", "predicted_boxes", "truth_boxes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.area_ratios:
+            self.area_ratios = (self.area_ratios or []) + other.area_ratios
 
     def to_dict(self) -> dict[str, float | None]:
         n = self.answers

@@ -56,12 +56,28 @@ def _answer(box: list[float], target: str) -> str:
     return json.dumps([{"point_2d": [(box[0] + box[2]) / 2, (box[1] + box[3]) / 2]}])
 
 
+MEDIA_TAGS = ("<image>", "<video>", "<audio>")
+
+
+def check_prompt(prompt: str) -> None:
+    """A prompt template must place the instruction once and carry no media tag (convert adds the one image tag)."""
+    if prompt.count("{instruction}") != 1:
+        raise ValueError(f"--prompt {prompt!r} must contain {{instruction}} exactly once: it is where each "
+                         "record's instruction goes")
+    if any(tag in prompt for tag in MEDIA_TAGS):
+        raise ValueError(f"--prompt {prompt!r} contains a media tag; convert adds the image's <image> tag itself")
+
+
 def _record(image: str, instruction: Any, box: list[float], target: str, prompt: str, meta: dict) -> dict:
     if not isinstance(instruction, str) or not instruction.strip():
         raise RecordError(f"'instruction' must be non-empty text, got {instruction!r}")
+    tag = next((tag for tag in MEDIA_TAGS if tag in instruction), None)
+    if tag:
+        raise RecordError(f"'instruction' {instruction[:80]!r} contains {tag}, which LLaMA-Factory would read as a "
+                          "second media item")
     return {"messages": [{"role": "user", "content": "<image>" + prompt.replace("{instruction}", instruction)},
                          {"role": "assistant", "content": _answer(box, target)}],
-            "images": [image], "meta": {TRUTH_BOX_KEY: box, **meta}}
+            "images": [image], "meta": {**meta, TRUTH_BOX_KEY: box}}  # the truth box wins over an entry's own key
 
 
 def _scalars(entry: dict) -> dict:
@@ -132,15 +148,26 @@ def iter_refcoco_parquet(path: Path, target: str, prompt: str, image_folder: Pat
     if missing:
         raise RecordError(f"{path}: a RefCOCO parquet file needs the columns {', '.join(REFCOCO_COLUMNS)}; "
                           f"missing {', '.join(missing)}")
-    for batch in table.iter_batches(batch_size=32):
-        for row in batch.to_pylist():
-            try:
-                image = row["image"]
-                image = _image_file(image.get("bytes") if isinstance(image, dict) else image, image_folder)
-                box = _corners(row["bbox"], "xywh")
-                answers = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
-                meta = _scalars({k: v for k, v in row.items() if k not in ("image", "answer", "segmentation")})
-                for expression in answers[:1] if expressions == "first" else answers:
-                    yield _record(image, expression, box, target, prompt, meta)
-            except RecordError as error:
-                yield error
+    for row in _rows(table, path):
+        if isinstance(row, RecordError):
+            yield row
+            return
+        try:
+            image = row["image"]
+            image = _image_file(image.get("bytes") if isinstance(image, dict) else image, image_folder)
+            box = _corners(row["bbox"], "xywh")
+            answers = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
+            meta = _scalars({k: v for k, v in row.items() if k not in ("image", "answer", "segmentation")})
+            for expression in answers[:1] if expressions == "first" else answers:
+                yield _record(image, expression, box, target, prompt, meta)
+        except RecordError as error:
+            yield error
+
+def _rows(table: Any, path: Path) -> Iterator[dict | RecordError]:
+    """The file's rows, streamed; a file damaged past its header ends the stream with one RecordError naming it."""
+    try:
+        for batch in table.iter_batches(batch_size=32):
+            yield from batch.to_pylist()
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several types for damaged data
+        yield RecordError(f"{path} cannot be read from here on ({type(error).__name__}: {error}); the rows before "
+                          "it are read")

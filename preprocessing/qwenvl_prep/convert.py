@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -32,10 +31,15 @@ from llamafactory_qwenvl_patch.frame.policy import (
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
-from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS, iter_refcoco_parquet, iter_screenspot
+from qwenvl_prep.benchmark_formats import (
+    DEFAULT_TARGET, PROMPTS, check_prompt, iter_refcoco_parquet, iter_screenspot,
+)
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
+from qwenvl_prep.lf_rules import record_problem
+from qwenvl_prep.outputs import check_output
 from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
+from qwenvl_prep.workers import init_worker
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -43,7 +47,7 @@ SHAREGPT_ENTRY = {
     "formatting": "sharegpt",
     "columns": {"messages": "messages", "images": "images"},
     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-             "system_tag": "system"},
+             "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
 }
 CHUNK = 1024
 
@@ -80,6 +84,7 @@ class Result:
     boxes: int = 0
     points: int = 0
     exif_baked: int = 0
+    tools: int = 0
 
 
 class ConvertError(ValueError):
@@ -96,11 +101,10 @@ def _set_job(job: Job) -> None:
     _info_cache.clear()
 
 
-def _init_worker(job: Job) -> None:
-    """Pool workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or
-    SIGTERM)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def _init_worker(job: Job, parent_pid: int) -> None:
+    """Pool workers leave interrupts to the parent, which stops them, and die with it (``workers.init_worker``: no
+    traceback per worker on Ctrl-C, SIGTERM or a killed parent)."""
+    init_worker("qwenvl-prep convert", parent_pid)
     _set_job(job)
 
 
@@ -174,10 +178,12 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
             raise record
+        if (problem := record_problem(record)) is not None:
+            raise RecordError(problem)
         images = [_resolve(p, job) for p in record["images"]]
         image = images[0] if images else None
-        answers = [m for m in record["messages"] if m["role"] in ("user", "assistant")]  # boxes in prompts too
-        parsed = [parse_answer(m["content"]) for m in answers]
+        turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
+        parsed = [parse_answer(m["content"]) for m in turns]
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         if not items:
@@ -207,13 +213,15 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
                                      hw)
             transform = _transformer(job, hw)
-            for message, answer in zip(answers, parsed):
-                message["content"] = answer.rewrite(transform)
+            for turn, answer in zip(turns, parsed):
+                turn["content"] = answer.rewrite(transform)
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
-        if record.get("meta") is not None:
-            out["meta"] = record["meta"]
+        for key in ("tools", "meta"):
+            if record.get(key) is not None:
+                out[key] = record[key]
+        result.tools = int("tools" in out)
         result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
@@ -316,7 +324,7 @@ def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Resul
         for chunk in chunks:
             yield from _convert_chunk(chunk)
         return
-    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
+    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job, os.getpid())) as pool:
         for results in pool.imap(_convert_chunk, chunks):
             yield from results
 
@@ -350,6 +358,11 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     source = _source(opts, fmt)
+    if fmt in DEFAULT_TARGET and opts.prompt is not None:
+        try:
+            check_prompt(opts.prompt)
+        except ValueError as error:
+            raise ConvertError(str(error)) from None
     coco, image_dir = None, opts.image_dir or opts.input.parent
     if fmt == "coco":
         coco = CocoReader(opts.input, opts.coco)
@@ -378,7 +391,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise stopped
     if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
-    _register(opts)
+    _register(opts, tools=stats["tools"] > 0)
     return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True, extra=extra)
 
 
@@ -395,7 +408,7 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
     for result in tqdm(_results(opts, job, stream), desc="convert", unit=" rec",
                        disable=None if opts.progress else True):
         stats["records"] += 1
-        for key in ("passthrough", "boxes", "points", "exif_baked"):
+        for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
         if result.error is not None:
             if errors is None:
@@ -411,7 +424,8 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
 
 
 def _check_outputs(opts: ConvertOptions) -> None:
-    """Refuse, before anything is written, outputs that would clobber an input, the registry or each other."""
+    """Refuse, before anything is written, outputs that would clobber an input, the registry, a file another
+    registry entry uses, a link's target, or each other."""
     output, registry = opts.output.resolve(), (opts.output.parent / "dataset_info.json").resolve()
     errors = (opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl"))
     if output.is_dir():
@@ -424,19 +438,16 @@ def _check_outputs(opts: ConvertOptions) -> None:
     taken = {opts.input.resolve(): "the input", output: "the output (-o)", registry: "the registry dataset_info.json"}
     if errors.resolve() in taken:
         raise ConvertError(f"--errors {errors} is {taken[errors.resolve()]}; it would be overwritten")
-    if errors.resolve().is_dir():
-        raise ConvertError(f"--errors {errors} is a directory")
-    folder = output.parent if output.parent.exists() else None
-    if folder is not None and not os.access(folder, os.W_OK):
-        raise ConvertError(f"output folder {folder} is not writable")
     if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
         raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
     name = opts.dataset_name or opts.output.stem
+    check_output(opts.output, "output", inputs=[opts.input], own_entry=name)
+    check_output(errors, "--errors", inputs=[opts.input])
     entry = read_dataset_info(opts.output.parent).get(name)
     if entry is not None and not opts.overwrite:
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
-        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); "
-                           "pass --overwrite to replace it, or --dataset-name to add another")
+        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); pass "
+                           "--overwrite to replace it, or add another with both another -o and --dataset-name")
 
 
 class Abort(Exception):
@@ -448,10 +459,13 @@ class Abort(Exception):
         self.summary = summary
 
 
-def _register(opts: ConvertOptions) -> None:
-    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched."""
+def _register(opts: ConvertOptions, tools: bool) -> None:
+    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched. The
+    ``tools`` column is mapped when a record carries tool definitions (LF reads it only when mapped)."""
     name = opts.dataset_name or opts.output.stem
-    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
+    columns = {**SHAREGPT_ENTRY["columns"], **({"tools": "tools"} if tools else {})}
+    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, "columns": columns,
+             STAMP_KEY: _written_stamp(opts).to_dict()}
     merge_dataset_info(opts.output.parent, name, entry)
 
 
@@ -461,7 +475,7 @@ def merge_dataset_info(folder: Path, name: str, entry: dict[str, Any]) -> None:
     with exclusive(info_path):
         info = read_dataset_info(folder)
         info[name] = entry
-        write_json(info_path, info)
+        write_json(info_path, info, follow_symlink=True)  # a shared registry linked into the folder stays shared
 
 
 def _written_stamp(opts: ConvertOptions) -> Stamp:

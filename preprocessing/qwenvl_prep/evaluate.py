@@ -7,7 +7,6 @@ to the dataset by order and checked label by label, or the output of ``qwenvl-pr
 from __future__ import annotations
 
 from functools import partial
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,18 +16,11 @@ from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.dataset import DatasetRef, iter_jsonl, iter_samples
+from qwenvl_prep.alignment import AlignmentError, aligned
+from qwenvl_prep.dataset import DatasetRef
 from qwenvl_prep.imageinfo import read_info
 
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
-
-
-class AlignmentError(ValueError):
-    """The predictions file does not line up with the dataset."""
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.split())
 
 
 def _bucket(width: int, height: int) -> str:
@@ -39,13 +31,6 @@ def _to_orig(coords, stamp: Stamp, hw: tuple[int, int], model_hw: tuple[int, int
     return convert_coords(coords, stamp.coords, "orig", hw, model_hw, ndigits=None)
 
 
-def _prediction_text(row: dict, index: int) -> str:
-    for key in ("predict", "prediction"):
-        if isinstance(row.get(key), str):
-            return row[key]
-    raise AlignmentError(f"predictions row {index} has no 'predict' text")
-
-
 def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str] = ()) -> dict[str, Any]:
     """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
     overall and by size; click accuracy for records with a truth box in ``meta`` (ScreenSpot, RefCOCO); detection
@@ -54,11 +39,10 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
     or array answer): per-field accuracy, all-fields-exact, format-valid and parse-failure rates. Other records are
     counted and skipped."""
     grounding, buckets, groups, fields, skipped = GroundingEval(), {}, {}, FieldTally(), 0
-    rows = iter_jsonl(predictions)
-    samples = iter_samples(ref)
     index = -1
-    for index, (row, sample) in enumerate(zip_longest(rows, samples)):
-        text = _aligned_text(row, sample, index, predictions, ref)
+    for index, sample, text in aligned(ref, predictions):
+        if sample.error:
+            raise AlignmentError(f"record {index} of {ref.path} cannot be evaluated: {sample.error}")
         if not is_grounding(sample.items, sample.answer, sample.meta):
             truth = reference_value(sample.answer)
             if truth is None:
@@ -67,7 +51,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
                 fields.add(score_fields(text, truth))
             continue
         if len(sample.images) != 1:
-            raise AlignmentError(f"dataset record {index} has boxes and {len(sample.images)} images; needs 1")
+            raise AlignmentError(f"record {index} of {ref.path} has boxes and {len(sample.images)} images; needs 1")
         info = read_info(sample.images[0])
         hw = info.hw
         model_hw = stamp.policy.model_size(*hw)
@@ -93,24 +77,6 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
     if fields.samples:
         result["fields"] = fields.to_dict()
     return result
-
-
-def _aligned_text(row: Any, sample: Any, index: int, predictions: Path, ref: DatasetRef) -> str:
-    """The prediction text of ``row``, after checking that it belongs to dataset record ``index``."""
-    if row is None or sample is None:
-        raise AlignmentError(f"{predictions} and {ref.path} have different numbers of records (one ends at "
-                             f"{index}); predictions must be in dataset order, one per record")
-    if not isinstance(row, dict):
-        raise AlignmentError(f"{predictions} line {index + 1} is a {type(row).__name__}, not an object")
-    if sample.error:
-        raise AlignmentError(f"dataset record {index} cannot be evaluated: {sample.error}")
-    if "label" in row and _norm(str(row["label"])) != _norm(sample.answer):
-        raise AlignmentError(f"predictions row {index}: its label {str(row['label'])[:80]!r} differs from "
-                             f"dataset record {index}'s answer {sample.answer[:80]!r}; the files are misaligned")
-    if "image" in row and sample.images and Path(str(row["image"])).resolve() != Path(sample.images[0]).resolve():
-        raise AlignmentError(f"predictions row {index} is for {row['image']}, dataset record {index} for "
-                             f"{sample.images[0]}; the files are misaligned")
-    return _prediction_text(row, index)
 
 
 def _group(meta: Any, fields: Sequence[str]) -> str:
