@@ -38,9 +38,9 @@ LABELS = {"Delete": (50, 50, 210), "Save": (60, 170, 60), "Search": (210, 110, 4
 SHAPES = {"Delete": "cross", "Save": "square", "Search": "circle", "Share": "triangle", "Settings": "diamond",
           "Home": "house"}
 ELEMENTS_PER_SCREEN = (1, 3)
-BUTTON_SHARE = ((0.22, 0.32), (0.11, 0.15))  # button width and height as shares of the screen's short side
-ICON_SHARE = (0.13, 0.18)  # icon side as a share of the short side
-CLUTTER = (4, 9)  # grey paragraphs and panels per screen
+BUTTON_SIZE = ((0.3, 0.5), (0.15, 0.25))  # button width and height in shares of sqrt(screen width x height)
+ICON_SIZE = (0.2, 0.3)  # icon side in the same unit
+CLUTTER = (2, 5)  # grey paragraphs and panels per screen
 FONT = cv2.FONT_HERSHEY_SIMPLEX
 
 
@@ -63,10 +63,11 @@ def _text(canvas: np.ndarray, text: str, centre: tuple[int, int], height: int, c
 
 
 def _icon(canvas: np.ndarray, shape: str, box: tuple[int, int, int, int], color: tuple[int, int, int]) -> None:
+    """An app icon: a tile in the label's colour with the label's glyph in white."""
     x1, y1, x2, y2 = box
-    cx, cy, r = (x1 + x2) // 2, (y1 + y2) // 2, (x2 - x1) * 2 // 5
-    cv2.rectangle(canvas, (x1, y1), (x2 - 1, y2 - 1), (250, 250, 250), -1)
-    cv2.rectangle(canvas, (x1, y1), (x2 - 1, y2 - 1), (200, 200, 200), max(1, r // 12))
+    cx, cy, r = (x1 + x2) // 2, (y1 + y2) // 2, min(x2 - x1, y2 - y1) // 4
+    cv2.rectangle(canvas, (x1, y1), (x2 - 1, y2 - 1), color, -1)
+    white = (255, 255, 255)
     points = {
         "triangle": [(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)],
         "diamond": [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)],
@@ -74,12 +75,12 @@ def _icon(canvas: np.ndarray, shape: str, box: tuple[int, int, int, int], color:
         "square": [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)],
     }
     if shape == "circle":
-        cv2.circle(canvas, (cx, cy), r, color, -1, cv2.LINE_AA)
+        cv2.circle(canvas, (cx, cy), r, white, max(2, r // 3), cv2.LINE_AA)
     elif shape == "cross":
-        cv2.line(canvas, (cx - r, cy - r), (cx + r, cy + r), color, max(2, r // 2), cv2.LINE_AA)
-        cv2.line(canvas, (cx - r, cy + r), (cx + r, cy - r), color, max(2, r // 2), cv2.LINE_AA)
+        cv2.line(canvas, (cx - r, cy - r), (cx + r, cy + r), white, max(2, r // 3), cv2.LINE_AA)
+        cv2.line(canvas, (cx - r, cy + r), (cx + r, cy - r), white, max(2, r // 3), cv2.LINE_AA)
     else:
-        cv2.fillPoly(canvas, [np.array(points[shape], np.int32)], color, cv2.LINE_AA)
+        cv2.fillPoly(canvas, [np.array(points[shape], np.int32)], white, cv2.LINE_AA)
 
 
 def _free(box: tuple[int, int, int, int], taken: list[tuple[int, int, int, int]], gap: int) -> bool:
@@ -109,12 +110,14 @@ def draw_screen(size: tuple[int, int], rng: random.Random) -> tuple[np.ndarray, 
     elements: list[Element] = []
     taken: list[tuple[int, int, int, int]] = []  # element boxes with their labels below
     gap = short // 40
+    scale = (width * height) ** 0.5  # element sizes follow the screen's area, so every shape gets alike targets
     for label in rng.sample(list(LABELS), rng.randint(*ELEMENTS_PER_SCREEN)):
         kind = rng.choice(("text", "icon"))
         if kind == "text":
-            w, h = round(short * rng.uniform(*BUTTON_SHARE[0])), round(short * rng.uniform(*BUTTON_SHARE[1]))
+            w, h = round(scale * rng.uniform(*BUTTON_SIZE[0])), round(scale * rng.uniform(*BUTTON_SIZE[1]))
         else:
-            w = h = round(short * rng.uniform(*ICON_SHARE))
+            w = h = round(scale * rng.uniform(*ICON_SIZE))
+        w = min(w, width - 2 * gap)
         below = round(h * 0.35) if kind == "icon" else 0  # the icon's label under it, outside its box
         for _ in range(100):
             x1, y1 = rng.randint(gap, width - w - gap), rng.randint(bar + gap, height - h - below - gap)
@@ -184,6 +187,8 @@ def write_screenspot(path: Path, entries: list[tuple[dict[str, Any], Shot]]) -> 
 PROMPT = "{instruction}. Answer with its point_2d in JSON."
 MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 SFT_BATCH = 8
+DEFAULT_MINUTES = 3.0
+SFT_STEPS_PER_MINUTE = 100  # measured on 2 CPU cores: decoding the screenshots costs more than the small model
 PER_SHOT = 2  # training instructions per screenshot (each naming another element on it)
 MAX_TRAIN = 1200
 MAX_NEW_TOKENS = 32  # a point answer is about 20 tokens
@@ -242,7 +247,8 @@ def run_gui_demo(out: Path, steps: int, family: str = "qwen2_5_vl") -> dict[str,
     policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
     model = small_model(out / "model", family, policy, logs)
     common = full_training(family, data, "gui_train", policy)
-    sft_yaml = write_yaml(out / "sft.yaml", sft_stage(common, model, out / "sft", steps, SFT_BATCH))
+    sft_yaml = write_yaml(out / "sft.yaml", {**sft_stage(common, model, out / "sft", steps, SFT_BATCH),
+                                             "dataloader_num_workers": 1})
     converted = convert_and_check({split: raw / f"{split}.json" for split in ("train", "grpo", "eval")}, data, "gui",
                                   sft_yaml, ["--format", "screenspot", "--target", "point", "--prompt", PROMPT], logs)
     evaluated: dict[str, Any] = {}
