@@ -491,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=float,
                       help="grounding and gui demos: SFT training budget in minutes of 2 CPU cores, turned into a "
-                      "fixed step count (default 3 for grounding, GUI_MINUTES for gui: the model learns; less is a "
-                      "quicker smoke run)")
+                      "fixed step count (default 3 for grounding, 4 for gui: the model learns; less is a quicker smoke "
+                      "run)")
     demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,
                       help="model family of the grounding and gui demos (Qwen3-VL answers in 0-1000)")

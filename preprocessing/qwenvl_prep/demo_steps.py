@@ -26,11 +26,12 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def run_step(step: str, args: list[str], log_dir: Path) -> None:
-    """Run one step as its own process (as a user would), logging to a file; fail with the log's tail."""
+def run_step(step: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    """Run one step as its own process (as a user would), logging to a file; fail with the log's tail. ``env`` adds
+    variables the user has not set."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
-           "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**(env or {}), **os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = log_dir / f"{step}.log"
     print(f"[demo {time.strftime('%H:%M:%S')}] {step}: {' '.join(args)} (log: {log})", file=sys.stderr, flush=True)
     with open(log, "w") as f:
