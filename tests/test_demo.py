@@ -90,9 +90,10 @@ def test_fields_demo_runs_end_to_end(tmp_path):
 
 
 def test_gui_screens_label_the_elements_they_draw(tmp_path):
-    """The GUI demo's ScreenSpot boxes sit on the elements they name, at real screen sizes: inside each box, where
-    no label text is drawn, the pixels have the colour of the instruction's label; an image's elements never
-    overlap; every platform appears; the file is ScreenSpot's layout (bbox as left, top, width, height)."""
+    """The GUI demo's ScreenSpot boxes sit on the elements they name, at real screen sizes: inside each box, near
+    its top-left corner (where neither the label text nor the icon's glyph is drawn), the pixels have the colour of
+    the instruction's label; an image's elements never overlap; every platform appears; the file is ScreenSpot's
+    layout (bbox as left, top, width, height)."""
     import cv2
 
     from qwenvl_prep.demo_gui import LABELS, SCREENS, screenspot_entries, synthesise_screens, write_screenspot
@@ -106,7 +107,7 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
         x, y, w, h = entry["bbox"]
         assert 0 <= x and x + w <= width and 0 <= y and y + h <= height
         label = entry["instruction"].removeprefix("click ")
-        probe = (y + h // 2, x + w // 2) if entry["data_type"] == "icon" else (y + h // 2, x + max(2, w // 20))
+        probe = (y + max(2, h // 20), x + max(2, w // 20))
         assert abs(image[probe].astype(int) - LABELS[label]).max() < 40, (entry, image[probe])
         boxes = [e.box for e in shot.elements]
         assert all(a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import run_cli
 
-MIN_CLICK_ACC = 0.3
+MIN_CLICK_ACC = 0.5
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ from typing import Any
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from qwenvl_prep import demo_gui
 from qwenvl_prep.dataset import load_jsonl
 from qwenvl_prep.demo_steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
                                     new_run_folder, predict, run_step, sft_stage, small_model, steps_for,
@@ -85,40 +86,41 @@ GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before
 HELD_OUT, HELD_OUT_SMOKE = 100, 8
 
 
-def run_demo(out: Path, minutes: float | None = None, family: str = "qwen2_5_vl", task: str = "grounding",
-             steps: int | None = None) -> dict[str, Any]:
+def run_demo(out: Path, minutes: float | None = None, family: str | None = None, task: str = "grounding",
+             steps: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
     the click one (``demo_gui``), or with ``task="fields"`` the field-extraction one (``demo_fields``). ``minutes``
-    (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly."""
+    (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws the
+    images and the initial model (grounding and gui); ``family`` defaults to the task's own (``DEFAULT_FAMILY``)."""
     if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
-        if family != "qwen2_5_vl":
+        if family not in (None, "qwen2_5_vl"):
             raise ValueError("--family applies to the grounding and gui demos; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
         return run_fields_demo(out, steps or 4)
     if task not in ("grounding", "gui"):
         raise ValueError(f"demo task must be grounding, gui or fields, got {task!r}")
+    if family is None:
+        family = demo_gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
     if family not in FAMILIES or not FAMILIES[family].tiny:
         raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
                          f"got {family!r}")
     if task == "gui":
-        from qwenvl_prep import demo_gui
-
         return demo_gui.run_gui_demo(out, steps or steps_for(minutes or demo_gui.DEFAULT_MINUTES,
-                                                             demo_gui.SFT_STEPS_PER_MINUTE), family)
+                                                             demo_gui.SFT_STEPS_PER_MINUTE), family, seed)
     steps = steps or steps_for(minutes or DEFAULT_MINUTES, SFT_STEPS_PER_MINUTE)
     out, logs = new_run_folder(out)
     data, raw = out / "data", out / "raw"
     learning = steps >= 50  # fewer steps: a smoke run, with fewer held-out images and GRPO steps
-    train = synthesise(raw, min(MAX_TRAIN_IMAGES, max(64, steps * SFT_BATCH)), seed=0)
-    held_out = synthesise(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=1)
+    train = synthesise(raw, min(MAX_TRAIN_IMAGES, max(64, steps * SFT_BATCH)), seed=2 * seed)
+    held_out = synthesise(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=2 * seed + 1)
     write_jsonl(raw / "train.jsonl", [record for record, _ in train])
     write_jsonl(raw / "grpo.jsonl", [record for record, _ in train[:GRPO_PROMPTS]])
     write_jsonl(raw / "eval.jsonl", [record for record, _ in held_out])
     policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
-    model = small_model(out / "model", family, policy, logs)
+    model = small_model(out / "model", family, policy, logs, seed)
     common = full_training(family, data, "demo_train", policy)
     sft_yaml = write_yaml(out / "sft.yaml", sft_stage(common, model, out / "sft", steps, SFT_BATCH))
     convert_and_check({split: raw / f"{split}.jsonl" for split in ("train", "grpo", "eval")}, data, "demo", sft_yaml,

@@ -61,10 +61,11 @@ def new_run_folder(out: Path) -> tuple[Path, Path]:
     return out, out / "logs"
 
 
-def small_model(folder: Path, family: str, policy: ResizePolicy, logs: Path) -> Path:
-    """The ~1M-parameter random-weight model (``tiny-model --size small``), pinned to the run's frame so that the
-    untrained model answers in it too."""
-    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(folder), "--family", family, "--size", "small"], logs)
+def small_model(folder: Path, family: str, policy: ResizePolicy, logs: Path, seed: int = 0) -> Path:
+    """The ~1M-parameter random-weight model (``tiny-model --size small``, its weights drawn with ``seed``), pinned
+    to the run's frame so that the untrained model answers in it too."""
+    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(folder), "--family", family, "--size", "small",
+                            "--seed", str(seed)], logs)
     write_policy_record(folder, policy)
     return folder
 
