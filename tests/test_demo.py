@@ -43,11 +43,16 @@ def test_demo_runs_end_to_end(demo):
 
 @pytest.mark.slow
 def test_qwen3_vl_demo_runs_end_to_end(tmp_path):
-    """Qwen3-VL through the same steps: labels in 0-1000, factor 32, predictions mapped back to original pixels."""
+    """Qwen3-VL through the same steps: labels in 0-1000, factor 32, predictions mapped back to original pixels;
+    another --seed draws other photos (named by their seed) and another initial model."""
     out = tmp_path / "q3"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_vl"], None, tmp_path)
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_vl", "--seed", "1"], None,
+                     tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    check_summary(out, json.loads(result.stdout), "qwen3_vl", 32, "rel1000")
+    summary = json.loads(result.stdout)
+    check_summary(out, summary, "qwen3_vl", 32, "rel1000")
+    assert summary["seed"] == 1 and json.loads((out / "model" / "tiny_model.json").read_text())["seed"] == 1
+    assert {path.name[:3] for path in (out / "raw").glob("*.jpg")} == {"s2_", "s3_"}
     raw = json.loads((out / "raw" / "eval.jsonl").read_text().splitlines()[0])
     x1, y1, x2, y2 = json.loads(raw["answer"])[0]["bbox_2d"]
     w, h = Image.open(out / "raw" / raw["image"]).size

@@ -149,7 +149,8 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
                       "--predictions", str(out / "predictions-trained.jsonl")], logs)
     grpo_reward = [row["reward"] for row in load_jsonl(out / "grpo" / "trainer_log.jsonl") if "reward" in row]
     return {
-        "family": family, "sft_steps": steps, "train_images": len(train), "held_out_images": len(held_out),
+        "family": family, "seed": seed, "sft_steps": steps, "train_images": len(train),
+        "held_out_images": len(held_out),
         "held_out": {name: _headline(metrics) for name, metrics in evaluated.items()},
         "trained_vs_baseline": _ratios(evaluated["trained"], evaluated["baseline"]),
         "grpo_reward_first_last": [grpo_reward[0], grpo_reward[-1]],

@@ -204,13 +204,14 @@ def write_screenspot(path: Path, entries: list[tuple[dict[str, Any], Shot]]) -> 
 PROMPT = "{instruction}. Answer with its point_2d in JSON."
 MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 SFT_BATCH = 8
-# Qwen3-VL by default: its vision tower adds learned absolute position embeddings, interpolated to each grid, so the
-# small model finds where a control is within the budget on every seed tried (held-out click accuracy 0.81 and 0.XX
-# after 1,000 SFT steps, seeds 1 and 0); Qwen2.5-VL's positions are relative only (RoPE), and there the same steps
-# gave 0.77 on one seed and 0.10 on another: learning starts late and suddenly, at a step that varies by seed.
+# Qwen3-VL by default: its vision tower adds learned absolute position embeddings, interpolated to each grid, and the
+# small model found the controls on every seed tried (held-out click accuracy through LF: 0.86 and 0.SEED2 after
+# 1,300 SFT steps, seeds 0 and 2; 0.81 after 1,000, seed 1; seed 0 had 0.42 after 990). Qwen2.5-VL's positions are
+# relative only (RoPE): its learning starts late and suddenly, at a step that varies by seed (1,200 steps: 0.77 on
+# seed 0, 0.10 on seed 1; in-process on the same screens, 0.76 and 0.19 on two other seeds).
 DEFAULT_FAMILY = "qwen3_vl"
-DEFAULT_MINUTES = 3.0
-SFT_STEPS_PER_MINUTE = 330  # measured on 2 CPU cores, with ONE_THREAD and no gradient checkpointing
+DEFAULT_MINUTES = 4.0
+SFT_STEPS_PER_MINUTE = 325  # measured on 2 CPU cores, with ONE_THREAD and no gradient checkpointing
 # SFT trains on one thread while its dataloader worker decodes and resizes the next screenshots (1-3 MP each, 7-29 ms
 # in fetch_image, a third of a step's work) on the other core: with torch's default two threads beside that worker
 # and one other busy process, a step took 6 s instead of 0.4 s. LF checkpoints gradients by default, which computes
