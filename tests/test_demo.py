@@ -43,11 +43,16 @@ def test_demo_runs_end_to_end(demo):
 
 @pytest.mark.slow
 def test_qwen3_vl_demo_runs_end_to_end(tmp_path):
-    """Qwen3-VL through the same steps: labels in 0-1000, factor 32, predictions mapped back to original pixels."""
+    """Qwen3-VL through the same steps: labels in 0-1000, factor 32, predictions mapped back to original pixels;
+    another --seed draws other photos (named by their seed) and another initial model."""
     out = tmp_path / "q3"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_vl"], None, tmp_path)
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_vl", "--seed", "1"], None,
+                     tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    check_summary(out, json.loads(result.stdout), "qwen3_vl", 32, "rel1000")
+    summary = json.loads(result.stdout)
+    check_summary(out, summary, "qwen3_vl", 32, "rel1000")
+    assert summary["seed"] == 1 and json.loads((out / "model" / "tiny_model.json").read_text())["seed"] == 1
+    assert {path.name[:3] for path in (out / "raw").glob("*.jpg")} == {"s2_", "s3_"}
     raw = json.loads((out / "raw" / "eval.jsonl").read_text().splitlines()[0])
     x1, y1, x2, y2 = json.loads(raw["answer"])[0]["bbox_2d"]
     w, h = Image.open(out / "raw" / raw["image"]).size
@@ -87,3 +92,31 @@ def test_fields_demo_runs_end_to_end(tmp_path):
         "invoice_number", "date", "total"}
     assert len(summary["grpo_reward"]) == 2 and (out / "exported" / "qwenvl_policy.json").is_file()
     assert len((out / "predictions.jsonl").read_text().splitlines()) == 4
+
+
+def test_gui_screens_label_the_elements_they_draw(tmp_path):
+    """The GUI demo's ScreenSpot boxes sit on the elements they name, at real screen sizes: inside each box, near
+    its top-left corner (where neither the label text nor the icon's glyph is drawn), the pixels have the colour of
+    the instruction's label; an image's elements never overlap; every platform appears; the file is ScreenSpot's
+    layout (bbox as left, top, width, height)."""
+    import cv2
+
+    from qwenvl_prep.demo_gui import LABELS, SCREENS, screenspot_entries, synthesise_screens, write_screenspot
+
+    entries = screenspot_entries(synthesise_screens(tmp_path, seed=3), 24, 2, seed=3)
+    assert len(entries) == 24 and {entry["platform"] for entry, _ in entries} == set(SCREENS)
+    for entry, shot in entries:
+        image = cv2.imread(str(tmp_path / entry["img_filename"]))
+        width, height = SCREENS[entry["platform"]]
+        assert image.shape[:2] == (height, width) and shot.size == (width, height)
+        x, y, w, h = entry["bbox"]
+        assert 0 <= x and x + w <= width and 0 <= y and y + h <= height
+        label = entry["instruction"].removeprefix("click ")
+        probe = (y + max(2, h // 20), x + max(2, w // 20))
+        assert abs(image[probe].astype(int) - LABELS[label]).max() < 40, (entry, image[probe])
+        boxes = [e.box for e in shot.elements]
+        assert all(a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+                   for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    written = json.loads(write_screenspot(tmp_path / "gui.json", entries).read_text())
+    assert written == [entry for entry, _ in entries] and set(written[0]) == {
+        "img_filename", "bbox", "instruction", "data_type", "data_source", "platform"}

@@ -264,12 +264,17 @@ def _eval(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from qwenvl_prep.demo import run_demo
 
-    summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps)
+    summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps,
+                       seed=args.seed)
     print(json.dumps(summary, indent=2))
     if args.task == "grounding":
         from qwenvl_prep.demo import format_summary
 
         print(format_summary(summary), file=sys.stderr)
+    elif args.task == "gui":
+        from qwenvl_prep.demo_gui import format_gui_summary
+
+        print(format_gui_summary(summary), file=sys.stderr)
     return 0
 
 
@@ -477,24 +482,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="the whole pipeline on 2 CPU cores in under 5 minutes, ending with a model that finds the objects",
-        description="Synthesise a grounding dataset (coloured rectangles on photos of mixed sizes), build a small "
-        "random-weight model, and run convert, check, llamafactory-cli train (SFT from scratch, then GRPO), export, "
-        "predict, eval and draw into OUT. Held-out Acc@0.5, mean IoU and centre offset of the trained model are "
-        "printed next to the untrained model and a constant mean-box baseline measured in the same run; the JSON "
-        "summary goes to stdout.",
+        help="the whole pipeline on 2 CPU cores in under 6 minutes, ending with a model that finds the objects",
+        description="Synthesise a dataset (grounding: coloured rectangles on photos of mixed sizes; gui: screenshots "
+        "at real screen sizes as a ScreenSpot file; fields: rendered invoices), build a small random-weight model, "
+        "and run convert, check, llamafactory-cli train (SFT from scratch, then GRPO), export, predict, eval and "
+        "draw into OUT. Held-out metrics of the trained model are printed next to the untrained model and a constant "
+        "baseline measured in the same run; the JSON summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--minutes", type=float, default=3.0,
-                      help="grounding demo: SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
-                      "(%(default)s: the model learns to localise; less is a quicker smoke run)")
+    demo.add_argument("--minutes", type=float,
+                      help="grounding and gui demos: SFT training budget in minutes of 2 CPU cores, turned into a "
+                      "fixed step count (default 3: the model learns; less is a quicker smoke run)")
     demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
-    demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,
-                      help="model family of the grounding demo (Qwen3-VL answers in 0-1000)")
-    demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",
-                      help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "
-                      "a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the blank-image "
-                      "control, field metrics")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="grounding and gui demos: another seed draws other images and another initial model, to "
+                      "see that learning is not one lucky draw (default %(default)s: the README's numbers)")
+    demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
+                      help=f"model family of the grounding and gui demos (default {DEFAULT} for grounding, qwen3_vl "
+                      "for gui; Qwen2-VL and Qwen3-VL answer in 0-1000)")
+    demo.add_argument("--task", choices=["grounding", "gui", "fields"], default="grounding",
+                      help="grounding (boxes, the default); gui: screenshots at real screen sizes written as a "
+                      "ScreenSpot file, 'click <label>' answered with a point, GRPO with click,click_dense,format, "
+                      "click accuracy by platform and element type; or fields: rendered invoices answered as JSON "
+                      "objects, a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the "
+                      "blank-image control, field metrics")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -17,11 +17,13 @@ from typing import Any
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
+from qwenvl_prep import demo_gui
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import run_step, write_jsonl, write_yaml
+from qwenvl_prep.demo_steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
+                                    new_run_folder, predict, run_step, sft_stage, small_model, steps_for,
+                                    write_jsonl, write_yaml)
 
 COLORS = {"red": (40, 40, 220), "green": (60, 180, 60), "blue": (220, 90, 40), "yellow": (40, 220, 230)}
 # Original 4:3 photos of mixed sizes (320x240 to 960x720): all are larger than the frame's upper bound, so each is
@@ -77,74 +79,58 @@ def mean_box_predictions(train: list, held_out: list, image_dir: Path, policy: R
 
 SFT_BATCH = 8
 SFT_STEPS_PER_MINUTE = 340  # measured on 2 CPU cores: the small model at batch 8 on this data
+DEFAULT_MINUTES = 3.0
 MAX_TRAIN_IMAGES = 1000  # seen 8 times by default: LF tokenizes an image about as slowly as it trains on it
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
 HELD_OUT, HELD_OUT_SMOKE = 100, 8
 
 
-def sft_steps_for(minutes: float) -> int:
-    """SFT steps for a training budget in minutes of 2 CPU cores: a fixed count, so a run is reproducible."""
-    return max(1, round(minutes * SFT_STEPS_PER_MINUTE))
-
-
-def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: str = "grounding",
-             steps: int | None = None) -> dict[str, Any]:
-    """The grounding demo (a small model trained from scratch until it finds the rectangles), or with
-    ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``."""
-    if (steps is not None and steps < 1) or minutes <= 0:
+def run_demo(out: Path, minutes: float | None = None, family: str | None = None, task: str = "grounding",
+             steps: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
+    the click one (``demo_gui``), or with ``task="fields"`` the field-extraction one (``demo_fields``). ``minutes``
+    (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws the
+    images and the initial model (grounding and gui); ``family`` defaults to the task's own (``DEFAULT_FAMILY``)."""
+    if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
-        if family != "qwen2_5_vl":
-            raise ValueError("--family applies to the grounding demo; the fields demo uses Qwen2.5-VL")
+        if family not in (None, "qwen2_5_vl"):
+            raise ValueError("--family applies to the grounding and gui demos; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
         return run_fields_demo(out, steps or 4)
-    steps = steps if steps is not None else sft_steps_for(minutes)
-    if task != "grounding":
-        raise ValueError(f"demo task must be grounding or fields, got {task!r}")
+    if task not in ("grounding", "gui"):
+        raise ValueError(f"demo task must be grounding, gui or fields, got {task!r}")
+    if family is None:
+        family = demo_gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
     if family not in FAMILIES or not FAMILIES[family].tiny:
         raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
                          f"got {family!r}")
-    out = out.resolve()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    logs, data, raw = out / "logs", out / "data", out / "raw"
-    logs.mkdir(parents=True)
+    if task == "gui":
+        return demo_gui.run_gui_demo(out, steps or steps_for(minutes or demo_gui.DEFAULT_MINUTES,
+                                                             demo_gui.SFT_STEPS_PER_MINUTE), family, seed)
+    steps = steps or steps_for(minutes or DEFAULT_MINUTES, SFT_STEPS_PER_MINUTE)
+    out, logs = new_run_folder(out)
+    data, raw = out / "data", out / "raw"
     learning = steps >= 50  # fewer steps: a smoke run, with fewer held-out images and GRPO steps
-    train = synthesise(raw, min(MAX_TRAIN_IMAGES, max(64, steps * SFT_BATCH)), seed=0)
-    held_out = synthesise(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=1)
+    train = synthesise(raw, min(MAX_TRAIN_IMAGES, max(64, steps * SFT_BATCH)), seed=2 * seed)
+    held_out = synthesise(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=2 * seed + 1)
     write_jsonl(raw / "train.jsonl", [record for record, _ in train])
     write_jsonl(raw / "grpo.jsonl", [record for record, _ in train[:GRPO_PROMPTS]])
     write_jsonl(raw / "eval.jsonl", [record for record, _ in held_out])
-    model = out / "model"
-    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--family", family, "--size", "small"], logs)
     policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, FAMILIES[family].factor)
-    write_policy_record(model, policy)  # the untrained model answers in the run's frame too
-    common = {"template": FAMILIES[family].default_template, "qwenvl_patch": True, "image_min_pixels": MIN_PIXELS,
-              "image_max_pixels": MAX_PIXELS, "dataset": "demo_train", "dataset_dir": str(data), "cutoff_len": 512,
-              "preprocessing_num_workers": 2, "finetuning_type": "full", "freeze_vision_tower": False,
-              "freeze_multi_modal_projector": False, "do_train": True, "report_to": "none", "use_cpu": True,
-              "save_only_model": True}
-    sft_yaml = write_yaml(out / "sft.yaml", {
-        **common, "model_name_or_path": str(model), "stage": "sft", "overwrite_cache": True,
-        "output_dir": str(out / "sft"), "logging_steps": max(1, steps // 20), "max_steps": steps,
-        "save_strategy": "no", "per_device_train_batch_size": SFT_BATCH, "learning_rate": 2.0e-3,
-        "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "plot_loss": True,
-    })
-    for split in ("train", "grpo", "eval"):
-        run_step(f"convert-{split}", ["qwenvl-prep", "convert", str(raw / f"{split}.jsonl"), "-o",
-                                  str(data / f"demo_{split}.json"), "--from-yaml", str(sft_yaml), "--input-coords",
-                                  "abs", "-q"], logs)
-    run_step("check", ["qwenvl-prep", "check", "--yaml", str(sft_yaml), "--decode"], logs)
+    model = small_model(out / "model", family, policy, logs, seed)
+    common = full_training(family, data, "demo_train", policy)
+    sft_yaml = write_yaml(out / "sft.yaml", sft_stage(common, model, out / "sft", steps, SFT_BATCH))
+    convert_and_check({split: raw / f"{split}.jsonl" for split in ("train", "grpo", "eval")}, data, "demo", sft_yaml,
+                      ["--input-coords", "abs"], logs)
     evaluated = {}
 
     def predict_and_eval(name: str, model_dir: Path) -> None:
         predictions = out / f"predictions-{name}.jsonl"
         if model_dir is not None:
-            run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset",
-                                        str(data / "demo_eval.json"), "-o", str(predictions), "--max-new-tokens",
-                                        "64"], logs)
+            predict(name, model_dir, data / "demo_eval.json", predictions, logs)
         run_step(f"eval-{name}", ["qwenvl-prep", "eval", str(data / "demo_eval.json"), "--predictions",
                                   str(predictions), "--json-out", str(out / f"eval-{name}.json")], logs)
         evaluated[name] = json.loads((out / f"eval-{name}.json").read_text())["overall"]
@@ -154,37 +140,23 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
     predict_and_eval("baseline", None)
     predict_and_eval("untrained", model)
     run_step("train-sft", ["llamafactory-cli", "train", str(sft_yaml)], logs)
-    grpo_steps = GRPO_STEPS if learning else GRPO_SMOKE_STEPS
-    grpo_yaml = write_yaml(out / "grpo.yaml", {
-        **common, "model_name_or_path": str(out / "sft"), "stage": "grpo", "dataset": "demo_grpo",
-        "reward_funcs": "iou,format", "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": 64,
-        "output_dir": str(out / "grpo"), "logging_steps": 1, "save_strategy": "no", "max_steps": grpo_steps, "per_device_train_batch_size": 4,
-        "learning_rate": 1.0e-5, "grpo_log_completions": True,
-    })
+    grpo_yaml = write_yaml(out / "grpo.yaml", grpo_stage(common, out / "sft", out / "grpo", "demo_grpo", "iou,format",
+                                                         GRPO_STEPS if learning else GRPO_SMOKE_STEPS, 64))
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
-    export_yaml = write_yaml(out / "export.yaml", {
-        "model_name_or_path": str(out / "grpo"), "template": FAMILIES[family].default_template, "qwenvl_patch": True,
-        "image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS, "finetuning_type": "full",
-        "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
-    })
-    run_step("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
-    run_step("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(sft_yaml)], logs)
+    export_full(out / "grpo", out / "exported", family, policy, sft_yaml, logs)
     predict_and_eval("trained", out / "exported")
     run_step("draw", ["qwenvl-prep", "draw", str(data / "demo_eval.json"), "-o", str(out / "drawn"), "--sample", "16",
                       "--predictions", str(out / "predictions-trained.jsonl")], logs)
     grpo_reward = [row["reward"] for row in load_jsonl(out / "grpo" / "trainer_log.jsonl") if "reward" in row]
     return {
-        "family": family, "sft_steps": steps, "train_images": len(train), "held_out_images": len(held_out),
+        "family": family, "seed": seed, "sft_steps": steps, "train_images": len(train),
+        "held_out_images": len(held_out),
         "held_out": {name: _headline(metrics) for name, metrics in evaluated.items()},
         "trained_vs_baseline": _ratios(evaluated["trained"], evaluated["baseline"]),
         "grpo_reward_first_last": [grpo_reward[0], grpo_reward[-1]],
-        "sft_loss_first_last": [losses[0], losses[-1]] if (losses := _losses(out / "sft")) else None,
+        "sft_loss_first_last": [sft_loss[0], sft_loss[-1]] if (sft_loss := losses(out / "sft")) else None,
         "data": str(data), "exported": str(out / "exported"), "drawn": str(out / "drawn"), "logs": str(logs),
     }
-
-
-def _losses(folder: Path) -> list[float]:
-    return [row["loss"] for row in load_jsonl(folder / "trainer_log.jsonl") if "loss" in row]
 
 
 def _headline(metrics: dict[str, Any]) -> dict[str, Any]:

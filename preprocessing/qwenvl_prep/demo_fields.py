@@ -17,7 +17,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import run_step, write_jsonl, write_yaml
+from qwenvl_prep.demo_steps import new_run_folder, run_step, write_jsonl, write_yaml
 from qwenvl_prep.run_spec import load_yaml
 
 SIZES = [(620, 877), (877, 620), (1240, 1754), (800, 1000), (1000, 700), (595, 842)]
@@ -77,11 +77,7 @@ def synthesise_invoices(folder: Path, count: int, seed: int = 0) -> list[dict[st
 
 
 def run_fields_demo(out: Path, steps: int = 4) -> dict[str, Any]:
-    out = out.resolve()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    logs = out / "logs"
-    logs.mkdir(parents=True)
+    out, logs = new_run_folder(out)
     records = synthesise_invoices(out / "raw", 12)
     write_jsonl(out / "raw" / "train.jsonl", records[:8])
     write_jsonl(out / "raw" / "eval.jsonl", records[8:])
