@@ -200,8 +200,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     if args.task == "grounding":
         from qwenvl_prep.demo import format_summary
-
-        print(format_summary(summary), file=sys.stderr)
+    else:
+        from qwenvl_prep.demo_fields import format_summary
+    print(format_summary(summary), file=sys.stderr)
     return 0
 
 

@@ -99,7 +99,7 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
             raise ValueError("--family applies to the grounding demo; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
-        return run_fields_demo(out, steps or 4)
+        return run_fields_demo(out, minutes, steps)
     steps = steps if steps is not None else sft_steps_for(minutes)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")
