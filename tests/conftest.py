@@ -1,11 +1,51 @@
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The oldest transformers that reads Qwen2.5-VL (no torch: configs, tokenizers, slow image processors), with what its
+# processors and chat templates import.
+OLD_TRANSFORMERS = ["transformers==4.49.0", "pillow==11.3.0", "Jinja2==3.1.6"]
+SIDE_ENV = Path(__file__).resolve().parents[1] / ".venv-tf449"  # gitignored; built once, reused by later runs
+
+
+@pytest.fixture(scope="session")
+def old_transformers() -> Path:
+    """A side environment with transformers 4.49.0: the flat-layout reader. Built from the package registry the
+    first time (in a temp folder, then renamed, so an interrupted build is not reused) and kept beside the repo's
+    ``.venv`` for every later test run."""
+    python = SIDE_ENV / "bin" / "python"
+    probe = "import PIL, jinja2, transformers; print(transformers.__version__)"
+    with open(SIDE_ENV.parent / ".venv-tf449.lock", "w") as lock:  # test workers share it: one builds, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _build_side_env(python, probe)
+    return python
+
+
+def _build_side_env(python: Path, probe: str) -> None:
+    version = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
+    if version is None or version.stdout.strip() != OLD_TRANSFORMERS[0].split("==")[1]:
+        shutil.rmtree(SIDE_ENV, ignore_errors=True)  # missing, broken or another version: build it again
+        build = Path(tempfile.mkdtemp(prefix=".venv-tf449.", dir=SIDE_ENV.parent))
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
+            result = subprocess.run([str(build / "bin" / "python"), "-m", "pip", "install", "-q", *OLD_TRANSFORMERS],
+                                    capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr[-2000:]
+            os.replace(build, SIDE_ENV)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -99,9 +99,11 @@ def lf_sft_dataset(model_dir: Path, data_dir: Path, output_dir: Path, **override
 
 def run_cli(
     args: Iterable[str], config: dict[str, Any] | None, workdir: Path, env: dict[str, str] | None = None,
-    timeout: int = 600,
+    timeout: int = 600, bin_dir: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``llamafactory-cli`` (or another console script of this venv) with a YAML written to ``workdir``."""
+    """Run ``llamafactory-cli`` (or another console script of this venv, or of the venv of ``bin_dir``) with a YAML
+    written to ``workdir``."""
+    bin_dir = bin_dir or BIN
     workdir.mkdir(parents=True, exist_ok=True)
     args = list(args)
     if config is not None:
@@ -109,20 +111,69 @@ def run_cli(
         yaml_path.write_text(yaml.safe_dump(config))
         args.append(str(yaml_path))
     full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+                "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
     return subprocess.run(
-        [str(BIN / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
+        [str(bin_dir / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 
-def torchrun_env(ranks: int = 2) -> dict[str, str]:
-    """Environment for LF's torchrun launcher on a free port (asked of the OS, never a fixed number)."""
+def free_port() -> int:
+    """A free port, asked of the OS (never a fixed number)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return sock.getsockname()[1]
+
+
+def torchrun_env(ranks: int = 2) -> dict[str, str]:
+    """Environment for LF's torchrun launcher on a free port."""
+    return {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+
+
+class ServerProcess:
+    """An OpenAI-compatible server (LF's ``api``, vLLM's) in a subprocess of its own session, listening on
+    127.0.0.1:``port``: started, waited for until it lists its models (``client``, ``model``), stopped by its process
+    group. A server that exits or never answers is an error showing its log's tail."""
+
+    def __init__(self, command: list[str], env: dict[str, str], logfile: Path, port: int,
+                 timeout: float = 300) -> None:
+        import time
+
+        from openai import OpenAI
+
+        self.port, self.logfile = port, logfile
+        self.log = open(logfile, "w")
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+        self.proc = subprocess.Popen(command, cwd=logfile.parent, env=full_env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{logfile.read_text()[-4000:]}")
+            try:
+                self.model = self.client.models.list().data[0].id
+                return
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not come up:\n{logfile.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
 
 
 def read_log(output_dir: Path) -> list[dict[str, Any]]:

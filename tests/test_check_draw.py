@@ -119,3 +119,28 @@ def test_a_green_truth_box_shows_on_a_green_object(tmp_path, capsys):
     assert column.max(axis=1).min() < 70, column.tolist()  # dark pixels border the line
     assert any(g > 150 and b < 120 and r < 120 for b, g, r in column.tolist())  # the green line itself
 
+
+
+def test_check_refuses_what_training_refuses(tmp_path, dataset, capsys):
+    """Issue 22, item 6: check passed a template whose plugin is not Qwen2VLPlugin, ignored the registry entry's
+    `columns` and `tags` (LF then loads no images, or cannot read the turns), and read a malformed stamp as
+    "unstamped"; training refuses each."""
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset, template="llava"))
+    assert code == 1 and "uses LF's LlavaPlugin" in report["setup_problems"][0]
+    info_path = dataset / "dataset_info.json"
+    info = json.loads(info_path.read_text())
+    entry = info["grounding"]
+    for broken, expected in (({**entry, "columns": {"messages": "messages"}}, "0 image(s)"),
+                             ({k: v for k, v in entry.items() if k != "tags"}, "role 'None'"),
+                             ({**entry, "formatting": "openai"}, "formatting 'openai'")):
+        info_path.write_text(json.dumps({"grounding": broken}))
+        code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, dataset))
+        problems = [row["error"] for row in report["problems"]] + report["setup_problems"]
+        assert code == 1 and problems and all(expected in p for p in problems), problems
+    info_path.write_text(json.dumps({"grounding": {**entry, "qwenvl_policy": "max_pixels=802816"}}))
+    assert main(["check", "--yaml", str(write_yaml(tmp_path, dataset))]) == 2
+    assert "stamp 'max_pixels=802816' is not an object" in capsys.readouterr().err
+    info_path.write_text(json.dumps({"grounding": {**entry, "file_name": "."}}))
+    assert main(["check", "--yaml", str(write_yaml(tmp_path, dataset))]) == 2
+    err = capsys.readouterr().err
+    assert "file_name '.', which is a folder" in err and "Traceback" not in err

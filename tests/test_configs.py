@@ -32,3 +32,24 @@ def test_yaml_parses_with_lf(path):
 def test_deepspeed_json(path):
     stage = json.loads(path.read_text())["zero_optimization"]["stage"]
     assert stage in (2, 3)
+
+
+def test_readme_key_table_shows_the_defaults():
+    """The README's `stage: grpo` YAML block gives each grpo_* key its default, except where its comment says the
+    value is an example (issue 22, item 15: `grpo_log_completions` was true there and false in the code)."""
+    import dataclasses
+
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+    from llamafactory.hparams import FinetuningArguments
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    block = readme.split("```yaml\nstage: grpo\nfinetuning_type: lora\n", 1)[1].split("```", 1)[0]
+    shown = {}
+    for line in block.splitlines():
+        key, _, rest = line.partition(":")
+        value, _, comment = rest.partition("#")
+        if key.startswith("grpo_") and "default =" not in comment:
+            shown[key] = yaml.safe_load(value)
+    defaults = {f.name: f.default for f in dataclasses.fields(extend_finetuning_arguments(FinetuningArguments))}
+    assert len(shown) >= 10 and "grpo_log_completions" in shown
+    assert {key: defaults[key] for key in shown} == shown

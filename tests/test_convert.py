@@ -106,7 +106,8 @@ def test_coco_detection_to_grounding(tmp_path, wide, capsys):
                             {"id": 3, "image_id": 1, "category_id": 3, "bbox": [0, 0, 50, 50], "iscrowd": 1}]}
     (tmp_path / "instances.json").write_text(json.dumps(coco))
     code, summary = run(capsys, "convert", tmp_path / "instances.json", "-o", tmp_path / "coco.json",
-                        "--input-coords", "abs", "--coco-prompt", "Where is the {category}?", *FLAGS)
+                        "--input-coords", "abs", "--coco-prompt", "Where is the {category}?", "--coco-crowd", "ignore",
+                        *FLAGS)
     assert code == 0 and summary["records"] == 2 and summary["boxes"] == 2
     records = json.loads((tmp_path / "coco.json").read_text())
     assert records[0]["messages"][0]["content"] == "<image>Where is the car?"

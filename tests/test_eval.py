@@ -56,6 +56,29 @@ def test_known_ious_and_buckets(dataset, tmp_path, capsys):
     assert "IoU >= 0.5" in table and "overall" in table and (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_not_present_records_are_scored_apart_from_boxes(tmp_path, capsys):
+    """Records whose answer is ``[]`` (convert --coco-absent) count how often the model said nothing and how often
+    it answered with boxes; they do not enter Acc@0.5 or the field metrics."""
+    save_image(tmp_path / "a.jpg", 640, 480)
+    lines = [{"image": "a.jpg", "question": "Where is the dog?", "answer": "[]"}] * 3 + [
+        {"image": "a.jpg", "question": "Where is the cat?", "answer": '[{"bbox_2d": [0, 0, 320, 240]}]'}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data" / "test.json"
+    assert main(["convert", str(tmp_path / "in.jsonl"), "-o", str(data), "--input-coords", "abs", "--min-pixels",
+                 str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    predictions = ["```json\n[]\n```", '[{"bbox_2d": [1, 1, 50, 50]}]', '[{"bbox_2d": "x"}]', answer(data, 3)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"predict": p}) + "\n" for p in predictions))
+    capsys.readouterr()
+    assert main(["eval", str(data), "--predictions", str(tmp_path / "p.jsonl"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["not_present"] == {"samples": 3, "said_nothing_rate": pytest.approx(1 / 3, abs=1e-4),
+                                     "false_positive_rate": pytest.approx(1 / 3, abs=1e-4),
+                                     "parse_failure_rate": pytest.approx(1 / 3, abs=1e-4)}
+    assert result["overall"]["samples"] == 1 and result["overall"]["acc@0.5"] == 1.0 and "fields" not in result
+    assert main(["eval", str(data), "--predictions", str(tmp_path / "p.jsonl")]) == 0
+    assert "not present (answer []): 3 records" in capsys.readouterr().out
+
+
 def test_misaligned_predictions_are_an_error(dataset, tmp_path, capsys):
     rows = [{"prompt": "p", "predict": "x", "label": answer(dataset, 1)},
             {"prompt": "p", "predict": "x", "label": answer(dataset, 0)}]

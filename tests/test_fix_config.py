@@ -1,13 +1,11 @@
-"""``qwenvl-prep fix-config``: a nested config becomes one that a real transformers 4.51 reader accepts."""
+"""``qwenvl-prep fix-config --flatten``: a nested config becomes one that a real transformers 4.49 (the flat-layout
+readers are 4.49 to 4.51) accepts."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,32 +19,6 @@ config = AutoConfig.from_pretrained(sys.argv[1])
 GenerationConfig.from_model_config(config)
 print("OK", config.hidden_size, config.vision_config.hidden_size, config.rope_scaling["mrope_section"])
 """
-
-
-OLD_TRANSFORMERS = "transformers==4.51.3"
-SIDE_ENV = Path(__file__).resolve().parents[1] / ".venv-tf451"  # gitignored; built once, reused by later runs
-
-
-@pytest.fixture(scope="session")
-def old_transformers() -> Path:
-    """A side environment with transformers 4.51.3 (no torch needed to read configs): the flat-layout reader. Built
-    from the package registry the first time (in a temp folder, then renamed, so an interrupted build is not
-    reused) and kept beside the repo's ``.venv`` for every later test run."""
-    python = SIDE_ENV / "bin" / "python"
-    version = subprocess.run([str(python), "-c", "import transformers; print(transformers.__version__)"],
-                             capture_output=True, text=True) if python.exists() else None
-    if version is None or version.stdout.strip() != OLD_TRANSFORMERS.split("==")[1]:
-        shutil.rmtree(SIDE_ENV, ignore_errors=True)  # missing, broken or another version: build it again
-        build = Path(tempfile.mkdtemp(prefix=".venv-tf451.", dir=SIDE_ENV.parent))
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
-            result = subprocess.run([str(build / "bin" / "pip"), "install", "-q", OLD_TRANSFORMERS],
-                                    capture_output=True, text=True)
-            assert result.returncode == 0, result.stderr[-2000:]
-            os.replace(build, SIDE_ENV)
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
-    return python
 
 
 def read_with(python: Path, folder: Path) -> subprocess.CompletedProcess:

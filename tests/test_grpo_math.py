@@ -117,6 +117,28 @@ def test_format_json_fields_accuracy():
     assert BUILTIN["accuracy"](["  Paris. ", "Lyon"], references=["paris", "Paris"]) == [1.0, 0.0]
 
 
+def test_iou_and_format_on_a_not_present_reference():
+    """A "not present" sample (reference ``[]``, from convert --coco-absent) rewards saying nothing, in any
+    spelling of the empty list, and scores a hallucinated box 0."""
+    empties = ["[]", " [ ] ", "```json\n[]\n```"]
+    completions = [*empties, '[{"bbox_2d": [1, 2, 30, 40]}]', "There is none.", "{}", ""]
+    assert BUILTIN["iou"](completions, references=["[]"] * 7) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert BUILTIN["format"](completions, references=["[]"] * 7) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert BUILTIN["iou"](["[]"], references=[BOX]) == [0.0]
+
+
+def test_grpo_evaluation_scores_not_present_samples_apart():
+    from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
+    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+
+    meta = [SampleMeta(i, "p", reference, (480, 640), (476, 644)) for i, reference in enumerate(["[]", "[]", BOX])]
+    texts = ["[]", '[{"bbox_2d": [1, 2, 30, 40]}]', BOX]
+    metrics = eval_metrics(meta, texts, load_rewards("iou", None), None, "model", "eval")
+    assert metrics["eval_not_present/said_nothing_rate"] == 0.5
+    assert metrics["eval_not_present/false_positive_rate"] == 0.5
+    assert metrics["eval_acc@0.5"] == 1.0 and metrics["eval_rewards/iou/mean"] == pytest.approx(2 / 3, abs=1e-6)
+
+
 RANGES = {"no_cheat": (-1.0, 0.0), "fields_raw": (0.0, math.inf)}
 
 

@@ -535,18 +535,14 @@ def test_boxes_in_the_user_turn_are_converted_and_unreadable_ones_are_errors(tmp
     assert set(errors) == {1, 2} and all("cannot be read" in e for e in errors.values())
 
 
-def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path):
-    """Class 8: after SIGTERM a hidden temp file stayed in the dataset folder and workers printed BrokenPipe
-    tracebacks; after SIGKILL nothing can clean up, so temp names carry the PID and the next run removes those of
-    dead processes."""
-    import signal
+def convert_mid_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A `convert` CLI process with 2 workers, well inside its conversion of 400,000 records (past its temp file's
+    creation), and its output folder."""
     import time
 
     save_image(tmp_path / "ok.jpg", 640, 480)
     src = tmp_path / "in.jsonl"
-    with open(src, "w") as f:
-        line = json.dumps(RECORD)
-        f.write((line + "\n") * 400000)  # several seconds of work, so the signal lands mid-run
+    src.write_text((json.dumps(RECORD) + "\n") * 400000)  # several seconds of work, so a signal lands mid-run
     data = tmp_path / "data"
     data.mkdir()
     process = subprocess.Popen([str(BIN / "qwenvl-prep"), "convert", str(src), "-o", str(data / "train.json"),
@@ -556,8 +552,18 @@ def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path
     deadline = time.monotonic() + 120
     while not list(data.glob(".train.json.*.tmp")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # well inside the conversion, past the temp file's creation
+    time.sleep(0.5)
     assert process.poll() is None, "convert finished before it could be interrupted; give it more records"
+    return process, data
+
+
+def test_sigterm_leaves_no_temp_file_and_a_later_run_removes_stale_ones(tmp_path):
+    """Class 8: after SIGTERM a hidden temp file stayed in the dataset folder and workers printed BrokenPipe
+    tracebacks; after SIGKILL nothing can clean up, so temp names carry the PID and the next run removes those of
+    dead processes."""
+    import signal
+
+    process, data = convert_mid_run(tmp_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM
@@ -602,3 +608,130 @@ def test_malformed_exif_huge_integers_and_broken_stamps_are_named(tmp_path, caps
     capsys.readouterr()
     assert main(["eval", str(out), "--predictions", str(tmp_path / "none.jsonl")]) == 2
     assert "qwenvl_policy stamp" in (err := capsys.readouterr().err) and "lacks factor" in err
+    assert f"dataset 'train' in {info_path}" in err  # issue 22, item 11: the message names the registry
+
+
+# --- issue 22: items 8-11 -----------------------------------------------------------------------------------------
+
+def _jpeg_claiming(path: Path, width: int, height: int) -> Path:
+    """A small valid JPEG whose frame header claims another size."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (10, 20, 30)).save(path, quality=50)
+    data = bytearray(path.read_bytes())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_jpeg_claiming_a_huge_size_is_refused_by_the_fast_path(tmp_path):
+    """Item 8: a header claiming 60000x60000 passed convert's fast header read (check, draw and training refuse
+    it as PIL does)."""
+    bomb = _jpeg_claiming(tmp_path / "huge.jpg", 60000, 60000)
+    with pytest.raises(ImageError, match="huge.jpg: refused as a decompression bomb"):
+        read_info(bomb)
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    code, out = run_convert(tmp_path, [RECORD, {**RECORD, "image": "huge.jpg"}], "--input-coords", "abs",
+                            "--skip-bad")
+    [row] = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert code == 0 and row["record"] == 1 and "decompression bomb" in row["error"]
+
+
+def test_user_mistakes_are_one_line_not_a_traceback(tmp_path, capsys):
+    """Item 9: each of these raised a traceback: an output folder that cannot be made, `eval --json-out DIR`,
+    `eval --predictions DIR`, a registry entry with `file_name: "."`, `--coco-prompt` with an unknown placeholder
+    (or an <image> tag)."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    code, out = run_convert(tmp_path, [RECORD], "--input-coords", "abs")
+    assert code == 0
+    (tmp_path / "a_file").write_text("x")
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text(json.dumps({"predict": "[]"}) + "\n")
+    coco = write_coco(tmp_path, [{"id": 1, "file_name": "ok.jpg", "width": 640, "height": 480}],
+                      [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 1, 5, 5]}])
+    policy = ["--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels), "-q"]
+    info = json.loads((out.parent / "dataset_info.json").read_text())
+    (out.parent / "dataset_info.json").write_text(json.dumps({**info, "dot": {"file_name": "."}}))
+    cases = [
+        (["convert", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "a_file" / "t.json"), "--input-coords", "abs",
+          *policy], "a_file"),
+        (["eval", str(out), "--predictions", str(predictions), "--json-out", str(tmp_path)], "is a directory"),
+        (["eval", str(out), "--predictions", str(tmp_path)], "is a folder"),
+        (["eval", "dot", "--dataset-dir", str(out.parent), "--predictions", str(predictions)], "which is a folder"),
+        (["convert", str(coco), "-o", str(tmp_path / "c" / "t.json"), "--coco-prompt", "Find {thing}.", *policy],
+         "--coco-prompt 'Find {thing}.': the only placeholder is {category}"),
+        (["convert", str(coco), "-o", str(tmp_path / "c" / "t.json"), "--coco-prompt", "<image>Find {category}.",
+          *policy], "--coco-prompt must not contain <image>"),
+    ]
+    for args, expected in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert not (tmp_path / "c").exists()
+
+
+def test_orphaned_workers_end_quietly(tmp_path):
+    """Item 9: after the parent convert was killed with SIGKILL, its workers printed BrokenPipeError tracebacks."""
+    import signal
+
+    process, _ = convert_mid_run(tmp_path)
+    process.send_signal(signal.SIGKILL)
+    _, err = process.communicate(timeout=120)  # EOF only once every worker holding the pipe has ended
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+
+
+def test_pil_warnings_are_one_line_naming_the_image(tmp_path):
+    """Item 9: PIL's raw warnings (with a library source line) reached stderr without the image's name."""
+    from PIL import Image
+
+    path = tmp_path / "exif.jpg"
+    Image.new("RGB", (640, 480)).save(path)
+    data = path.read_bytes()
+    payload = b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\xff\xff" + b"\x01\x12" * 8  # offsets pointing nowhere
+    path.write_bytes(data[:2] + b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:])
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({**RECORD, "image": "exif.jpg"}) + "\n")
+    result = subprocess.run([str(BIN / "qwenvl-prep"), "convert", str(src), "-o", str(tmp_path / "d" / "t.json"),
+                             "--input-coords", "abs", "-q", "--workers", "1", "--min-pixels", str(POLICY.min_pixels),
+                             "--max-pixels", str(POLICY.max_pixels)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("qwenvl-prep convert: warning: image ") and "exif.jpg: Corrupt EXIF data" in line
+
+
+def test_draw_refuses_predictions_that_do_not_line_up(tmp_path, capsys):
+    """Item 10: draw --predictions drew any file's predictions on the dataset (eval refused the same mismatch)."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    code, out = run_convert(tmp_path, [RECORD, {**RECORD, "question": "Again."}], "--input-coords", "abs")
+    assert code == 0
+    label = json.loads(out.read_text())[0]["messages"][1]["content"]
+    for rows, expected in (([{"predict": label, "label": label}], "different numbers of records"),
+                           ([{"predict": label, "label": "[]"}] * 2, "predictions row 0 of")):
+        predictions = tmp_path / "predictions.jsonl"
+        predictions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        assert main(["draw", str(out), "-o", str(tmp_path / "drawn"), "--predictions", str(predictions)]) == 2
+        assert expected in capsys.readouterr().err and not (tmp_path / "drawn").exists()
+
+
+def test_small_things(tmp_path, capsys):
+    """Item 11: a negative --workers or --sample was accepted; eval refused a byte-order mark that convert
+    accepts."""
+    from qwenvl_prep.cli import main
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    code, out = run_convert(tmp_path, [RECORD], "--input-coords", "abs")
+    for args in (["convert", "in.jsonl", "-o", "x.json", "--workers", "-1"], ["check", "--yaml", "y", "--workers", "0"],
+                 ["draw", str(out), "-o", str(tmp_path / "drawn"), "--sample", "-3"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2 and "must be at least" in capsys.readouterr().err
+    label = json.loads(out.read_text())[0]["messages"][1]["content"]
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_bytes(b"\xef\xbb\xbf" + json.dumps({"predict": label, "label": label}).encode() + b"\n")
+    assert main(["eval", str(out), "--predictions", str(predictions), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["acc@0.5"] == 1.0

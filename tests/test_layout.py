@@ -1,5 +1,5 @@
 """The package's import directions, as each sub-package's ``__init__`` states them: the frame core imports nothing
-else from the package; image I/O and scoring import only the frame core; the GRPO stage imports those three;
+else from the package; image I/O, scoring and the model-folder files import only the frame core; the GRPO stage imports those three;
 LLaMA-Factory integration is imported only by the import hook and the GRPO stage's LF glue (its workflow and the
 meta column carried through LF's dataset code); the ``qwenvl-prep`` tool never imports it (it runs without LF's
 internals). Every import counts, also those inside functions."""
@@ -18,8 +18,9 @@ ALLOWED = {
     "frame": CORE,
     "image_io": CORE | {"image_io"},
     "scoring": CORE | {"scoring"},
+    "model_files": CORE | {"model_files"},
     "grpo": CORE | {"image_io", "scoring", "grpo"},
-    "integration": CORE | {"image_io", "scoring", "grpo", "integration"},
+    "integration": CORE | {"image_io", "scoring", "model_files", "grpo", "integration"},
 }
 INTEGRATION_USERS = {f"{PKG}._hook", f"{PKG}.grpo.workflow", f"{PKG}.grpo.record_meta"}
 

@@ -7,17 +7,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from helpers import BIN, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
+from helpers import (
+    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt,
+)
 from PIL import Image
 
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
@@ -39,39 +36,16 @@ def data_url(width: int, height: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """``llamafactory-cli api`` in a subprocess on 127.0.0.1 and a free port; stopped by PID."""
+class Server(ServerProcess):
+    """``llamafactory-cli api`` in a subprocess on 127.0.0.1 and a free port."""
 
     def __init__(self, workdir: Path, config: dict, media: Path) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "api.yaml").write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        env = {**os.environ, "API_HOST": "127.0.0.1", "API_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
-               "DISABLE_VERSION_CHECK": "1", "SAFE_MEDIA_PATH": str(media), "OMP_NUM_THREADS": "1"}
-        self.log = open(workdir / "server.log", "w")
-        self.proc = subprocess.Popen([str(BIN / "llamafactory-cli"), "api", str(workdir / "api.yaml")], cwd=workdir,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.logfile = workdir / "server.log"
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.logfile.read_text()[-4000:]}")
-            try:
-                self.client.models.list()
-                return
-            except Exception:  # noqa: BLE001 - not listening yet
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server did not come up:\n{self.logfile.read_text()[-4000:]}")
+        port = free_port()
+        super().__init__([str(BIN / "llamafactory-cli"), "api", str(workdir / "api.yaml")],
+                         {"API_HOST": "127.0.0.1", "API_PORT": str(port), "DISABLE_VERSION_CHECK": "1",
+                          "SAFE_MEDIA_PATH": str(media), "OMP_NUM_THREADS": "1"}, workdir / "server.log", port)
 
     def ask(self, image_url: str, stream: bool = False):
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
@@ -81,16 +55,6 @@ class Server:
             return self.client.chat.completions.create(**kwargs)
         chunks = self.client.chat.completions.create(stream=True, **kwargs)
         return [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

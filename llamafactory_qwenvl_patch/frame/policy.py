@@ -132,6 +132,11 @@ def _frame_scale(convention: str, orig_hw: tuple[int, int], model_hw: tuple[int,
     raise PolicyError(f"unknown coordinate convention {convention!r}; expected one of {', '.join(CONVENTIONS)}")
 
 
+def frame_extent(convention: str, orig_hw: tuple[int, int], model_hw: tuple[int, int]) -> tuple[float, float]:
+    """(width, height) of the whole image in a convention's units: what "covers the whole image" means there."""
+    return _frame_scale(convention, orig_hw, model_hw)
+
+
 def map_coords(
     coords: Sequence[float],
     src: str,

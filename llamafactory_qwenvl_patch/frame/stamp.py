@@ -87,7 +87,14 @@ def read_dataset_info(dataset_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def stamp_of(entry: dict[str, Any]) -> Stamp | None:
+    """The entry's stamp; None when it has none. A stamp that is there but not an object is a StampError: read as
+    "unstamped" it would pass check and training with coordinates of an unknown frame."""
     data = entry.get(STAMP_KEY)
-    return Stamp.from_dict(data) if isinstance(data, dict) else None
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise StampError(f"the {STAMP_KEY} stamp {data!r} is not an object of min_pixels, max_pixels, factor and "
+                         "coords; convert the data again with qwenvl-prep convert")
+    return Stamp.from_dict(data)
 
 

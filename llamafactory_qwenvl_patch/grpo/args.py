@@ -103,7 +103,9 @@ def extend_finetuning_arguments(base: type) -> type:
                       "logged with its traceback either way."},
         )
         grpo_log_completions: bool = field(
-            default=False, metadata={"help": "Write prompts, completions and rewards to completions.jsonl."}
+            default=True,
+            metadata={"help": "Write prompts, completions and rewards to completions.jsonl in output_dir (on by "
+                      "default: reading completions is how reward hacks and format failures are found)."},
         )
 
         def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
-"""GRPO evaluation metrics from greedy answers: each reward's mean and, for grounding data, Acc@0.5, mean IoU and
-parse failures in original-image pixels (the metrics of ``qwenvl-prep eval``); field-extraction metrics for JSON
+"""GRPO evaluation metrics from greedy answers: each reward's mean and, for grounding data, Acc@0.5, mean IoU, parse
+failures, click accuracy, detection precision / recall / F1 / mAP, the hack monitors in original-image pixels and
+the answers to "not present" records (the metrics of ``qwenvl-prep eval``); field-extraction metrics for JSON
 answers. Pure: the trainer collects the answers, this scores them."""
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
-from llamafactory_qwenvl_patch.scoring.answers import parse_items, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_grounding
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
 
 
 def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequence[Reward],
@@ -29,22 +31,19 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
         metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
         total += reward.weight * torch.tensor(values)
     metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
-    tally, fields = Tally(), FieldTally()
+    grounding, fields = GroundingEval(), FieldTally()
     for sample, text in zip(meta, texts):
-        truth = reference_value(sample.reference) if not try_parse_items(sample.reference) else None
+        items = try_parse_items(sample.reference) or []
+        grounded = is_grounding(items, sample.reference, sample.meta)
+        truth = reference_value(sample.reference) if not grounded else None
         if truth is not None:
             fields.add(score_fields(text, truth))
-        if sample.orig_hw is None or sample.model_hw is None or not try_parse_items(sample.reference):
+        if not grounded or sample.orig_hw is None or sample.model_hw is None:
             continue
         to_orig = partial(convert_coords, src=coords, dst="orig", orig_hw=sample.orig_hw,
                           model_hw=sample.model_hw, ndigits=None)
-        truth = [to_orig(item.coords) for item in parse_items(sample.reference) if item.kind == "bbox_2d"]
-        tally.add(score_grounding(truth, text, to_orig))
-    if tally.truth_boxes:
-        summary = tally.to_dict()
-        metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = summary[f"acc@{IOU_THRESHOLD}"] or 0.0
-        metrics[f"{prefix}_mean_iou"] = summary["mean_iou"] or 0.0
-        metrics[f"{prefix}_parse_failure_rate"] = summary["parse_failure_rate"]
+        grounding.add(items, text, sample.meta, to_orig, (sample.orig_hw[1], sample.orig_hw[0]))
+    metrics.update(_grounding_metrics(grounding.to_dict(), prefix))
     if fields.samples:
         summary = fields.to_dict()
         for key in ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"):
@@ -52,3 +51,27 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
         for path, accuracy in summary["per_field_accuracy"].items():
             metrics[f"{prefix}_fields/acc/{path}"] = accuracy
     return {key: round(float(value), 6) for key, value in metrics.items()}
+
+
+def _grounding_metrics(summary: dict[str, Any], prefix: str) -> dict[str, float]:
+    """The eval log keys of ``GroundingEval``'s summary (those ``qwenvl-prep eval`` reports)."""
+    metrics: dict[str, float] = {}
+    if "boxes" in summary:
+        boxes = summary["boxes"]
+        metrics[f"{prefix}_acc@{IOU_THRESHOLD}"] = boxes[f"acc@{IOU_THRESHOLD}"] or 0.0
+        metrics[f"{prefix}_mean_iou"] = boxes["mean_iou"] or 0.0
+        metrics[f"{prefix}_parse_failure_rate"] = boxes["parse_failure_rate"]
+    if "not_present" in summary:
+        for key in ("said_nothing_rate", "false_positive_rate"):
+            metrics[f"{prefix}_not_present/{key}"] = summary["not_present"][key]
+    if "clicks" in summary:
+        metrics[f"{prefix}_click_acc"] = summary["clicks"]["click_acc"]
+        metrics[f"{prefix}_click_dense_mean"] = summary["clicks"]["click_dense_mean"]
+    for section, keys in (("detection", ("precision@0.5", "recall@0.5", "f1@0.5", "map")),
+                          ("monitors", ("whole_image_rate", "empty_answer_rate", "duplicate_rate",
+                                        "area_ratio_median", "count_ratio"))):
+        for key in keys:
+            value = summary.get(section, {}).get(key)
+            if value is not None:
+                metrics[f"{prefix}_{'det' if section == 'detection' else 'monitor'}/{key}"] = value
+    return metrics

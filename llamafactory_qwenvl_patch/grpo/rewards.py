@@ -24,8 +24,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
-from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, frame_extent, map_coords
+from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
+from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point, truth_box
+from llamafactory_qwenvl_patch.scoring.detection import detection_f1, detections, sanity_penalty
 from llamafactory_qwenvl_patch.scoring.fields import (
     FieldScore, confident, find_json, normalize, reference_value, score_fields,
 )
@@ -43,10 +46,14 @@ def _boxes(text: str) -> list[tuple[float, ...]]:
 
 
 def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """Continuous IoU in [0, 1]: boxes matched one-to-one, summed IoU over max(#truth, #predicted)."""
+    """Continuous IoU in [0, 1]: boxes matched one-to-one, summed IoU over max(#truth, #predicted). A reference that
+    finds nothing (``[]``: the category is absent) scores 1 for an answer that is ``[]`` too, else 0."""
     out = []
     for completion, reference in zip(completions, references):
         truth, predicted = _boxes(reference), _boxes(completion)
+        if not_present(reference):
+            out.append(1.0 if not_present(completion) else 0.0)
+            continue
         if not truth or not predicted:
             out.append(0.0)
             continue
@@ -56,12 +63,15 @@ def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: An
 
 
 def format_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """1 when the answer parses into the reference's structure: grounding items; for a JSON object or array, exactly
-    one JSON value of its type (bare or in one code fence, no prose around it); else any text."""
+    """1 when the answer parses into the reference's structure: grounding items (or ``[]`` when the reference is
+    ``[]``, nothing found); for a JSON object or array, exactly one JSON value of its type (bare or in one code
+    fence, no prose around it); else any text."""
     out = []
     for completion, reference in zip(completions, references):
         ref_items = _parsed(reference)
-        if ref_items:
+        if not_present(reference):
+            out.append(1.0 if not_present(completion) or {i.kind for i in _parsed(completion)} == {"bbox_2d"} else 0.0)
+        elif ref_items:
             items = _parsed(completion)
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)
@@ -125,6 +135,78 @@ def accuracy_reward(completions: Sequence[str], *, references: Sequence[str], **
     return [1.0 if normalize(c) == normalize(r) else 0.0 for c, r in zip(completions, references)]
 
 
+def _frame(coords: str, orig_hw: Any, model_hw: Any) -> tuple[Callable | None, tuple[float, float] | None]:
+    """(original pixels -> the answer's frame, the frame's extent) for one completion; (None, None) when the sizes
+    are unknown (a text-only record)."""
+    if orig_hw is None or model_hw is None:
+        return None, None
+    return partial(map_coords, src="orig", dst=coords, orig_hw=orig_hw, model_hw=model_hw), frame_extent(
+        coords, orig_hw, model_hw)
+
+
+def _click_scores(completions: Sequence[str], references: Sequence[str], metas: Sequence[Any] | None,
+                  orig_sizes: Sequence[Any] | None, model_sizes: Sequence[Any] | None, coords: str,
+                  scorer: Callable[[tuple[float, float], Sequence[float]], float]) -> list[float]:
+    n = len(completions)
+    metas, orig_sizes, model_sizes = metas or [None] * n, orig_sizes or [None] * n, model_sizes or [None] * n
+    out = []
+    for completion, reference, meta, orig_hw, model_hw in zip(completions, references, metas, orig_sizes,
+                                                             model_sizes):
+        from_orig, _ = _frame(coords, orig_hw, model_hw)
+        try:
+            box = truth_box(reference, meta, from_orig)
+        except PolicyError:
+            box = None
+        point = click_point(completion)
+        out.append(scorer(point, box) if point is not None and box is not None else 0.0)
+    return out
+
+
+def click_reward(completions: Sequence[str], *, references: Sequence[str], metas: Sequence[Any] | None = None,
+                 orig_sizes: Sequence[Any] | None = None, model_sizes: Sequence[Any] | None = None,
+                 coords: str = "model", **_: Any) -> list[float]:
+    """1 when the answer's click (its first point, or its first box's centre) lies in the truth box, else 0. The
+    truth box is the record's ``meta.bbox_orig`` (original pixels, mapped into this sample's model frame) or the
+    reference's first box."""
+    return _click_scores(completions, references, metas, orig_sizes, model_sizes, coords,
+                         lambda point, box: float(click_hit(point, box)))
+
+
+def click_dense_reward(completions: Sequence[str], *, references: Sequence[str], metas: Sequence[Any] | None = None,
+                       orig_sizes: Sequence[Any] | None = None, model_sizes: Sequence[Any] | None = None,
+                       coords: str = "model", **_: Any) -> list[float]:
+    """1 inside the truth box, a Gaussian of the distance in box sizes outside it (``clicks.click_dense_score``)."""
+    return _click_scores(completions, references, metas, orig_sizes, model_sizes, coords, click_dense_score)
+
+
+def det_f1_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
+    """F1 of the answer's boxes against the reference's at IoU >= 0.5, one-to-one and label-aware (labels must
+    agree when the reference has them); on a "not present" reference ``[]``, 1 for an empty list and 0 for anything
+    else; 0 for malformed coordinates."""
+    out = []
+    for completion, reference in zip(completions, references):
+        truth, predicted = detections(reference) or [], detections(completion)
+        if not truth:  # "not present": only an empty list answers it (prose or silence is not an answer)
+            out.append(1.0 if not_present(completion) else 0.0)
+        else:
+            out.append(0.0 if predicted is None else detection_f1(truth, predicted))
+    return out
+
+
+def box_sanity_reward(completions: Sequence[str], *, references: Sequence[str], orig_sizes: Sequence[Any] | None = None,
+                      model_sizes: Sequence[Any] | None = None, coords: str = "model", **_: Any) -> list[float]:
+    """-1/3 for each detection hack the answer shows (a whole-image box where the truth has none that large, more
+    than twice the truth's boxes, duplicate boxes), in [-1, 0]. Never positive: honest answers are untouched."""
+    n = len(completions)
+    orig_sizes, model_sizes = orig_sizes or [None] * n, model_sizes or [None] * n
+    out = []
+    for completion, reference, orig_hw, model_hw in zip(completions, references, orig_sizes, model_sizes):
+        _, extent = _frame(coords, orig_hw, model_hw)
+        predicted = detections(completion)
+        out.append(sanity_penalty(detections(reference) or [], predicted or [], extent or (0.0, 0.0)))
+    return out
+
+
 BUILTIN: dict[str, RewardFunc] = {
     "iou": iou_reward,
     "format": format_reward,
@@ -133,6 +215,10 @@ BUILTIN: dict[str, RewardFunc] = {
     "fields_raw": fields_raw_reward,
     "no_cheat": no_cheat_reward,
     "accuracy": accuracy_reward,
+    "click": click_reward,
+    "click_dense": click_dense_reward,
+    "det_f1": det_f1_reward,
+    "box_sanity": box_sanity_reward,
 }
 
 

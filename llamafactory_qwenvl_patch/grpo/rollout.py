@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, frame_extent
 from llamafactory_qwenvl_patch.grpo.loss import zero_std_groups
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.detection import MonitorTally, detections
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 
@@ -116,7 +117,7 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
                     meta: list[SampleMeta], generations: int) -> dict[str, float]:
     """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``."""
     grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
-    return {
+    stats = {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "frac_reward_zero_std": float(zero_std_groups(rewards, generations).float().mean()),
@@ -126,3 +127,14 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
         "parse_failures": float(sum(not try_parse_items(text) for i, text in enumerate(texts)
                                     if grounded[i // generations])),
     }
+    return stats
+
+
+def add_monitors(tally: MonitorTally, texts: list[str], meta: list[SampleMeta], generations: int,
+                 coords: str) -> None:
+    """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame."""
+    for i, text in enumerate(texts):
+        sample = meta[i // generations]
+        truth = detections(sample.reference)
+        if truth and sample.orig_hw is not None and sample.model_hw is not None:
+            tally.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))

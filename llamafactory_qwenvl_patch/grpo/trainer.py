@@ -21,11 +21,11 @@ from typing import Any, ContextManager
 import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, Trainer, TrainerCallback
-from transformers.trainer_utils import seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
 from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.grpo import shared_prefix
+from llamafactory_qwenvl_patch.grpo import resume, shared_prefix
 from llamafactory_qwenvl_patch.grpo.collate import blank_copy
 from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
 from llamafactory_qwenvl_patch.grpo.loss import (
@@ -36,16 +36,18 @@ from llamafactory_qwenvl_patch.grpo.reference import reference_context, saving_t
 from llamafactory_qwenvl_patch.grpo.rewards import Reward, Scored, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
-    repeat_visual, rollout_metrics,
+    add_monitors, repeat_visual, rollout_metrics,
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
 FLAT_PATIENCE = 3  # rollouts in a row whose every group scored alike before the run warns that it learns nothing
+COMPLETIONS = "completions.jsonl"
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
 
 
@@ -61,11 +63,44 @@ class _SamplerEpoch(TrainerCallback):
             self.trainer.rollout_sampler.set_epoch(int(state.epoch + 1e-6) if state.epoch else 0)
 
 
+class _Resumable(TrainerCallback):
+    """A relaunch continues the same run: rows logged after the checkpoint it resumes from are dropped from
+    completions.jsonl, and each checkpoint gets its complete-marker last (after the processor and every rank's
+    files), so a checkpoint a kill cuts short is never resumed from (``resume``)."""
+
+    def __init__(self, trainer: "GRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.should_save:
+            step = state.global_step
+            resume.trim_jsonl(os.path.join(args.output_dir, COMPLETIONS), lambda row: row.get("step", 0) < step)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.accelerator.wait_for_everyone()
+        if args.should_save:
+            resume.mark_complete(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+                                 state.global_step)
+
+
+def _require_trainer_hooks() -> None:
+    """The Trainer methods a resumed run relies on (``_save_checkpoint`` and ``_load_rng_state`` are overridden);
+    if transformers renamed them, resuming would silently sample a new rollout."""
+    import transformers
+
+    missing = [name for name in ("_save_checkpoint", "_load_rng_state") if not callable(getattr(Trainer, name, None))]
+    if missing:
+        raise RuntimeError(f"transformers {transformers.__version__} has no Trainer.{', Trainer.'.join(missing)}, "
+                           "which stage: grpo overrides to resume a run as the same run; install the tested set "
+                           "(pip install -c constraints.txt)")
+
+
 class GRPOTrainer(Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
                  suppress_token_ids: list[int], processor: Any, tokenizer: Any, vllm_engine: Any = None,
                  **kwargs: Any) -> None:
+        _require_trainer_hooks()
         super().__init__(processing_class=processor or tokenizer, **kwargs)
         self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
         self.fa = finetuning_args
@@ -100,6 +135,7 @@ class GRPOTrainer(Trainer):
         # what turns an image grid into pixels: the pinned policy, else the processor's own (same factor)
         self.grid_frame = resize_policy or (ResizePolicy.from_processor(image_processor) if image_processor else None)
         self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._monitors = MonitorTally()  # detection-hack counts since the last log
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
         self._reported_rewards: set[str] = set()
@@ -109,6 +145,7 @@ class GRPOTrainer(Trainer):
         self._vllm_step = -1  # the global step whose weights the engine holds
         self._first_pass = True
         self.add_callback(_SamplerEpoch(self))
+        self.add_callback(_Resumable(self))  # last: its marker follows every other callback's checkpoint files
         if self.args.load_best_model_at_end and self.args.metric_for_best_model in (None, "loss", "eval_loss"):
             raise ValueError("stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model "
                              "to a GRPO eval metric, e.g. `metric_for_best_model: eval_reward` and "
@@ -382,6 +419,7 @@ class GRPOTrainer(Trainer):
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
         stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
+        add_monitors(self._monitors, real_texts, real_meta, G, self.coords)
         for key, value in stats.items():
             self._metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)
@@ -462,6 +500,43 @@ class GRPOTrainer(Trainer):
             self._metrics["vllm/is_weight/mean"].append(float(weights[mask].mean()))
         return weights
 
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, int]:
+        return {"steps_per_generation": self.steps_per_generation, "num_iterations": self.num_iterations,
+                "gradient_accumulation_steps": self.grad_accum, "world_size": self.accelerator.num_processes}
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint plus this rank's GRPO state: the rollout when the checkpoint falls inside its
+        reuse window, the counters and the metrics not logged yet (``resume``)."""
+        super()._save_checkpoint(model, trial)
+        within_window = self._micro_step % (self.steps_per_generation * self.num_iterations) != 0
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        resume.save_state(folder, self.args.process_index, {
+            "layout": self._layout(), "micro_step": self._micro_step,
+            "buffer": self._buffer if within_window else None, "metrics": dict(self._metrics),
+            "flat_rollouts": self._flat_rollouts, "reported_rewards": sorted(self._reported_rewards)})
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Called once when a run resumes, before its first step: restore the GRPO state saved with the checkpoint,
+        so a checkpoint inside a reuse window continues with the same rollout."""
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        state = resume.load_state(checkpoint, self.args.process_index, self.accelerator.device)
+        round_length = self.steps_per_generation * self.num_iterations
+        if state is None or state["layout"] != self._layout():
+            if self.off_policy and self.state.global_step * self.grad_accum % round_length:
+                logger.warning(f"{checkpoint} lies inside a rollout's reuse window but holds no rollout for this "
+                               "layout (written by an older version, or with other grpo_* or world-size settings): "
+                               "a new rollout is sampled, so this run will not continue as the interrupted one")
+            return
+        self._micro_step = state["micro_step"]
+        self._buffer = state["buffer"]
+        self._metrics = defaultdict(list, state["metrics"])
+        self._flat_rollouts = state["flat_rollouts"]
+        self._reported_rewards = set(state["reported_rewards"])
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         with saving_trained_adapter_only(self.accelerator.unwrap_model(self.model)):
             super()._save(output_dir, state_dict)
@@ -513,23 +588,49 @@ class GRPOTrainer(Trainer):
         rows = gather_object(rows)
         if self.accelerator.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)
-            with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a", encoding="utf-8") as f:
+            with open(os.path.join(self.args.output_dir, COMPLETIONS), "a", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def _reduced_metrics(self) -> dict[str, float]:
+        """Every metric collected since the last log over all ranks: counters summed, the rest averaged over every
+        value any rank collected. Ranks may hold different names (a rank whose rollouts had no reference boxes has
+        no monitors), so the names are gathered first and each rank sends a sum and a count per name."""
+        names = sorted(self._metrics)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted(set().union(*gather_object([names])))
+        values = [self._metrics.get(name, []) for name in names]
+        totals = torch.tensor([[float(sum(v)), float(len(v))] for v in values], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        out = {}
+        for name, (total, count) in zip(names, totals.tolist()):
+            if name.endswith(COUNTERS):
+                out[name] = round(total, 6)
+            elif count:
+                out[name] = round(total / count, 6)
+        return out
+
+    def _monitor_metrics(self) -> dict[str, float]:
+        """The detection monitors since the last log, from every rank's counts merged (exact rates)."""
+        tally, self._monitors = self._monitors, MonitorTally()
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            merged = MonitorTally()
+            for part in gather_object([tally]):
+                merged.merge(part)
+            tally = merged
+        return {f"monitor/{key}": round(value, 6) for key, value in tally.to_dict().items() if value is not None}
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
         if "loss" in logs and torch.cuda.is_available():
             logs["memory/max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if "loss" in logs and self._metrics:
-            for reduction, names in (("mean", [n for n in sorted(self._metrics) if not n.endswith(COUNTERS)]),
-                                     ("sum", [n for n in sorted(self._metrics) if n.endswith(COUNTERS)])):
-                if not names:
-                    continue
-                agg = sum if reduction == "sum" else (lambda v: sum(v) / len(v))
-                local = torch.tensor([float(agg(self._metrics[n])) for n in names], device=self.accelerator.device)
-                if self.accelerator.num_processes > 1:
-                    local = self.accelerator.reduce(local, reduction=reduction)
-                logs.update({name: round(value, 6) for name, value in zip(names, local.tolist())})
+            logs.update(self._reduced_metrics())
+            logs.update(self._monitor_metrics())
             self._metrics.clear()
         super().log(logs, *args, **kwargs)

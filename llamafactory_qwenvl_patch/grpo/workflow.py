@@ -4,6 +4,7 @@ loading and callbacks, with our GRPOTrainer."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections import deque
 from typing import Any
 
@@ -13,16 +14,26 @@ from llamafactory_qwenvl_patch.integration import lf_compat
 def _log_callback_class():
     """LF's LogCallback writes a fixed set of keys to trainer_log.jsonl; this one adds the GRPO metrics."""
     callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["LogCallback"])
-    lf_compat.require(callbacks.LogCallback, ["_write_log", "on_log"])
+    constants = lf_compat.require_module("llamafactory.extras.constants", ["TRAINER_LOG"])
+    lf_compat.require(callbacks.LogCallback, ["_write_log", "on_log", "on_train_begin"])
+    from llamafactory_qwenvl_patch.grpo.resume import trim_jsonl
 
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
                           "parse_failures", "truncated_ratio", "vision_tokens_cut", "groups_skipped", "blank/", "vllm/",
-                          "memory/", "eval_")
+                          "memory/", "monitor/", "eval_")
 
         def __init__(self) -> None:
             super().__init__()
             self._extras: deque = deque()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            """A resumed run drops the rows a killed run logged after its checkpoint, so each step appears once."""
+            if args.should_save:
+                step = state.global_step
+                trim_jsonl(os.path.join(args.output_dir, constants.TRAINER_LOG),
+                           lambda row: row.get("current_steps", 0) <= step)
+            return super().on_train_begin(args, state, control, **kwargs)
 
         def on_log(self, args, state, control, **kwargs):
             if args.should_save:
@@ -116,9 +127,33 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
                       finetuning_args.grpo_num_generations, model.config.image_token_id)
 
 
+def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
+    """The checkpoint to resume from. LF's automatic resume takes the highest-numbered ``checkpoint-N`` folder, even
+    one a kill cut short (every relaunch then crashed): those are skipped with a warning naming each, for the last
+    complete one (or step 0). A checkpoint named in ``resume_from_checkpoint`` that is incomplete is an error."""
+    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete
+
+    chosen = training_args.resume_from_checkpoint
+    if not isinstance(chosen, str):
+        return chosen
+    if explicit:
+        reason = checkpoint_problem(chosen)
+        if reason is not None:
+            raise ValueError(f"resume_from_checkpoint {chosen} cannot be resumed from: {reason}")
+        return chosen
+    best, skipped = last_complete(training_args.output_dir)
+    for folder, reason in skipped:
+        logger.warning_rank0(f"skipping {folder}: {reason}; it was cut short (a kill while it was written?) and is "
+                             "never resumed from")
+    if skipped:
+        logger.warning_rank0(f"resuming from {best}" if best else "no complete checkpoint: training from step 0")
+    return best
+
+
 def run_grpo(model_args, data_args, training_args, finetuning_args, generating_args, callbacks,
              explicit: set[str] = frozenset()) -> None:
-    """``explicit``: the sampling keys the user set (the others get GRPO's no-truncation defaults)."""
+    """``explicit``: the keys the user set (sampling keys they did not set get GRPO's no-truncation defaults; a
+    ``resume_from_checkpoint`` they did not set was LF's automatic choice)."""
     data = lf_compat.require_module("llamafactory.data", ["MultiModalDataCollatorForSeq2Seq", "get_dataset",
                                                           "get_template_and_fix_tokenizer"])
     model_mod = lf_compat.require_module("llamafactory.model", ["load_model", "load_tokenizer"])
@@ -179,6 +214,8 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
         suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )
     if training_args.do_train:
+        training_args.resume_from_checkpoint = _resume_point(training_args, "resume_from_checkpoint" in explicit,
+                                                             logger)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.log_metrics("train", result.metrics)

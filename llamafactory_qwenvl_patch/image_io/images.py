@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
+import warnings
+from contextlib import contextmanager
 from io import BytesIO
-from typing import Any
+from typing import Any, Iterator
 
 from PIL import Image, UnidentifiedImageError
 
@@ -14,6 +16,24 @@ from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
 class ImageError(ValueError):
     """An image that cannot be used; the message names it and says what is wrong."""
+
+
+class ImageWarning(UserWarning):
+    """Something PIL noticed about an image that can still be used, with the image's name."""
+
+
+@contextmanager
+def naming_warnings(name: str) -> Iterator[None]:
+    """PIL's warnings inside the block (corrupt EXIF, palette transparency, a large image, ...) come out as one
+    ``ImageWarning`` naming the image, instead of PIL's own anonymous warning with a source line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        if f"{os.sep}PIL{os.sep}" in warning.filename:
+            warnings.warn(ImageWarning(f"image {name}: {warning.message}"), stacklevel=3)
+        else:  # not about this image (a file closed by the garbage collector meanwhile, ...): as it was
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def describe(source: Any) -> str:
@@ -46,9 +66,23 @@ def require_regular_file(path: str | os.PathLike) -> None:
         raise ImageError(f"image {path}: is {kind}, not a regular file; only regular image files are read")
 
 
+def check_pixels(width: int, height: int, name: str) -> None:
+    """PIL's decompression-bomb rule for a size read from a header without PIL (more than twice
+    ``Image.MAX_IMAGE_PIXELS`` is refused), so a fast header read refuses what opening the image would."""
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and width * height > 2 * limit:
+        raise ImageError(f"image {name}: refused as a decompression bomb ({width}x{height} = {width * height} "
+                         f"pixels, over twice PIL's limit of {limit})")
+
+
 def open_image(source: Any) -> Image.Image:
     """Open (lazily, header only) any image input LLaMA-Factory accepts."""
     name = describe(source)
+    with naming_warnings(name):
+        return _open(source, name)
+
+
+def _open(source: Any, name: str) -> Image.Image:
     try:
         if isinstance(source, Image.Image):
             return source
@@ -79,7 +113,8 @@ def decode(image: Image.Image, name: str) -> Image.Image:
     16-bit grey images (PIL modes ``I;16`` / ``I``) come back as 8-bit ``L`` scaled by 1/257: PIL's own RGB
     conversion clips them, and a 16-bit PNG would train as a near-white image."""
     try:
-        image.load()
+        with naming_warnings(name):
+            image.load()
     except Image.DecompressionBombError as exc:
         raise ImageError(f"image {name}: refused as a decompression bomb ({exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:

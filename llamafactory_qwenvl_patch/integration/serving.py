@@ -22,6 +22,10 @@ class FrameConflictError(ValueError):
     """The YAML's bounds differ from the frame the model folder was trained in."""
 
 
+class NotServableError(ValueError):
+    """A pinned model folder that the chosen inference backend would not load, or not in the training frame."""
+
+
 def folder_policy(model_args: Any) -> tuple[str, dict[str, Any]] | None:
     """(folder, record) of the frame the weights were last trained in: the last adapter that carries
     ``qwenvl_policy.json``, else the model folder. An adapter trained at other bounds than its base (a resolution
@@ -60,6 +64,33 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
     model_args.qwenvl_patch = True
     return (f"{folder} carries {POLICY_FILE}: running in its training frame (min_pixels={trained[0]}, "
             f"max_pixels={trained[1]}); `qwenvl_patch: false` opts out")
+
+
+def check_backend_reads(model_args: Any) -> None:
+    """A pinned run on ``infer_backend: vllm``: the folder must be one vLLM 0.11 loads in the training frame, else
+    one error naming each file and key and the repair command, instead of vLLM's traceback at start-up (or a
+    silently other frame). LF formats prompts with its own template, so the folder's chat template is not needed."""
+    backend = getattr(model_args, "infer_backend", None)
+    if not model_args.qwenvl_patch or str(getattr(backend, "value", backend)) != "vllm":
+        return
+    from pathlib import Path
+
+    from llamafactory_qwenvl_patch.frame.families import family_of_model
+    from llamafactory_qwenvl_patch.model_files.folder import ModelFolder, NotPortableError
+    from llamafactory_qwenvl_patch.model_files.readers import reader_problems
+
+    folder = model_args.model_name_or_path
+    if family_of_model(folder) is None:
+        return
+    try:
+        problems = reader_problems(ModelFolder.load(Path(folder)), "vllm", chat=False)
+    except NotPortableError as exc:
+        problems = [str(exc)]
+    if problems:
+        raise NotServableError(
+            f"{folder} would not load in vLLM 0.11 as the training frame needs:\n  " + "\n  ".join(problems)
+            + f"\nRepair it with `qwenvl-prep fix-config {folder} --target vllm` (backups kept), or re-export it "
+            "with `qwenvl_patch: true`, which writes the portable layout.")
 
 
 @dataclass(frozen=True)

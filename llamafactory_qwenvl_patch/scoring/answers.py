@@ -8,11 +8,13 @@ it cannot place is an AnswerError, so no coordinate is ever silently left in ano
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from llamafactory_qwenvl_patch.scoring import json_text
+from llamafactory_qwenvl_patch.scoring.json_text import JSONTextError, Number, Span
 
 FENCE = re.compile(r"```(?:json)?\s*\n?(.*?)```", re.DOTALL)  # a code fence and its body
 _BOX_TOKENS = re.compile(
@@ -54,25 +56,81 @@ def _has_coords(value: Any) -> bool:
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of ``text`` as written (``json_text``), None when it is not JSON; AnswerError when it is JSON
+    that cannot be taken as written (a repeated key, nesting beyond ``json_text.MAX_DEPTH``)."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
+        return json_text.loads(text, allow_nan=True)  # a NaN coordinate is named by _number
+    except JSONTextError as exc:
+        raise AnswerError(str(exc)) from None
+    except ValueError:
         return None
 
 
-def _walk(value: Any, visit: Callable[[str, Any, dict], Any]) -> Any:
-    """``value`` with every coordinate list replaced by ``visit(kind, coords, entry)``, in a fixed order: dict keys
-    in order (a ``bbox_2d`` and a ``point_2d`` of one object are both visited), lists in order, and JSON text inside
-    a string (double-encoded JSON) decoded, walked and encoded again."""
+def _walk(value: Any, visit: Callable[[str, Any, dict], Any]) -> None:
+    """Call ``visit(kind, coords, entry)`` for every coordinate list in ``value``, in text order: dict keys in order
+    (a ``bbox_2d`` and a ``point_2d`` of one object are both visited), lists in order, and JSON text inside a string
+    (double-encoded JSON) decoded and walked."""
     if isinstance(value, dict):
-        return {k: visit(k, v, value) if k in COORD_KEYS else _walk(v, visit) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_walk(v, visit) for v in value]
-    if isinstance(value, str) and any(k in value for k in COORD_KEYS):
+        for k, v in value.items():
+            visit(k, v, value) if k in COORD_KEYS else _walk(v, visit)
+    elif isinstance(value, list):
+        for v in value:
+            _walk(v, visit)
+    elif isinstance(value, str) and any(k in value for k in COORD_KEYS):
         inner = _loads(value)
         if inner is not None and _has_coords(inner):
-            return json.dumps(_walk(inner, visit), ensure_ascii=False)
-    return value
+            _walk(inner, visit)
+
+
+def _coordinate_ordinals(value: Any, out: list[list[int]], seen: list[int]) -> bool:
+    """``_walk``'s order over a parsed value: append, per coordinate list, the ordinals of its numbers among all the
+    value's numbers in text order (``seen[0]`` counts them). False when coordinates sit inside a string
+    (double-encoded JSON): their place in the text needs ``json_text.spans``."""
+    if isinstance(value, Number):
+        seen[0] += 1
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            if key in COORD_KEYS and isinstance(child, list) and all(isinstance(v, Number) for v in child):
+                out.append(list(range(seen[0], seen[0] + len(child))))
+                seen[0] += len(child)
+            elif not _coordinate_ordinals(child, out, seen):
+                return False
+    elif isinstance(value, list):
+        return all(_coordinate_ordinals(child, out, seen) for child in value)
+    elif isinstance(value, str) and any(k in value for k in COORD_KEYS):
+        inner = _loads(value)
+        return inner is None or not _has_coords(inner)
+    return True
+
+
+def _site_spans(text: str, site: "_Site", out: list[list[tuple[int, int]]]) -> None:
+    """Where the numbers of each coordinate list of a JSON site lie in ``text``: by counting numbers (fast), or,
+    for coordinates inside a string, by walking the site's tokens (``json_text.spans``)."""
+    ordinals: list[list[int]] = []
+    seen = [0]
+    if _coordinate_ordinals(site.value, ordinals, seen):
+        numbers = json_text.number_spans(text, site.start, site.end)
+        if len(numbers) == seen[0]:
+            out.extend([numbers[i] for i in row] for row in ordinals)
+            return
+    _coordinate_spans(json_text.spans(text, site.start)[0], lambda i: i, out)
+
+
+def _coordinate_spans(tree: Any, where: Callable[[int], int], out: list[list[tuple[int, int]]]) -> None:
+    """``_walk``'s order over a ``json_text.spans`` tree: append, per coordinate list, where its numbers lie in the
+    text (``where`` maps a position inside a decoded string back to the text)."""
+    if isinstance(tree, list):
+        for entry in tree:
+            key, child = entry if isinstance(entry, tuple) else (None, entry)
+            if key in COORD_KEYS:
+                out.append([(where(span.start), where(span.end)) for span in child])
+            else:
+                _coordinate_spans(child, where, out)
+    elif isinstance(tree, Span) and tree.decoded is not None and any(k in tree.decoded for k in COORD_KEYS):
+        inner = _loads(tree.decoded)
+        if inner is not None and _has_coords(inner):
+            offsets = tree.offsets
+            _coordinate_spans(json_text.spans(tree.decoded)[0], lambda i: where(offsets[i]), out)
 
 
 @dataclass(frozen=True)
@@ -105,7 +163,7 @@ def _json_sites(text: str) -> list[_Site]:
             start = fence.start(1) + body.index(stripped[0]) if stripped else fence.start(1)
             sites.append(_Site(start, start + len(stripped), value))
     fenced = [(f.start(), f.end()) for f in FENCE.finditer(text)]
-    decoder, i, tries = json.JSONDecoder(), 0, 0
+    i, tries = 0, 0
     while tries < _MAX_STARTS:
         starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
         if not starts:
@@ -116,8 +174,10 @@ def _json_sites(text: str) -> list[_Site]:
             continue
         tries += 1
         try:
-            value, end = decoder.raw_decode(text, j)
-        except (ValueError, RecursionError):
+            value, end = json_text.raw_decode(text, j, allow_nan=True)
+        except JSONTextError as exc:
+            raise AnswerError(str(exc)) from None
+        except ValueError:
             i = j + 1
             continue
         if _has_coords(value):
@@ -165,6 +225,8 @@ def _token_item(text: str, site: _Site) -> Item:
 
 
 def _number(value: Any) -> float:
+    if isinstance(value, Number):
+        value = value.value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AnswerError(f"coordinate {value!r} is not a number")
     try:
@@ -185,19 +247,25 @@ class ParsedAnswer:
     sites: list[_Site]
 
     def rewrite(self, transform: Callable[[Item], Sequence[float]]) -> str:
-        """The text with every item's coordinates replaced by ``transform(item)``; unchanged if it has none."""
+        """The text with every item's coordinates replaced by ``transform(item)``, number by number: everything
+        else (other numbers as written, spacing, key order, escapes) stays byte for byte."""
         if not self.items:
             return self.text
-        new = iter([[_format_number(v) for v in transform(item)] for item in self.items])
-        out, last = [], 0
+        where: list[list[tuple[int, int]]] = []
         for site in self.sites:
-            out.append(self.text[last:site.start])
             if site.value is None:
-                x1, y1, x2, y2 = next(new)
-                out.append(f"<|box_start|>({x1},{y1}),({x2},{y2})<|box_end|>")
+                match = _BOX_TOKENS.match(self.text, site.start)
+                where.append([match.span(g) for g in range(1, 5)])
             else:
-                out.append(json.dumps(_walk(site.value, lambda kind, values, entry: next(new)), ensure_ascii=False))
-            last = site.end
+                _site_spans(self.text, site, where)
+        if [len(w) for w in where] != [len(item.coords) for item in self.items]:
+            raise RuntimeError(f"coordinates found twice in different places in {self.text[:200]!r}; please report")
+        edits = sorted((span, _format_number(v)) for item, spans in zip(self.items, where)
+                       for span, v in zip(spans, transform(item)))
+        out, last = [], 0
+        for (start, end), value in edits:
+            out += [self.text[last:start], str(value)]
+            last = end
         out.append(self.text[last:])
         return "".join(out)
 
@@ -214,7 +282,7 @@ def parse_answer(text: str) -> ParsedAnswer:
         if site.value is None:
             items.append(_token_item(text, site))
         else:
-            _walk(site.value, lambda kind, values, entry: items.append(_entry_item(kind, values, entry)) or values)
+            _walk(site.value, lambda kind, values, entry: items.append(_entry_item(kind, values, entry)))
     return ParsedAnswer(text, items, sites)
 
 
@@ -230,6 +298,30 @@ def try_parse_items(text: str) -> list[Item] | None:
         return parse_answer(text).items
     except AnswerError:
         return None
+
+
+def not_present(text: str) -> bool:
+    """An answer saying "nothing here": exactly an empty JSON list, bare or in one code fence (convert's "not present"
+    samples, ``--coco-absent``). As a reference, scored as a grounding record with no truth box, never as an empty
+    field-extraction array; as a model's answer, the right answer to such a record."""
+    stripped = text.strip()
+    fence = FENCE.fullmatch(stripped)
+    return _EMPTY_LIST.fullmatch(fence.group(1) if fence else stripped) is not None
+
+
+_EMPTY_LIST = re.compile(r"\s*\[\s*\]\s*")
+
+
+_BARE_POINT = re.compile(r"\s*[\[(]\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*[\])]\s*")
+
+
+def bare_point(text: str) -> tuple[float, float] | None:
+    """A click given as nothing but ``[x, y]`` or ``(x, y)`` (bare or alone in a code fence), the answer style of
+    several GUI-agent datasets; None for any other text. Only a whole answer counts: a pair inside prose is not a
+    coordinate claim."""
+    fence = FENCE.fullmatch(text.strip())
+    match = _BARE_POINT.fullmatch(fence.group(1) if fence else text)
+    return (float(match.group(1)), float(match.group(2))) if match else None
 
 
 def _format_number(value: float) -> int | float:

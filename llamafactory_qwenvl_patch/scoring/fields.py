@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from llamafactory_qwenvl_patch.scoring import json_text
 from llamafactory_qwenvl_patch.scoring.answers import FENCE
 
 FOUND, EQUAL, FORMAT = 0.3, 0.7, 1.0
@@ -121,28 +122,54 @@ def values_equal(reference: Any, answer: Any) -> bool:
     return normalize(reference) == normalize(answer)
 
 
+class _TooDeep(Exception):
+    """A JSON value nested deeper than ``json_text.MAX_DEPTH``: the walks below recurse once per level."""
+
+
+def _bounded(value: Any) -> Any:
+    if json_text.depth(value) > json_text.MAX_DEPTH:
+        raise _TooDeep
+    return value
+
+
+def _json(text: str) -> Any:
+    """``json.loads``, ``_MISSING`` when the text is not JSON."""
+    try:
+        return _bounded(json.loads(text))
+    except RecursionError:
+        raise _TooDeep from None
+    except ValueError:
+        return _MISSING
+
+
 def find_json(text: str) -> tuple[Any, bool] | None:
     """(the JSON value of an answer, whether the answer is exactly that value): a code fence, the whole text, or
-    else the first object or array embedded in prose; None when there is none (or it nests too deep to parse)."""
+    else the first object or array embedded in prose; None when there is none, or when it nests deeper than
+    ``json_text.MAX_DEPTH`` (a parse failure, never a RecursionError)."""
+    try:
+        return _find_json(text)
+    except _TooDeep:
+        return None
+
+
+def _find_json(text: str) -> tuple[Any, bool] | None:
     stripped = text.strip()
     fences = FENCE.findall(text)
     if fences:
-        try:
-            value = json.loads(fences[0])
-        except (ValueError, RecursionError):
-            value = _MISSING
+        value = _json(fences[0])
         if value is not _MISSING:
             return value, len(fences) == 1 and FENCE.fullmatch(stripped) is not None
-    try:
-        return json.loads(stripped), True
-    except (ValueError, RecursionError):
-        pass
+    value = _json(stripped)
+    if value is not _MISSING:
+        return value, True
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"[\[{]", text)][:_MAX_STARTS]
     for start in starts:
         try:
-            return decoder.raw_decode(text, start)[0], False
-        except (ValueError, RecursionError):
+            return _bounded(decoder.raw_decode(text, start)[0]), False
+        except RecursionError:
+            raise _TooDeep from None
+        except ValueError:
             continue
     return None
 
@@ -206,6 +233,8 @@ def _compare_lists(reference: list, answer: list, path: str) -> list[Leaf]:
         matched = dict(zip(rows.tolist(), cols.tolist()))
     for i, item in enumerate(reference):
         leaves += pairs[i][matched[i]] if i in matched else compare(item, _MISSING, path)
+    if not extra:
+        return leaves
     shape = [Leaf(leaf.path, False, False) for leaf in compare(reference[0], _MISSING, path)]
     return leaves + shape * extra
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import FieldScore
 
 Box = Sequence[float]
@@ -107,6 +107,29 @@ class Tally:
             "parse_failure_rate": _ratio(self.parse_failures, self.samples),
             "mean_centre_offset_orig_px": _ratio(self.offset_sum, self.offsets, 2),
         }
+
+
+@dataclass
+class AbsentTally:
+    """Answers to "not present" samples (reference ``[]``): how often the model answered ``[]``, how often it
+    answered with boxes anyway (false positives) and how often its answer could not be read."""
+
+    samples: int = 0
+    said_nothing: int = 0
+    false_positives: int = 0
+    parse_failures: int = 0
+
+    def add(self, prediction: str) -> None:
+        items = try_parse_items(prediction)
+        self.samples += 1
+        self.said_nothing += not_present(prediction)
+        self.false_positives += bool(items)
+        self.parse_failures += items is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "said_nothing_rate": _ratio(self.said_nothing, self.samples),
+                "false_positive_rate": _ratio(self.false_positives, self.samples),
+                "parse_failure_rate": _ratio(self.parse_failures, self.samples)}
 
 
 @dataclass

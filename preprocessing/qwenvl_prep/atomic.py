@@ -26,9 +26,12 @@ def _signals_deferred() -> Iterator[None]:
 
 
 @contextmanager
-def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Yield a file that replaces ``path`` on success and vanishes on any error. A symlink is written through (its
-    target is replaced, the link stays a link) and an existing file keeps its permission bits."""
+def atomic_writer(path: str | os.PathLike, mode: str = "w", follow_symlink: bool = False) -> Iterator[IO]:
+    """Yield a file that replaces ``path`` on success and vanishes on any error; an existing file keeps its
+    permission bits. A symlink is refused, unless ``follow_symlink`` (a shared registry): then it is written through
+    (its target is replaced, the link stays a link)."""
+    if os.path.islink(path) and not follow_symlink:
+        raise ValueError(f"{path} is a symbolic link; qwenvl-prep does not write through links it did not create")
     target = Path(os.path.realpath(path))
     if target.is_dir():
         raise IsADirectoryError(f"{path} is a directory, not a file to write")
@@ -69,8 +72,8 @@ def remove_stale_temps(target: Path) -> list[Path]:
     return removed
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    with atomic_writer(path) as f:
+def write_json(path: str | os.PathLike, data: Any, follow_symlink: bool = False) -> None:
+    with atomic_writer(path, follow_symlink=follow_symlink) as f:
         json.dump(data, f, indent=2, ensure_ascii=False)
         f.write("\n")
 

@@ -6,6 +6,7 @@ stock LLaMA-Factory (without the plugin) would do to these labels.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from llamafactory_qwenvl_patch.frame.stamp import Stamp, differences
 from qwenvl_prep.dataset import DatasetRef, iter_samples
 from qwenvl_prep.drift import DriftAudit, processor_bounds
 from qwenvl_prep.imageinfo import read_info
-from qwenvl_prep.run_spec import RunSpec
+from qwenvl_prep.lf_rules import EntryError, entry_reader
+from qwenvl_prep.run_spec import RunSpec, template_problem
+from qwenvl_prep.workers import init_worker
 
 MAX_LISTED = 20
 
@@ -30,6 +33,7 @@ class Report:
     file: str
     stamp: dict | None
     stamp_problems: list[str] = field(default_factory=list)
+    setup_problems: list[str] = field(default_factory=list)  # the run's template, the registry entry's layout
     samples: int = 0
     images: int = 0  # image references: a file used by several records counts once per record
     image_files: set[str] = field(default_factory=set)  # the distinct files among them
@@ -40,11 +44,11 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.stamp_problems and not self.problems
+        return not self.stamp_problems and not self.setup_problems and not self.problems
 
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "file": self.file, "ok": self.ok, "stamp": self.stamp,
-                "stamp_problems": self.stamp_problems, "samples": self.samples, "images": self.images,
+                "stamp_problems": self.stamp_problems, "setup_problems": self.setup_problems, "samples": self.samples, "images": self.images,
                 "distinct_image_files": len(self.image_files), "problems": self.problems, "token_overflows": self.token_overflows,
                 "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift}
 
@@ -90,7 +94,8 @@ def _decode_all(jobs: list[tuple[int, str]], workers: int) -> Iterator[tuple[int
     """(sample, image, error) for each image that does not fully decode, in parallel processes."""
     if not jobs:
         return
-    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("forkserver")) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("forkserver"),
+                             initializer=init_worker, initargs=("qwenvl-prep check", os.getpid())) as pool:
         for (index, image), error in zip(jobs, pool.map(_decode, [p for _, p in jobs], chunksize=16)):
             if error:
                 yield index, image, error
@@ -107,6 +112,14 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
                                      "(convert with `qwenvl-prep convert --from-yaml`)")
     else:
         report.stamp_problems += differences(ref.stamp, spec.stamp)
+    if spec.patched and (problem := template_problem(spec.template)) is not None:
+        report.setup_problems.append(problem)
+    if ref.entry is not None:
+        try:
+            entry_reader(ref.entry)
+        except EntryError as exc:
+            report.setup_problems.append(f"{exc}; LF's reading of this entry cannot be checked")
+            return report
     data_stamp = ref.stamp or spec.stamp
     drift = DriftAudit(policy, processor_bounds(model))
     count_text = _text_counter(model)
@@ -136,7 +149,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             stock_hw = drift.add_image(hw, model_hw)
             if len(sample.images) != 1:
                 continue
-            for item in sample.items:
+            for item in sample.turn_items:
                 error = _item_error(item, data_stamp, hw)
                 if error:
                     problem(sample.index, image, error)
@@ -162,6 +175,7 @@ def format_report(report: Report) -> str:
         f"sequence ~{report.max_sequence_tokens} tokens",
     ]
     lines += [f"  stamp: {p}" for p in report.stamp_problems]
+    lines += [f"  setup: {p}" for p in report.setup_problems]
     for row in report.problems[:MAX_LISTED]:
         lines.append(f"  sample {row['sample']}: {row['error']}")
     if len(report.problems) > MAX_LISTED:

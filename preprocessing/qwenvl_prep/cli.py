@@ -8,12 +8,18 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
-from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
+from llamafactory_qwenvl_patch.model_files.readers import READERS
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
+from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
+from qwenvl_prep.workers import one_line_warnings
+
+FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -49,25 +55,68 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _absent(text: str) -> int:
+    """``--coco-absent``: a count, or ``all`` (-1)."""
+    if text == "all":
+        return -1
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--coco-absent takes a count >= 0 or 'all', got {text!r}")
+    return int(text)
+
+
+def _count(least: int):
+    """An argparse type: an integer >= ``least`` (a negative --workers or --sample is a mistake, not a default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
 def _print_summary(summary: dict, code: int) -> int:
     print(json.dumps(summary, indent=2))
     return code
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from qwenvl_prep.coco import CocoOptions
     from qwenvl_prep.convert import ConvertOptions, convert
 
     opts = ConvertOptions(
         input=args.input, output=args.output, target=_spec(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
-        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, coco_prompt=args.coco_prompt,
-        coco_group=args.coco_group, progress=not args.quiet, overwrite=args.overwrite,
+        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
+        prompt=args.prompt, refcoco_expressions=args.refcoco_expressions, progress=not args.quiet,
+        overwrite=args.overwrite, coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group,
+                                                   crowd=args.coco_crowd, absent=args.coco_absent),
     )
     summary, code = convert(opts)
     if summary["dropped"]:
         verb = "skipped" if code == 0 else "found; nothing was written"
         print(f"{summary['dropped']} bad record(s) {verb}: see {summary['error_report']}", file=sys.stderr)
+    if "coco" in summary:
+        print(_coco_note(summary["coco"]), file=sys.stderr)
     return _print_summary(summary, code)
+
+
+def _coco_note(coco: dict) -> str:
+    """One line on what a COCO file gave and what it left out, and why."""
+    note = (f"COCO: {coco['images']} images, {coco['annotations']} annotations (images from {coco['image_dir']}) -> "
+            f"{coco['samples_with_boxes']} samples with boxes, {coco['samples_not_present']} 'not present' samples")
+    if coco["images_without_annotations"]:
+        note += (f"; {coco['images_without_annotations']} images have no annotation"
+                 + ("" if coco["samples_not_present"] else " and gave no sample (--coco-absent N asks about absent "
+                    "categories)"))
+    if coco["samples_dropped_for_crowd"]:
+        note += (f"; {coco['samples_dropped_for_crowd']} samples with crowd regions not written (--coco-crowd "
+                 "ignore|box keeps them)")
+    return note
 
 
 def _curriculum(args: argparse.Namespace) -> int:
@@ -124,36 +173,53 @@ def _draw(args: argparse.Namespace) -> int:
 
 
 def _fix_config(args: argparse.Namespace) -> int:
-    from qwenvl_prep.fixconfig import inspect_model, rewrite_flat
+    from qwenvl_prep.fixconfig import inspect_model, repair_for, rewrite_flat
 
     bounds = None
     if args.yaml:
         stamp = _spec(argparse.Namespace(from_yaml=args.yaml, family=None)).stamp
         bounds = (stamp.policy.min_pixels, stamp.policy.max_pixels)
-    report = inspect_model(args.model_dir, bounds)
+    if args.dry_run and not args.target:
+        raise ValueError("--dry-run goes with --target READER")
+    rewrite = None
     if args.flatten:
-        report["rewrite"] = rewrite_flat(args.model_dir)
-        report = {**inspect_model(args.model_dir, bounds), "rewrite": report["rewrite"]}
+        rewrite = rewrite_flat(args.model_dir)
+    elif args.target:
+        rewrite = repair_for(args.model_dir, args.target, args.dry_run)
+    report = inspect_model(args.model_dir, bounds)
+    if rewrite is not None:
+        report["rewrite"] = rewrite
     print(json.dumps(report, indent=2))
-    return 1 if report["problems"] else 0
+    needs_repair = args.dry_run and bool(rewrite and rewrite["would_change"])
+    return 1 if report["problems"] or needs_repair else 0
 
 
 def _predict(args: argparse.Namespace) -> int:
     from qwenvl_prep.atomic import atomic_writer
     from qwenvl_prep.dataset import resolve_dataset
+    from qwenvl_prep.outputs import Outputs
     from qwenvl_prep.predict import Predictor
 
+    registries = []
     if args.dataset:
         ref = resolve_dataset(str(args.dataset))
         from qwenvl_prep.dataset import iter_samples
 
         jobs = [(s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+        registries = [ref.media_dir]
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images with --prompt")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []), *(image for image, _, _ in jobs)],
+                    registries)
+    if args.output:
+        guard.check(args.output, "-o")
+    drawings = []
+    if args.draw:
+        from qwenvl_prep.draw import prediction_paths
+
+        drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
     predictor = Predictor(args.model_dir, args.max_new_tokens)
     from tqdm import tqdm
 
@@ -175,16 +241,18 @@ def _predict(args: argparse.Namespace) -> int:
     if args.draw:
         from qwenvl_prep.draw import draw_predictions
 
-        draw_predictions(rows, args.draw)
+        draw_predictions(rows, drawings)
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     from qwenvl_prep.atomic import write_json
     from qwenvl_prep.evaluate import evaluate, format_table, plot
+    from qwenvl_prep.outputs import guard_dataset_outputs
 
     ref, stamp = _stamped_dataset(args)
-    result = evaluate(ref, stamp, args.predictions)
+    guard_dataset_outputs(ref, [args.predictions], {"--json-out": args.json_out, "--plot": args.plot})
+    result = evaluate(ref, stamp, args.predictions, by=[f.strip() for f in (args.by or "").split(",") if f.strip()])
     if args.json_out:
         write_json(args.json_out, result)
     if args.plot:
@@ -251,22 +319,43 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                       help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
                       "Required when records have coordinates; never guessed")
-    conv.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
-    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's folder)")
+    conv.add_argument("--format", choices=FORMATS, default="auto",
+                      help="input format (default: auto, from the first record; .parquet is refcoco-parquet)")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's "
+                      "folder; for COCO, the folder found as described below)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
-    conv.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel worker processes")
+    conv.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1, help="parallel worker processes")
     conv.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="convert records with index %% N == I")
     conv.add_argument("--skip-bad", action="store_true", help="drop bad records (listed in the error report), exit 0")
     conv.add_argument("--errors", type=Path, help="error report path (default: OUTPUT.errors.jsonl)")
     conv.add_argument("--dataset-name", help="dataset_info.json entry name (default: the output's stem)")
     conv.add_argument("--overwrite", action="store_true",
                       help="replace an existing dataset_info.json entry of the same name (refused otherwise)")
-    conv.add_argument("--coco-prompt", default=DEFAULT_COCO_PROMPT,
-                      help="COCO prompt template, {category} is replaced (default: %(default)r)")
-    conv.add_argument("--coco-group", choices=["category", "image"], default="category",
-                      help="COCO: one conversation per (image, category) or per image")
+    coco = conv.add_argument_group(
+        "COCO instances", "Images are looked up under --image-dir, else under the one folder near the JSON that holds "
+        "them: the JSON's folder, the folder above it, its images/, its <split>/ and images/<split>/ (split from the "
+        "file name: annotations/instances_val2017.json -> val2017/); two folders holding them is an error")
+    coco.add_argument("--coco-prompt", default=DEFAULT_COCO_PROMPT,
+                      help="prompt template, {category} is replaced (default: %(default)r)")
+    coco.add_argument("--coco-group", choices=["category", "image"], default="category",
+                      help="one conversation per (image, category) (default) or per image")
+    coco.add_argument("--coco-crowd", choices=CROWD_MODES, default="drop",
+                      help="iscrowd regions: drop (default) = a sample whose category has a crowd region in the image "
+                      "is not written, since its answer cannot list every object; ignore = leave the crowd region "
+                      "out of the answer; box = a crowd region is one more box")
+    coco.add_argument("--coco-absent", type=_absent, default=0, metavar="N|all",
+                      help="per image, N 'not present' samples (answer []) asking for categories the image has no "
+                      "annotation of, chosen at random (seeded by the image id), or all of them (default 0: only "
+                      "when your annotations are exhaustive do missing boxes mean absent objects)")
+    conv.add_argument("--target", dest="answer_target", choices=["point", "box"],
+                      help="ScreenSpot / RefCOCO: answer with the element's point_2d (its box centre) or its bbox_2d "
+                      "(default: point for ScreenSpot, box for RefCOCO); the truth box goes to meta.bbox_orig either way")
+    conv.add_argument("--prompt", help="ScreenSpot / RefCOCO prompt template, {instruction} is replaced (default: "
+                      f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes)")
+    conv.add_argument("--refcoco-expressions", choices=["all", "first"], default="all",
+                      help="RefCOCO: one record per referring expression (default) or per row (its first)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
 
@@ -287,10 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     cur.add_argument("--eval-input", type=Path, help="evaluation data, converted per stage like INPUT")
     cur.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],
                      help="convention of the input coordinates (required when records have coordinates)")
-    cur.add_argument("--format", choices=["auto", "sharegpt", "alpaca", "jsonl", "coco"], default="auto")
+    cur.add_argument("--format", choices=FORMATS, default="auto")
     cur.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's)")
     cur.add_argument("--exif", choices=["error", "bake", "raw"], default="error")
-    cur.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    cur.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1)
     cur.add_argument("--dataset-name", help="dataset name prefix (default: the input's stem)")
     cur.add_argument("--overwrite", action="store_true", help="replace existing stage YAMLs")
     cur.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -307,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("datasets", nargs="*", help="dataset_info names or files (default: the YAML's dataset list)")
     chk.add_argument("--yaml", required=True, metavar="TRAIN.yaml", help="the LLaMA-Factory training YAML")
     chk.add_argument("--decode", action="store_true", help="fully decode every image (parallel), not just headers")
-    chk.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    chk.add_argument("--workers", type=_count(1), default=os.cpu_count() or 1)
     chk.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     chk.set_defaults(func=_check)
 
@@ -321,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     drw.add_argument("-o", "--out", type=Path, required=True, help="output folder")
     drw.add_argument("--dataset-dir", default=".", help="folder of dataset_info.json when DATASET is a name")
     drw.add_argument("--frame", choices=["original", "model"], default="original")
-    drw.add_argument("--sample", type=int, default=16, help="number of records to draw, 0 = all (default: %(default)s)")
+    drw.add_argument("--sample", type=_count(0), default=16, help="number of records to draw, 0 = all (default: %(default)s)")
     drw.add_argument("--seed", type=int, default=0)
     drw.add_argument("--predictions", type=Path,
                      help="JSONL aligned with the dataset by order, with a 'predict' field (LF generated_predictions)")
@@ -330,14 +419,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     fix = sub.add_parser(
         "fix-config",
-        help="check a model folder; optionally rewrite config.json for transformers <= 4.51",
-        description="Report the config layout, sub-config types, transformers version written vs installed, and "
-        "processor bounds vs a training YAML. --flatten rewrites a nested config.json in the flat layout that "
-        "transformers <= 4.51 reads (fixing \"'dict' object has no attribute 'to_dict'\"), keeping a backup.",
+        help="check a model folder against transformers 4.x/5.x and vLLM; repair it for one of them",
+        description="Report the config layout, sub-config types, transformers version written vs installed, "
+        "processor bounds vs a training YAML, and what each reader (transformers 4.49-4.51, 4.57, vLLM 0.11) cannot "
+        "load or would load differently (`readers`: reader, file, key). --target READER rewrites the folder in the "
+        "portable layout that transformers 4.49 to 5.x and vLLM 0.11 all read in the training frame (what an "
+        "export under `qwenvl_patch: true` writes), keeping each replaced file as NAME.bak-STAMP; it refuses, "
+        "writing nothing, what it cannot repair. --flatten rewrites only config.json in the flat layout.",
     )
     fix.add_argument("model_dir", type=Path)
     fix.add_argument("--yaml", metavar="TRAIN.yaml", help="compare the processor bounds with this training YAML")
-    fix.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
+    mode = fix.add_mutually_exclusive_group()
+    mode.add_argument("--target", choices=sorted(READERS),
+                      help="repair the folder so that this reader loads it in the training frame (backups kept)")
+    mode.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
+    fix.add_argument("--dry-run", action="store_true",
+                     help="with --target: list what would change, write nothing (exit 1 when something would)")
     fix.set_defaults(func=_fix_config)
 
     pred = sub.add_parser(
@@ -354,16 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
-    pred.add_argument("--max-new-tokens", type=int, default=128)
-    pred.add_argument("--batch-size", type=int, default=8, help="images per generate call (left-padded, greedy)")
+    pred.add_argument("--max-new-tokens", type=_count(1), default=128)
+    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded, greedy)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
         "eval",
-        help="metrics in the original frame: Acc@0.5, mean IoU, parse failures, centre offset, by image size",
+        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, by subset",
         description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
         "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
-        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5.",
+        "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
+        "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
+        "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
+        "(pycocotools) and the detection-hack monitors.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)
@@ -371,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
     ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
+                    "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     _add_policy_flags(ev)
     ev.set_defaults(func=_eval)
 
@@ -408,15 +510,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # unwind: temps removed, workers stopped
+    shown = warnings.showwarning
+    one_line_warnings(f"qwenvl-prep {args.command}")
     try:
         return func(args)
-    except (FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # OSError: a folder not writable, a disk full, ...
         print(f"qwenvl-prep {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"qwenvl-prep {args.command}: interrupted; nothing partial was left behind", file=sys.stderr)
         return 130
     finally:
+        warnings.showwarning = shown
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -32,8 +31,15 @@ from llamafactory_qwenvl_patch.frame.policy import (
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
+from qwenvl_prep.benchmark_formats import (
+    DEFAULT_TARGET, PROMPTS, check_prompt, iter_refcoco_parquet, iter_screenspot,
+)
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
-from qwenvl_prep.readers import RecordError, detect_format, iter_coco, iter_raw, to_record
+from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
+from qwenvl_prep.lf_rules import record_problem
+from qwenvl_prep.outputs import check_output
+from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
+from qwenvl_prep.workers import init_worker
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -41,7 +47,7 @@ SHAREGPT_ENTRY = {
     "formatting": "sharegpt",
     "columns": {"messages": "messages", "images": "images"},
     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-             "system_tag": "system"},
+             "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
 }
 CHUNK = 1024
 
@@ -78,6 +84,7 @@ class Result:
     boxes: int = 0
     points: int = 0
     exif_baked: int = 0
+    tools: int = 0
 
 
 class ConvertError(ValueError):
@@ -94,11 +101,10 @@ def _set_job(job: Job) -> None:
     _info_cache.clear()
 
 
-def _init_worker(job: Job) -> None:
-    """Pool workers leave interrupts to the parent, which stops them (no traceback per worker on Ctrl-C or
-    SIGTERM)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def _init_worker(job: Job, parent_pid: int) -> None:
+    """Pool workers leave interrupts to the parent, which stops them, and die with it (``workers.init_worker``: no
+    traceback per worker on Ctrl-C, SIGTERM or a killed parent)."""
+    init_worker("qwenvl-prep convert", parent_pid)
     _set_job(job)
 
 
@@ -147,6 +153,23 @@ def _transformer(job: Job, hw: tuple[int, int]):
     return transform
 
 
+def _check_declared_size(source: str, declared: list[int], image: str, info: ImageInfo, hw: tuple[int, int]
+                         ) -> None:
+    """An image's declared width/height (COCO's, a benchmark's ``img_size``) must be the size its boxes are on: the
+    displayed image under ``--exif bake``, the stored pixels otherwise."""
+    if (declared[1], declared[0]) == hw:
+        return
+    hint, seen = "a swapped or resized image folder?", ""
+    if info.orientation != 1:
+        seen = " as displayed" if hw == info.displayed_hw else " as stored"
+        if (declared[1], declared[0]) == info.hw:
+            hint = "that is the stored size: pass --exif raw if the boxes are on the stored pixels."
+        elif (declared[1], declared[0]) == info.displayed_hw:
+            hint = "that is the displayed size: pass --exif bake if the boxes are on the displayed image."
+    raise RecordError(f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {hw[1]}x{hw[0]}"
+                      f"{seen}: {hint} Boxes would land in the wrong place")
+
+
 def convert_record(index: int, raw: Any, job: Job) -> Result:
     """Convert one raw input record; every failure becomes an error row naming record, file and image."""
     result = Result(index)
@@ -155,10 +178,12 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
             raise record
+        if (problem := record_problem(record)) is not None:
+            raise RecordError(problem)
         images = [_resolve(p, job) for p in record["images"]]
         image = images[0] if images else None
-        answers = [m for m in record["messages"] if m["role"] in ("user", "assistant")]  # boxes in prompts too
-        parsed = [parse_answer(m["content"]) for m in answers]
+        turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
+        parsed = [parse_answer(m["content"]) for m in turns]
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         if not items:
@@ -172,11 +197,6 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
             info = infos[0]
             hw = info.hw
-            declared = record.get("coco_size")
-            if declared and tuple(declared) != (info.width, info.height):
-                raise RecordError(
-                    f"COCO declares image {image} as {declared[0]}x{declared[1]}, the file is {info.width}x"
-                    f"{info.height}: a swapped or resized image folder? Boxes would land in the wrong place")
             if info.orientation != 1:
                 if job.exif == "error":
                     raise RecordError(
@@ -188,14 +208,20 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                     images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
                     hw = info.displayed_hw
                     result.exif_baked = 1
+            declared = record.get("coco_size") or record.get("declared_size")
+            if declared:
+                _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
+                                     hw)
             transform = _transformer(job, hw)
-            for message, answer in zip(answers, parsed):
-                message["content"] = answer.rewrite(transform)
+            for turn, answer in zip(turns, parsed):
+                turn["content"] = answer.rewrite(transform)
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
-        if record.get("meta") is not None:
-            out["meta"] = record["meta"]
+        for key in ("tools", "meta"):
+            if record.get(key) is not None:
+                out[key] = record[key]
+        result.tools = int("tools" in out)
         result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
@@ -221,8 +247,10 @@ class ConvertOptions:
     skip_bad: bool = False
     errors: Path | None = None
     dataset_name: str | None = None
-    coco_prompt: str | None = None
-    coco_group: str = "category"
+    coco: CocoOptions = field(default_factory=CocoOptions)
+    answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
+    prompt: str | None = None  # benchmark formats: the prompt template, {instruction} is replaced
+    refcoco_expressions: str = "all"
     progress: bool = True
     overwrite: bool = False
 
@@ -239,10 +267,13 @@ def _input_stamp(path: Path) -> Stamp | None:
     return None
 
 
+ORIGINAL_PIXEL_FORMATS = ("coco", *DEFAULT_TARGET)  # formats whose coordinates are original pixels by definition
+
+
 def _source(opts: ConvertOptions, fmt: str) -> Source:
-    if fmt == "coco":  # COCO boxes are original-image pixels by definition
+    if fmt in ORIGINAL_PIXEL_FORMATS:
         if opts.input_coords not in (None, "abs"):
-            raise ConvertError(f"COCO boxes are absolute pixels of the original image by definition; "
+            raise ConvertError(f"{fmt} boxes are absolute pixels of the original image by definition; "
                                f"--input-coords {opts.input_coords} contradicts that (drop it or pass abs)")
         return Source("orig")
     stamp = _input_stamp(opts.input)
@@ -260,13 +291,21 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
     return Source(INPUT_COORDS[opts.input_coords])
 
 
-def _records(opts: ConvertOptions, fmt: str) -> Iterator[tuple[int, Any]]:
-    if fmt == "coco":
-        from qwenvl_prep.readers import DEFAULT_COCO_PROMPT
+def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None) -> Iterable:
+    """The input's raw records, in file order."""
+    if coco is not None:
+        return coco
+    if fmt in DEFAULT_TARGET:
+        target = opts.answer_target or DEFAULT_TARGET[fmt]
+        prompt = opts.prompt or PROMPTS[target]
+        if fmt == "refcoco-parquet":
+            folder = opts.output.parent / f"{opts.output.stem}_images"
+            return iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
+        return iter_screenspot(opts.input, fmt, target, prompt)
+    return iter_raw(opts.input)
 
-        stream: Iterable = iter_coco(opts.input, opts.coco_prompt or DEFAULT_COCO_PROMPT, opts.coco_group)
-    else:
-        stream = iter_raw(opts.input)
+
+def _records(opts: ConvertOptions, stream: Iterable) -> Iterator[tuple[int, Any]]:
     shard, count = opts.shard
     for index, record in enumerate(stream):
         if index % count == shard:
@@ -278,14 +317,14 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _results(opts: ConvertOptions, job: Job) -> Iterator[Result]:
-    chunks = _chunks(_records(opts, "coco" if job.fmt == "canonical" else job.fmt), CHUNK)
+def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Result]:
+    chunks = _chunks(_records(opts, stream), CHUNK)
     if opts.workers <= 1:
         _set_job(job)
         for chunk in chunks:
             yield from _convert_chunk(chunk)
         return
-    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job,)) as pool:
+    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job, os.getpid())) as pool:
         for results in pool.imap(_convert_chunk, chunks):
             yield from results
 
@@ -318,17 +357,31 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
-    job = Job(opts.target, _source(opts, fmt), opts.exif, str((opts.image_dir or opts.input.parent).resolve()),
-              str(opts.output.parent.resolve()), str(opts.input), "canonical" if fmt == "coco" else fmt)
+    source = _source(opts, fmt)
+    if fmt in DEFAULT_TARGET and opts.prompt is not None:
+        try:
+            check_prompt(opts.prompt)
+        except ValueError as error:
+            raise ConvertError(str(error)) from None
+    coco, image_dir = None, opts.image_dir or opts.input.parent
+    if fmt == "coco":
+        coco = CocoReader(opts.input, opts.coco)
+        image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
+    job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
+              str(opts.input), "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
+    stream = _stream(opts, fmt, coco)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
+    extra: dict[str, Any] = {}
     stopped: Exception | None = None
     with ExitStack() as stack:  # the error report is streamed and committed even when the output is discarded
         try:
             with atomic_writer(opts.output) as out:
-                first = _write_records(opts, job, out, stats, stack, errors_path)
+                first = _write_records(opts, job, stream, out, stats, stack, errors_path)
+                if coco is not None:
+                    extra = {"coco": coco.summary(Path(job.image_root), "--image-dir" if opts.image_dir else "found")}
                 if stats["dropped"] and not opts.skip_bad:
-                    raise Abort(_summary(opts, stats, errors_path, written=False))
+                    raise Abort(_summary(opts, stats, errors_path, written=False, extra=extra))
                 if first:  # raised inside the writer: an existing output stays as it was
                     raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, "
                                        f"{stats['dropped']} bad): nothing was written or registered")
@@ -338,12 +391,12 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise stopped
     if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
-    _register(opts)
-    return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True)
+    _register(opts, tools=stats["tools"] > 0)
+    return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True, extra=extra)
 
 
-def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, stack: ExitStack, errors_path: Path
-                   ) -> bool:
+def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, stats: Counter, stack: ExitStack,
+                   errors_path: Path) -> bool:
     """Stream converted records to ``out`` and bad ones to the error report (opened at the first bad record), so
     memory stays flat however many records are bad. Returns True when nothing was written."""
     from tqdm import tqdm
@@ -352,9 +405,10 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
     as_array = opts.output.suffix == ".json"
     out.write("[\n" if as_array else "")
     first, errors = True, None
-    for result in tqdm(_results(opts, job), desc="convert", unit=" rec", disable=None if opts.progress else True):
+    for result in tqdm(_results(opts, job, stream), desc="convert", unit=" rec",
+                       disable=None if opts.progress else True):
         stats["records"] += 1
-        for key in ("passthrough", "boxes", "points", "exif_baked"):
+        for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
         if result.error is not None:
             if errors is None:
@@ -370,7 +424,8 @@ def _write_records(opts: ConvertOptions, job: Job, out: Any, stats: Counter, sta
 
 
 def _check_outputs(opts: ConvertOptions) -> None:
-    """Refuse, before anything is written, outputs that would clobber an input, the registry or each other."""
+    """Refuse, before anything is written, outputs that would clobber an input, the registry, a file another
+    registry entry uses, a link's target, or each other."""
     output, registry = opts.output.resolve(), (opts.output.parent / "dataset_info.json").resolve()
     errors = (opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl"))
     if output.is_dir():
@@ -383,19 +438,16 @@ def _check_outputs(opts: ConvertOptions) -> None:
     taken = {opts.input.resolve(): "the input", output: "the output (-o)", registry: "the registry dataset_info.json"}
     if errors.resolve() in taken:
         raise ConvertError(f"--errors {errors} is {taken[errors.resolve()]}; it would be overwritten")
-    if errors.resolve().is_dir():
-        raise ConvertError(f"--errors {errors} is a directory")
-    folder = output.parent if output.parent.exists() else None
-    if folder is not None and not os.access(folder, os.W_OK):
-        raise ConvertError(f"output folder {folder} is not writable")
     if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
         raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
     name = opts.dataset_name or opts.output.stem
+    check_output(opts.output, "output", inputs=[opts.input], own_entry=name)
+    check_output(errors, "--errors", inputs=[opts.input])
     entry = read_dataset_info(opts.output.parent).get(name)
     if entry is not None and not opts.overwrite:
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
-        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); "
-                           "pass --overwrite to replace it, or --dataset-name to add another")
+        raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); pass "
+                           "--overwrite to replace it, or add another with both another -o and --dataset-name")
 
 
 class Abort(Exception):
@@ -407,10 +459,13 @@ class Abort(Exception):
         self.summary = summary
 
 
-def _register(opts: ConvertOptions) -> None:
-    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched."""
+def _register(opts: ConvertOptions, tools: bool) -> None:
+    """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched. The
+    ``tools`` column is mapped when a record carries tool definitions (LF reads it only when mapped)."""
     name = opts.dataset_name or opts.output.stem
-    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, STAMP_KEY: _written_stamp(opts).to_dict()}
+    columns = {**SHAREGPT_ENTRY["columns"], **({"tools": "tools"} if tools else {})}
+    entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, "columns": columns,
+             STAMP_KEY: _written_stamp(opts).to_dict()}
     merge_dataset_info(opts.output.parent, name, entry)
 
 
@@ -420,14 +475,15 @@ def merge_dataset_info(folder: Path, name: str, entry: dict[str, Any]) -> None:
     with exclusive(info_path):
         info = read_dataset_info(folder)
         info[name] = entry
-        write_json(info_path, info)
+        write_json(info_path, info, follow_symlink=True)  # a shared registry linked into the folder stays shared
 
 
 def _written_stamp(opts: ConvertOptions) -> Stamp:
     return Stamp(opts.target.policy, opts.target.coords, opts.target.family, f"qwenvl-prep {__version__}")
 
 
-def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool) -> dict[str, Any]:
+def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "input": str(opts.input),
         "output": str(opts.output) if written else None,
@@ -441,6 +497,7 @@ def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, wri
         "exif_baked": stats["exif_baked"],
         "error_report": str(errors_path) if errors_path else None,
         "stamp": _written_stamp(opts).to_dict(),
+        **(extra or {}),
     }
 
 

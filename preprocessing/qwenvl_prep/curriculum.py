@@ -9,6 +9,7 @@ the previous stage's output (the LoRA adapter, or the full weights).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.atomic import atomic_writer
 from qwenvl_prep.convert import Abort, ConvertOptions, run_convert
+from qwenvl_prep.outputs import Outputs
 from qwenvl_prep.run_spec import load_yaml, spec_from_yaml
 
 
@@ -74,6 +76,12 @@ def _stage_yaml(base: dict[str, Any], k: int, policy: ResizePolicy, dataset: str
 def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
     """Convert the data once per stage and write ``stage{k}.yaml``; returns the summary with the commands."""
     opts.out = Path(opts.out)
+    if opts.out.exists() and not opts.out.is_dir():
+        raise CurriculumError(f"-o {opts.out} is a file; the curriculum needs a folder (its stage YAMLs and data/)")
+    name = opts.dataset_name or opts.input.stem
+    if re.search(r"[/\\\0,]", name) or name.startswith(".") or not name.strip():
+        raise CurriculumError(f"--dataset-name {name!r} must be a plain name (no path separators, commas or leading "
+                              "'.'): it becomes file names inside -o and dataset names in the stage YAMLs")
     base = load_yaml(opts.base_yaml)
     if base.get("eval_dataset") and opts.eval_input is None:
         raise CurriculumError(f"{opts.base_yaml} sets eval_dataset, whose labels are in one frame only: pass "
@@ -83,9 +91,11 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
     existing = [str(p) for p in yaml_paths if p.exists()]
     if existing and not opts.overwrite:
         raise CurriculumError(f"{', '.join(existing)} already exist; pass --overwrite to replace them")
+    guard = Outputs([opts.base_yaml, opts.input, *([opts.eval_input] if opts.eval_input else [])])
+    for path in yaml_paths:
+        guard.check(path, "stage YAML", inside=opts.out)
     data_dir = opts.out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    name = opts.dataset_name or opts.input.stem
     stages: list[dict[str, Any]] = []
     previous: str | None = None
     for k, max_pixels in enumerate(opts.stages, start=1):
@@ -99,7 +109,7 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
             try:
                 summary = run_convert(ConvertOptions(
                     input=Path(source), output=data_dir / f"{dataset}.jsonl", target=target,
-                    input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir or Path(source).parent,
+                    input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir,
                     exif=opts.exif, workers=opts.workers, dataset_name=dataset, progress=opts.progress,
                     overwrite=opts.overwrite))
             except Abort as abort:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_items
-from llamafactory_qwenvl_patch.frame.stamp import Stamp, read_dataset_info, stamp_of
+from llamafactory_qwenvl_patch.frame.stamp import Stamp, StampError, read_dataset_info, stamp_of
+from qwenvl_prep.lf_rules import entry_reader, record_problem
 from qwenvl_prep.readers import RecordError, iter_records
 
 
@@ -20,6 +21,7 @@ class DatasetRef:
     path: Path
     media_dir: Path
     stamp: Stamp | None
+    entry: dict | None = None  # its dataset_info.json entry: records are read as LF reads them under it
 
 
 @dataclass
@@ -28,8 +30,10 @@ class Sample:
     images: list[str]
     prompt: str
     answer: str
-    items: list[Item]
+    items: list[Item]  # the answer's (assistant turns): what eval and draw take as the truth
     error: str | None = None
+    meta: Any = None  # the record's ``meta``, parsed when it is JSON text
+    turn_items: list[Item] = field(default_factory=list)  # every turn's, system and tool turns included (check)
 
 
 def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) -> DatasetRef:
@@ -39,40 +43,73 @@ def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) ->
         folder = path.parent
         for name, entry in read_dataset_info(folder).items():
             if isinstance(entry, dict) and entry.get("file_name") == path.name:
-                return DatasetRef(name, path, folder, stamp_of(entry))
+                return DatasetRef(name, path, folder, _stamp(entry, name, folder), entry)
         return DatasetRef(path.stem, path, folder, None)
     folder = Path(dataset_dir or ".")
     entry = read_dataset_info(folder).get(name_or_path)
     if not isinstance(entry, dict) or "file_name" not in entry:
         raise ValueError(f"dataset {name_or_path!r} is neither a file nor an entry of {folder}/dataset_info.json")
-    return DatasetRef(name_or_path, folder / entry["file_name"], folder, stamp_of(entry))
+    path = folder / str(entry["file_name"])
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not found"
+        raise ValueError(f"dataset {name_or_path!r} in {folder}/dataset_info.json names file_name "
+                         f"{entry['file_name']!r}, which is {what}: qwenvl-prep reads a dataset stored in one file")
+    return DatasetRef(name_or_path, path, folder, _stamp(entry, name_or_path, folder), entry)
+
+
+def _stamp(entry: dict, name: str, folder: Path) -> Stamp | None:
+    try:
+        return stamp_of(entry)
+    except StampError as exc:
+        raise StampError(f"dataset {name!r} in {folder / 'dataset_info.json'}: {exc}") from None
 
 
 def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
-    for index, record in enumerate(iter_records(ref.path, "sharegpt")):
+    """The records as LF reads them (under the registry entry when there is one; EntryError when check cannot read
+    that entry's layout); a record LF would drop or refuse is a Sample with its error."""
+    fmt, remap = entry_reader(ref.entry) if ref.entry is not None else ("sharegpt", None)
+    for index, record in enumerate(iter_records(ref.path, fmt, remap)):
+        if not isinstance(record, RecordError) and (problem := record_problem(record)) is not None:
+            record = RecordError(problem)
         if isinstance(record, RecordError):
             yield Sample(index, [], "", "", [], error=str(record))
             continue
         images = [p if Path(p).is_absolute() else str(ref.media_dir / p) for p in record["images"]]
-        prompt = " ".join(m["content"] for m in record["messages"] if m["role"] == "user")
-        answer = "\n".join(m["content"] for m in record["messages"] if m["role"] == "assistant")
+        messages = record["messages"]
+        prompt = " ".join(m["content"] for m in messages if m["role"] == "user")
+        answer = "\n".join(m["content"] for m in messages if m["role"] == "assistant")
         try:
-            items = parse_items(answer)
-            error = None
+            parsed = [(m["role"], parse_items(m["content"])) for m in messages]
         except AnswerError as exc:
-            items, error = [], str(exc)
-        yield Sample(index, images, prompt, answer, items, error)
+            yield Sample(index, images, prompt, answer, [], str(exc), _meta(record.get("meta")))
+            continue
+        yield Sample(index, images, prompt, answer, [i for role, items in parsed if role == "assistant" for i in items],
+                     meta=_meta(record.get("meta")), turn_items=[i for _, items in parsed for i in items])
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+    return value
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Any]:
-    """The values of a JSONL file, streamed; a bad line is a ValueError naming the file and the line."""
-    with open(path, encoding="utf-8") as f:
+    """The values of a JSONL file, streamed; a bad line is a ValueError naming the file and the line. A UTF-8
+    byte-order mark is skipped, as convert skips it."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path} is {'a folder' if Path(path).is_dir() else 'not found'}, not a JSONL file")
+    with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except ValueError as exc:
+                yield json.loads(line.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
                 raise ValueError(f"{path} line {number} is not valid JSON ({exc})") from None
 
 

@@ -10,12 +10,15 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from llamafactory_qwenvl_patch.scoring.answers import Item, try_parse_items
+from llamafactory_qwenvl_patch.scoring.answers import Item, bare_point, try_parse_items
+from llamafactory_qwenvl_patch.scoring.clicks import truth_box
 from llamafactory_qwenvl_patch.image_io.images import decode, model_input_image, open_image
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples, load_jsonl
+from qwenvl_prep.alignment import aligned
+from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples
+from qwenvl_prep.outputs import Outputs
 
 GT_COLOR = (60, 200, 60)  # BGR green
 PRED_COLOR = (40, 40, 230)  # BGR red
@@ -58,8 +61,15 @@ def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = No
         return [convert_coords(it.coords, stamp.coords, target, hw, model_hw, ndigits=None) for it in items]
 
     _draw_items(canvas, sample.items, mapped(sample.items), GT_COLOR, thickness)
+    box = truth_box("", sample.meta, list)  # a click record's target element, in original pixels
+    if box is not None:
+        _draw_items(canvas, [Item("bbox_2d", tuple(box))], [convert_coords(box, "orig", target, hw, model_hw,
+                                                                             ndigits=None)], GT_COLOR, thickness)
     if prediction is not None:
         predicted = try_parse_items(prediction) or []
+        point = bare_point(prediction) if predicted == [] else None
+        if point is not None:  # a bare [x, y] click
+            predicted = [Item("point_2d", point)]
         _draw_items(canvas, predicted, mapped(predicted), PRED_COLOR, thickness)
     return canvas
 
@@ -95,48 +105,43 @@ def safe_stem(name: str) -> str:
     return stem or "dataset"
 
 
-def _output(out_dir: Path, name: str, inputs: set[Path]) -> Path:
-    path = Path(out_dir) / name
-    resolved = path.resolve()
-    if Path(out_dir).resolve() not in resolved.parents:
-        raise ValueError(f"refusing to write {path}: outside the output folder {out_dir}")
-    if resolved in inputs:
-        raise ValueError(f"refusing to write {path}: it is an input of this run (the dataset or one of its images)")
-    return path
-
-
 def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", sample: int = 16, seed: int = 0,
          predictions: Path | None = None) -> dict[str, Any]:
-    """Draw a random sample of N records (all if N <= 0) and a contact sheet; returns the written paths."""
+    """Draw a random sample of N records (all if N <= 0) and a contact sheet; returns the written paths. Every
+    output path is checked (``outputs``: inside ``out_dir``, never an input or a registered file) before the first
+    is written."""
     samples = [s for s in iter_samples(ref) if not s.error and len(s.images) == 1]
-    preds = [row.get("predict", row.get("prediction", "")) for row in load_jsonl(predictions)] if predictions else None
+    preds = [text for _, _, text in aligned(ref, predictions)] if predictions else None  # checked as eval checks
     chosen = samples if sample <= 0 or sample >= len(samples) else random.Random(seed).sample(samples, sample)
     chosen.sort(key=lambda s: s.index)
     stem = safe_stem(ref.name)
-    inputs = {Path(p).resolve() for s in samples for p in s.images} | {ref.path.resolve()}
-    written, drawn = [], []
-    for s in chosen:
+    guard = Outputs([p for s in samples for p in s.images] + [ref.path, *([predictions] if predictions else [])],
+                    [ref.media_dir])
+    paths = [guard.check(Path(out_dir) / f"{stem}-{s.index:06d}-{frame}.jpg", "draw output", inside=out_dir)
+             for s in chosen]
+    sheet = guard.check(Path(out_dir) / f"{stem}-contact-sheet-{frame}.jpg", "draw output", inside=out_dir) \
+        if chosen else None
+    drawn = []
+    for s, path in zip(chosen, paths):
         canvas = render(s, stamp, frame, preds[s.index] if preds and s.index < len(preds) else None)
-        path = _output(out_dir, f"{stem}-{s.index:06d}-{frame}.jpg", inputs)
         _write_image(path, canvas)
-        written.append(str(path))
         drawn.append(thumbnail(canvas))
-    sheet = None
-    if drawn:
-        sheet = _output(out_dir, f"{stem}-contact-sheet-{frame}.jpg", inputs)
+    if sheet is not None:
         _write_image(sheet, contact_sheet(drawn))
-    return {"images": written, "contact_sheet": str(sheet) if sheet else None}
+    return {"images": [str(p) for p in paths], "contact_sheet": str(sheet) if sheet else None}
 
 
-def draw_predictions(rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
-    """Draw ``qwenvl-prep predict`` rows (boxes already in original pixels) on their original images."""
-    written = []
-    for i, row in enumerate(rows):
+def prediction_paths(count: int, out_dir: Path) -> list[Path]:
+    return [Path(out_dir) / f"prediction-{i:04d}.jpg" for i in range(count)]
+
+
+def draw_predictions(rows: list[dict[str, Any]], paths: list[Path]) -> list[str]:
+    """Draw ``qwenvl-prep predict`` rows (boxes already in original pixels) on their original images, one to each
+    of ``paths`` (``prediction_paths``, checked by the caller before anything was written)."""
+    for row, path in zip(rows, paths):
         image = row["image"]
         canvas = cv2.cvtColor(np.asarray(decode(open_image(image), image).convert("RGB")), cv2.COLOR_RGB2BGR)
         items = [Item(it["kind"], tuple(it["orig"]), it.get("label")) for it in row["items"]]
         _draw_items(canvas, items, [list(it.coords) for it in items], PRED_COLOR, max(1, round(max(canvas.shape) / 500)))
-        path = Path(out_dir) / f"prediction-{i:04d}.jpg"
         _write_image(path, canvas)
-        written.append(str(path))
-    return written
+    return [str(p) for p in paths[:len(rows)]]

@@ -6,27 +6,21 @@ to the dataset by order and checked label by label, or the output of ``qwenvl-pr
 
 from __future__ import annotations
 
-from itertools import zip_longest
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
-from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally, Tally, score_grounding
+from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_grounding
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.dataset import DatasetRef, iter_jsonl, iter_samples
+from qwenvl_prep.alignment import AlignmentError, aligned
+from qwenvl_prep.dataset import DatasetRef
 from qwenvl_prep.imageinfo import read_info
 
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
-
-
-class AlignmentError(ValueError):
-    """The predictions file does not line up with the dataset."""
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.split())
 
 
 def _bucket(width: int, height: int) -> str:
@@ -37,37 +31,19 @@ def _to_orig(coords, stamp: Stamp, hw: tuple[int, int], model_hw: tuple[int, int
     return convert_coords(coords, stamp.coords, "orig", hw, model_hw, ndigits=None)
 
 
-def _prediction_text(row: dict, index: int) -> str:
-    for key in ("predict", "prediction"):
-        if isinstance(row.get(key), str):
-            return row[key]
-    raise AlignmentError(f"predictions row {index} has no 'predict' text")
-
-
-def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]:
+def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str] = ()) -> dict[str, Any]:
     """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
-    overall and by size. Field-extraction records (a JSON object or array answer): per-field accuracy, all-fields-
-    exact, format-valid and parse-failure rates. Other records are counted and skipped."""
-    overall, buckets, fields, skipped = Tally(), {}, FieldTally(), 0
-    rows = iter_jsonl(predictions)
-    samples = iter_samples(ref)
+    overall and by size; click accuracy for records with a truth box in ``meta`` (ScreenSpot, RefCOCO); detection
+    precision / recall / F1 and COCO mAP; the detection-hack monitors; click and box metrics per value of the ``meta``
+    fields ``by``; how "not present" records (answer ``[]``) were answered. Field-extraction records (a JSON object
+    or array answer): per-field accuracy, all-fields-exact, format-valid and parse-failure rates. Other records are
+    counted and skipped."""
+    grounding, buckets, groups, fields, skipped = GroundingEval(), {}, {}, FieldTally(), 0
     index = -1
-    for index, (row, sample) in enumerate(zip_longest(rows, samples)):
-        if row is None or sample is None:
-            raise AlignmentError(f"{predictions} and {ref.path} have different numbers of records (one ends at "
-                                 f"{index}); predictions must be in dataset order, one per record")
-        if not isinstance(row, dict):
-            raise AlignmentError(f"{predictions} line {index + 1} is a {type(row).__name__}, not an object")
+    for index, sample, text in aligned(ref, predictions):
         if sample.error:
-            raise AlignmentError(f"dataset record {index} cannot be evaluated: {sample.error}")
-        if "label" in row and _norm(str(row["label"])) != _norm(sample.answer):
-            raise AlignmentError(f"predictions row {index}: its label {str(row['label'])[:80]!r} differs from "
-                                 f"dataset record {index}'s answer {sample.answer[:80]!r}; the files are misaligned")
-        if "image" in row and sample.images and Path(str(row["image"])).resolve() != Path(sample.images[0]).resolve():
-            raise AlignmentError(f"predictions row {index} is for {row['image']}, dataset record {index} for "
-                                 f"{sample.images[0]}; the files are misaligned")
-        text = _prediction_text(row, index)
-        if not sample.items:
+            raise AlignmentError(f"record {index} of {ref.path} cannot be evaluated: {sample.error}")
+        if not is_grounding(sample.items, sample.answer, sample.meta):
             truth = reference_value(sample.answer)
             if truth is None:
                 skipped += 1
@@ -75,31 +51,54 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path) -> dict[str, Any]
                 fields.add(score_fields(text, truth))
             continue
         if len(sample.images) != 1:
-            raise AlignmentError(f"dataset record {index} has boxes and {len(sample.images)} images; needs 1")
+            raise AlignmentError(f"record {index} of {ref.path} has boxes and {len(sample.images)} images; needs 1")
         info = read_info(sample.images[0])
         hw = info.hw
         model_hw = stamp.policy.model_size(*hw)
-        truth_boxes = [_to_orig(item.coords, stamp, hw, model_hw) for item in sample.items if item.kind == "bbox_2d"]
-        score = score_grounding(truth_boxes, text, lambda coords: _to_orig(coords, stamp, hw, model_hw))
-        overall.add(score)
-        buckets.setdefault(_bucket(info.width, info.height), Tally()).add(score)
+        args = (sample.items, text, sample.meta, partial(_to_orig, stamp=stamp, hw=hw, model_hw=model_hw),
+                (info.width, info.height))
+        grounding.add(*args)
+        buckets.setdefault(_bucket(info.width, info.height), GroundingEval(detection_on=False)).add(*args)
+        if by:
+            groups.setdefault(_group(sample.meta, by), GroundingEval(detection_on=False)).add(*args)
     result: dict[str, Any] = {"dataset": str(ref.path), "predictions": str(predictions), "records": index + 1,
                               "skipped_other": skipped}
-    if overall.samples:
+    summary = grounding.to_dict()
+    if "boxes" in summary:
         result.update({
             "iou_threshold": f"IoU >= {IOU_THRESHOLD}",
-            "overall": overall.to_dict(),
-            "by_size": {name: buckets[name].to_dict() for _, name in BUCKETS if name in buckets},
+            "overall": summary.pop("boxes"),
+            "by_size": {name: buckets[name].boxes.to_dict() for _, name in BUCKETS
+                        if name in buckets and buckets[name].boxes.samples},
         })
+    result.update(summary)
+    if by:
+        result["by"] = {name: groups[name].to_dict() for name in sorted(groups)}
     if fields.samples:
         result["fields"] = fields.to_dict()
     return result
+
+
+def _group(meta: Any, fields: Sequence[str]) -> str:
+    """``platform=ios, data_type=icon``: the subset a record belongs to (``-`` for a field it lacks)."""
+    values = meta if isinstance(meta, dict) else {}
+    return ", ".join(f"{name}={values.get(name, '-')}" for name in fields)
 
 
 def format_table(result: dict[str, Any]) -> str:
     sections = []
     if "overall" in result:
         sections.append(_grounding_table(result))
+    if "not_present" in result:
+        row = result["not_present"]
+        sections.append(f"not present (answer []): {row['samples']} records; answered [] "
+                        f"{_fmt(row['said_nothing_rate'], '.3f')}, answered with boxes (false positives) "
+                        f"{_fmt(row['false_positive_rate'], '.3f')}, parse failures "
+                        f"{_fmt(row['parse_failure_rate'], '.3f')}")
+    if "clicks" in result:
+        sections.append(_clicks_table(result))
+    if "detection" in result:
+        sections.append(_detection_table(result["detection"], result.get("monitors")))
     if "fields" in result:
         sections.append(_fields_table(result["fields"]))
     if not sections:
@@ -123,6 +122,31 @@ def _grounding_table(result: dict[str, Any]) -> str:
                      f"{_fmt(row['mean_centre_offset_orig_px'], '10.1f')}")
     lines.append("offset px: mean distance between the centres of matched boxes, in original pixels; "
                  "-: nothing to measure in that bucket (no box matched, or no records)")
+    return "\n".join(lines)
+
+
+def _clicks_table(result: dict[str, Any]) -> str:
+    rows = [("overall", result["clicks"])]
+    rows += [(name, group["clicks"]) for name, group in result.get("by", {}).items() if "clicks" in group]
+    width = max(len(name) for name, _ in rows)
+    lines = ["clicks: a click is right when its point (or its box's centre) lies in the truth box, in original pixels",
+             f"{'subset':<{width}} {'samples':>7} {'click acc':>9} {'dense':>6} {'no click':>8}"]
+    lines += [f"{name:<{width}} {row['samples']:>7} {_fmt(row['click_acc'], '9.3f')} "
+              f"{_fmt(row['click_dense_mean'], '6.3f')} {_fmt(row['no_click_rate'], '8.3f')}" for name, row in rows]
+    return "\n".join(lines)
+
+
+def _detection_table(detection: dict[str, Any], monitors: dict[str, Any] | None) -> str:
+    lines = [f"detection: {detection['images']} images, {detection['truth_boxes']} true and "
+             f"{detection['predicted_boxes']} predicted boxes; at IoU >= {IOU_THRESHOLD} (one-to-one, label-aware) "
+             f"precision {_fmt(detection['precision@0.5'], '.3f')}, recall {_fmt(detection['recall@0.5'], '.3f')}, "
+             f"F1 {_fmt(detection['f1@0.5'], '.3f')}; COCO mAP@[.5:.95] {_fmt(detection['map'], '.3f')} "
+             f"(AP50 {_fmt(detection['ap50'], '.3f')}, AP75 {_fmt(detection['ap75'], '.3f')}; every box scores 1)"]
+    if monitors:
+        lines.append(f"monitors: whole-image boxes {_fmt(monitors['whole_image_rate'], '.3f')}, empty answers "
+                     f"{_fmt(monitors['empty_answer_rate'], '.3f')}, duplicates {_fmt(monitors['duplicate_rate'], '.3f')}"
+                     f", median area ratio {_fmt(monitors['area_ratio_median'], '.2f')}, box count ratio "
+                     f"{_fmt(monitors['count_ratio'], '.2f')} (predicted / true)")
     return "\n".join(lines)
 
 

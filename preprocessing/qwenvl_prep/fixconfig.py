@@ -1,72 +1,28 @@
-"""``qwenvl-prep fix-config``: check a model folder, and rewrite a nested Qwen-VL ``config.json`` in the flat layout
-that transformers <= 4.51 reads.
+"""``qwenvl-prep fix-config``: check a model folder against every reader (transformers 4.49 to 4.57, vLLM 0.11),
+repair it into the portable layout for a target reader, or rewrite a nested ``config.json`` flat.
 
-transformers >= 4.52 writes ``text_config`` as a nested dict (5.x also ``rope_parameters`` and ``dtype``); <= 4.51
-loads that nested dict as a plain dict and fails in ``GenerationConfig.from_model_config`` with
-``'dict' object has no attribute 'to_dict'``. The flat layout (text keys at the top level, ``rope_scaling`` /
-``rope_theta``, ``torch_dtype``) loads in both.
+The layouts and rules live in ``llamafactory_qwenvl_patch.model_files`` (the export under ``qwenvl_patch: true``
+writes the same portable layout); this module is the command's side: reports, backups, refusals.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
 from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
-from qwenvl_prep.atomic import write_json
-
-
-def nested_only(model_type: str | None) -> bool:
-    """A family whose readers have always used the nested layout (Qwen3-VL): there is no flat one to write."""
-    family = family_of_model_type(model_type)
-    return family is not None and not FAMILIES[family].flat_config
-
-
-def layout(config: dict[str, Any]) -> str:
-    return "nested" if isinstance(config.get("text_config"), dict) else "flat"
-
-
-def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The flat layout of a nested config and the list of changes made."""
-    out = {k: v for k, v in config.items() if k != "text_config"}
-    changes = []
-    text = dict(config.get("text_config") or {})
-    text.pop("model_type", None)
-    for key in ("architectures", "transformers_version"):
-        text.pop(key, None)
-    rope = text.pop("rope_parameters", None)
-    if isinstance(rope, dict):
-        rope = dict(rope)
-        theta = rope.pop("rope_theta", None)
-        if theta is not None:
-            text.setdefault("rope_theta", theta)
-            changes.append(f"rope_parameters.rope_theta -> rope_theta ({theta})")
-        rope_type = rope.get("rope_type", "default")
-        if "mrope_section" in rope:
-            rope.setdefault("type", "mrope" if rope_type == "default" else rope_type)
-            rope["rope_type"] = "mrope" if rope_type == "default" else rope_type
-        text.setdefault("rope_scaling", rope)
-        changes.append(f"rope_parameters -> rope_scaling ({json.dumps(rope)})")
-    for key, value in text.items():
-        if key in out and out[key] != value and key != "dtype":
-            changes.append(f"kept top-level {key}={out[key]!r} over text_config.{key}={value!r}")
-        out.setdefault(key, value)
-    dtype = out.pop("dtype", None)
-    if dtype is not None:
-        out.setdefault("torch_dtype", dtype)
-        changes.append(f"dtype -> torch_dtype ({dtype})")
-    changes.insert(0, f"moved {len(text)} text_config keys to the top level and removed text_config")
-    return out, changes
+from llamafactory_qwenvl_patch.model_files.config_layout import flatten, layout, nested_only
+from llamafactory_qwenvl_patch.model_files.folder import FileEdit, ModelFolder, NotPortableError
+from llamafactory_qwenvl_patch.model_files.portable import portable_edits, write_edits
+from llamafactory_qwenvl_patch.model_files.readers import READERS, all_reader_problems, reader_problems
 
 
 def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Report on a model folder: layout, sub-config types, transformers versions, processor bounds vs the YAML."""
+    """Report on a model folder: layout, sub-config types, transformers versions, processor bounds vs the YAML, and
+    what each reader cannot load (``readers``)."""
     import transformers
-    from transformers import CONFIG_MAPPING
 
     path = model_dir / "config.json"
     if not path.is_file():
@@ -77,14 +33,9 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
     if family_of_model_type(model_type) is None:
         known = ", ".join(prefix for f in FAMILIES.values() for prefix in f.model_types)
         problems.append(f"model_type {model_type!r} is not a Qwen-VL type ({known})")
-    sub_types = {}
-    for key in ("text_config", "vision_config"):
-        sub = config.get(key)
-        if isinstance(sub, dict) and sub.get("model_type"):
-            sub_types[key] = sub["model_type"]
-            if sub["model_type"] not in CONFIG_MAPPING:
-                problems.append(f"{key}.model_type {sub['model_type']!r} is unknown to the installed transformers "
-                                f"{transformers.__version__}")
+    # sub-config types are not looked up in CONFIG_MAPPING: 4.57 has no ``qwen2_5_vl_vision`` there yet loads it
+    sub_types = {key: config[key]["model_type"] for key in ("text_config", "vision_config")
+                 if isinstance(config.get(key), dict) and config[key].get("model_type")}
     bounds = read_processor_bounds(model_dir)
     if yaml_bounds is not None and bounds is not None and tuple(bounds) != tuple(yaml_bounds):
         problems.append(f"processor bounds {bounds[0]}..{bounds[1]} differ from the training YAML's "
@@ -101,25 +52,38 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
         "processor_bounds": list(bounds) if bounds else None,
         "yaml_bounds": list(yaml_bounds) if yaml_bounds else None,
         "readable_by_transformers_le_4_51": layout(config) == "flat" or nested_only(model_type),
+        "readers": all_reader_problems(ModelFolder.load(model_dir)),
         "problems": problems,
     }
 
 
 def rewrite_flat(model_dir: Path) -> dict[str, Any]:
     """Rewrite config.json in the flat layout, keeping a timestamped backup; no-op if already flat."""
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
+    config = json.loads((model_dir / "config.json").read_text())
     if nested_only(config.get("model_type")):
         raise ValueError(f"{config['model_type']} configs are nested in every transformers that supports them; "
                          "there is no flat layout to write")
     if layout(config) == "flat":
         return {"changed": False, "backup": None, "changes": ["already flat: nothing to do"]}
     flat, changes = flatten(config)
-    backup = model_dir / f"config.json.bak-{time.strftime('%Y%m%d-%H%M%S')}"
-    counter = 1
-    while backup.exists():
-        backup = model_dir / f"config.json.bak-{time.strftime('%Y%m%d-%H%M%S')}-{counter}"
-        counter += 1
-    shutil.copy2(path, backup)
-    write_json(path, flat)
-    return {"changed": True, "backup": str(backup), "changes": changes}
+    written = write_edits(model_dir, [FileEdit("config.json", flat, changes)], backup=True)
+    return {"changed": True, "backup": written["backups"]["config.json"], "changes": changes}
+
+
+def repair_for(model_dir: Path, target: str, dry_run: bool = False) -> dict[str, Any]:
+    """Put the folder in the portable layout so that ``target`` (a key of READERS) loads it in the training frame;
+    every replaced file is kept as ``NAME.bak-STAMP``. Refused, with nothing written, when the repaired folder would
+    still not load in ``target`` (the message lists why) or when a file cannot be repaired safely."""
+    if target not in READERS:
+        raise ValueError(f"--target must be one of {', '.join(READERS)}, not {target!r}")
+    try:
+        folder = ModelFolder.load(model_dir)
+        edits = portable_edits(folder)
+    except NotPortableError as exc:
+        raise ValueError(f"cannot repair {model_dir} for {READERS[target]}: {exc}") from None
+    remaining = reader_problems(folder.with_edits(edits), target)
+    if remaining:
+        raise ValueError(f"cannot repair {model_dir} for {READERS[target]}: " + "; ".join(remaining))
+    if dry_run:
+        return {"target": target, "changed": False, "would_change": {e.name: e.changes for e in edits}}
+    return {"target": target, **write_edits(model_dir, edits, backup=True)}

@@ -11,7 +11,9 @@ from pathlib import Path
 from PIL import Image, ImageOps
 
 from llamafactory_qwenvl_patch.image_io import jpeg
-from llamafactory_qwenvl_patch.image_io.images import ImageError, open_image, require_regular_file
+from llamafactory_qwenvl_patch.image_io.images import (
+    ImageError, check_pixels, naming_warnings, open_image, require_regular_file,
+)
 
 EXIF_ORIENTATION = 0x0112
 
@@ -74,7 +76,7 @@ def read_info(path: str | os.PathLike) -> ImageInfo:
     """Header-only read of size and EXIF orientation, never decoding pixels (JPEG fast path, PIL otherwise)."""
     require_regular_file(path)
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, naming_warnings(str(path)):
             head = f.read(_JPEG_FIRST_READ)
             info = _jpeg_info(head)
             if info is None and head[:2] == b"\xff\xd8" and len(head) == _JPEG_FIRST_READ:
@@ -82,8 +84,9 @@ def read_info(path: str | os.PathLike) -> ImageInfo:
     except OSError:
         info = None  # open_image below reports it with the image's name
     if info is not None:
+        check_pixels(info.width, info.height, str(path))
         return info
-    with open_image(str(path)) as image:
+    with open_image(str(path)) as image, naming_warnings(str(path)):
         try:
             orientation = int(image.getexif().get(EXIF_ORIENTATION, 1) or 1)
         except Exception:  # noqa: BLE001 - a malformed EXIF segment (struct errors, bad offsets) has no orientation

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
-import orjson
-from typing import Any, Iterator
+from llamafactory_qwenvl_patch.scoring import json_text
+from qwenvl_prep.json_array import ArraySyntaxError, iter_array_items
+from qwenvl_prep.lf_rules import not_carried
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
             "observation": "observation", "function_call": "function_call"}
-DEFAULT_COCO_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
 
 
 class RecordError(ValueError):
@@ -22,8 +23,9 @@ _BOM = b"\xef\xbb\xbf"
 
 
 def iter_raw(path: Path) -> Iterator[Any]:
-    """JSONL lines (unparsed ``str``, so workers parse them), or the items of a top-level JSON array, streamed. A
-    UTF-8 byte-order mark is skipped; a line that is not UTF-8 is a RecordError (never silently replaced)."""
+    """The text of each record, streamed and unparsed (workers parse it, as written): JSONL lines, or the items of a
+    top-level JSON array. A UTF-8 byte-order mark is skipped; a record that is not UTF-8 is a RecordError (never
+    silently replaced)."""
     with open(path, "rb") as f:
         start = 3 if f.read(3) == _BOM else 0
         f.seek(start)
@@ -31,25 +33,22 @@ def iter_raw(path: Path) -> Iterator[Any]:
         while head and head.isspace():
             head = f.read(1)
         f.seek(start)
-        if head == b"[":
-            yield from _array_items(f, path)
-            return
-        for line in f:
-            if not line.strip():
+        lines = _array_items(f, path) if head == b"[" else (line for line in f if line.strip())
+        for line in lines:
+            if isinstance(line, RecordError):
+                yield line
                 continue
             try:
                 yield line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield RecordError(f"line is not valid UTF-8 (byte {exc.start}: {line[exc.start:exc.start + 1]!r})")
+                yield RecordError(f"record is not valid UTF-8 (byte {exc.start}: {line[exc.start:exc.start + 1]!r})")
 
 
-def _array_items(f: Any, path: Path) -> Iterator[Any]:
-    """The items of a top-level JSON array; a syntax error ends the stream with one RecordError naming where."""
-    import ijson
-
+def _array_items(f: Any, path: Path) -> Iterator[bytes | RecordError]:
+    """The items of a top-level JSON array; broken punctuation ends the stream with one RecordError naming where."""
     try:
-        yield from ijson.items(f, "item", use_float=True)
-    except (ijson.JSONError, UnicodeDecodeError) as exc:
+        yield from iter_array_items(f)
+    except ArraySyntaxError as exc:
         yield RecordError(f"{path} is not a valid JSON array from here on ({exc}); the records before it are read")
 
 
@@ -57,13 +56,19 @@ def _value(raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        return json_text.loads(raw)
+    except json_text.JSONTextError as exc:
+        return RecordError(f"record cannot be read as written: {exc}")
+    except json.JSONDecodeError as exc:
         return RecordError(f"record is not valid JSON: {exc.msg} at column {exc.colno}")
+    except ValueError as exc:
+        return RecordError(f"record is not valid JSON: {exc}")
 
 
 def detect_format(path: Path) -> str:
-    """Guess the format from the first record (COCO from its top-level keys)."""
+    """Guess the format from the first record (COCO from its top-level keys, parquet from its suffix)."""
+    if path.suffix == ".parquet":
+        return "refcoco-parquet"
     with open(path, "rb") as f:
         start = f.read(4096).lstrip()
     if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
@@ -73,6 +78,8 @@ def detect_format(path: Path) -> str:
         if isinstance(value, RecordError):
             continue  # a bad first line is its own error row; the format comes from the next good one
         if isinstance(value, dict):
+            if "img_filename" in value and "bbox" in value:
+                return "screenspot-pro" if "img_size" in value or "ui_type" in value else "screenspot"
             if "messages" in value or "conversations" in value:
                 return "sharegpt"
             if "instruction" in value or "output" in value:
@@ -82,6 +89,11 @@ def detect_format(path: Path) -> str:
         break
     raise RecordError(f"{path}: cannot tell the format from its first records (empty, or none of sharegpt, alpaca, "
                       "plain JSONL or COCO); pass --format")
+
+
+def _type(value: Any) -> str:
+    """A JSON value's Python type name (a number read as written counts as int or float)."""
+    return type(json_text.plain(value)).__name__
 
 
 def _sharegpt(record: dict) -> dict:
@@ -95,14 +107,32 @@ def _sharegpt(record: dict) -> dict:
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         if role not in ROLE_MAP or not isinstance(content, str):
-            raise RecordError(f"turn with role {role!r} and content of type {type(content).__name__} is not usable")
+            raise RecordError(f"turn with role {role!r} and content of type {_type(content)} is not usable")
         messages.append({"role": ROLE_MAP[role], "content": content})
-    images = _images(record)
-    tags = sum(m["content"].count("<image>") for m in messages)
-    if tags != len(images):
-        raise RecordError(f"the record has {len(images)} image(s) but {tags} <image> tag(s) in its messages; "
-                          "LLaMA-Factory needs one tag per image")
-    return {"messages": messages, "images": images}
+    if record.get("system") is not None:  # a system column: a system turn, as LF reads it
+        if messages[0]["role"] == "system":
+            raise RecordError("the record has a 'system' field and a system turn; LLaMA-Factory would use only the "
+                              "turn")
+        messages.insert(0, {"role": "system", "content": _system(record)})
+    return {"messages": messages, "images": _images(record), **_tools(record)}
+
+
+def _system(record: dict) -> str:
+    if not isinstance(record["system"], str):
+        raise RecordError(f"'system' must be text, got {_type(record['system'])}")
+    return record["system"]
+
+
+def _tools(record: dict) -> dict:
+    """The record's tool definitions (agent data), carried as LF reads them: JSON text."""
+    tools = record.get("tools")
+    if tools is None or tools == "":
+        return {}
+    if isinstance(tools, (list, dict)):
+        tools = json_text.dumps(tools, separators=(", ", ": "))
+    if not isinstance(tools, str):
+        raise RecordError(f"'tools' must be JSON text or a JSON array, got {_type(tools)}")
+    return {"tools": tools}
 
 
 def _images(record: dict) -> list[str]:
@@ -114,9 +144,15 @@ def _images(record: dict) -> list[str]:
     return images
 
 
-def _with_image_tags(text: str, count: int) -> str:
-    missing = count - text.count("<image>")
-    return "<image>" * max(missing, 0) + text
+def _with_image_tags(messages: list[dict], count: int) -> list[dict]:
+    """The conversation with the tags it lacks (one per image, counted over every user turn) put before the last
+    question, where a plain or alpaca record's image belongs. Extra or misplaced tags are left for
+    ``lf_rules.record_problem`` to report."""
+    missing = count - sum(m["content"].count("<image>") for m in messages if m["role"] == "user")
+    if missing > 0:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last]["content"] = "<image>" * missing + messages[last]["content"]
+    return messages
 
 
 def _alpaca(record: dict) -> dict:
@@ -124,16 +160,15 @@ def _alpaca(record: dict) -> dict:
         raise RecordError("alpaca record needs string 'instruction' and 'output'")
     images = _images(record)
     prompt = record["instruction"] + (("\n" + record["input"]) if record.get("input") else "")
-    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    messages = [{"role": "system", "content": _system(record)}] if record.get("system") is not None else []
     history = record.get("history") or []
     if not isinstance(history, list) or not all(
             isinstance(turn, list) and len(turn) == 2 and all(isinstance(t, str) for t in turn) for turn in history):
         raise RecordError("alpaca 'history' must be a list of [prompt, answer] string pairs")
     for old_prompt, old_answer in history:
         messages += [{"role": "user", "content": old_prompt}, {"role": "assistant", "content": old_answer}]
-    messages += [{"role": "user", "content": _with_image_tags(prompt, len(images))},
-                 {"role": "assistant", "content": record["output"]}]
-    return {"messages": messages, "images": images}
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    return {"messages": _with_image_tags(messages, len(images)), "images": images, **_tools(record)}
 
 
 def _answer_text(answer: Any) -> str:
@@ -142,10 +177,10 @@ def _answer_text(answer: Any) -> str:
         return answer
     if isinstance(answer, (dict, list)):
         try:
-            return json.dumps(answer, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            return json_text.dumps(answer)
         except ValueError:
             raise RecordError("'answer' contains NaN or Infinity, which is not JSON") from None
-    raise RecordError(f"'answer' must be text or a JSON object/array, got {type(answer).__name__}")
+    raise RecordError(f"'answer' must be text or a JSON object/array, got {_type(answer)}")
 
 
 def _plain(record: dict) -> dict:
@@ -155,8 +190,9 @@ def _plain(record: dict) -> dict:
     images = _images(record)
     if not images:
         raise RecordError("record needs an 'image' or 'image_path'")
-    return {"messages": [{"role": "user", "content": _with_image_tags(record["question"], len(images))},
-                         {"role": "assistant", "content": _answer_text(record["answer"])}], "images": images}
+    messages = [{"role": "user", "content": record["question"]},
+                {"role": "assistant", "content": _answer_text(record["answer"])}]
+    return {"messages": _with_image_tags(messages, len(images)), "images": images}
 
 
 def meta_text(meta: Any) -> str:
@@ -165,7 +201,7 @@ def meta_text(meta: Any) -> str:
     if isinstance(meta, str):
         return meta
     try:
-        return json.dumps(meta, ensure_ascii=False, allow_nan=False)
+        return json_text.dumps(meta, separators=(", ", ": "))
     except (TypeError, ValueError):
         raise RecordError("'meta' is not JSON-serialisable") from None
 
@@ -173,20 +209,25 @@ def meta_text(meta: Any) -> str:
 _NORMALIZE = {"sharegpt": _sharegpt, "alpaca": _alpaca, "jsonl": _plain}
 
 
-def to_record(raw: Any, fmt: str) -> dict | RecordError:
-    """A canonical record from one raw input value; a malformed one becomes its RecordError."""
+def to_record(raw: Any, fmt: str, remap: Callable[[dict], dict] | None = None) -> dict | RecordError:
+    """A canonical record from one raw input value; a malformed one becomes its RecordError. ``remap`` renames a
+    raw record's keys first (``lf_rules.entry_reader``: a dataset read as its registry entry tells LF to)."""
     if isinstance(raw, RecordError):
         return raw
     value = _value(raw)
     if isinstance(value, RecordError):
         return value
     if not isinstance(value, dict):
-        return RecordError(f"record is a {type(value).__name__}, not an object")
+        return RecordError(f"record is a {_type(value)}, not an object")
     if fmt == "canonical":
         if value.get("meta") is not None:
             value["meta"] = meta_text(value["meta"])
         return value
     try:
+        if remap is not None:
+            value = {**remap(value), **({"meta": value["meta"]} if "meta" in value else {})}
+        elif (lost := not_carried(value)) is not None:
+            raise RecordError(lost)
         record = _NORMALIZE[fmt](value)
         if value.get("meta") is not None:
             record["meta"] = meta_text(value["meta"])
@@ -195,59 +236,6 @@ def to_record(raw: Any, fmt: str) -> dict | RecordError:
         return exc
 
 
-def iter_records(path: Path, fmt: str) -> Iterator[dict | RecordError]:
+def iter_records(path: Path, fmt: str, remap: Callable[[dict], dict] | None = None) -> Iterator[dict | RecordError]:
     """Canonical records in file order (a malformed one is yielded as its RecordError, keeping its index)."""
-    return (to_record(raw, fmt) for raw in iter_raw(path))
-
-
-def iter_coco(path: Path, prompt: str = DEFAULT_COCO_PROMPT, group: str = "category",
-              include_crowd: bool = False) -> Iterator[dict | RecordError]:
-    """COCO instances -> grounding conversations; one per (image, category) or one per image listing all objects.
-
-    Boxes come out as ``bbox_2d`` JSON in original pixels (COCO's [x, y, w, h] turned into corners); each record
-    keeps the image's declared ``width``/``height`` as ``coco_size`` so convert can compare it with the file. An
-    image or annotation with missing or malformed fields becomes a RecordError naming it (the rest still convert).
-    """
-    with open(path, encoding="utf-8") as f:
-        coco = json.load(f)
-    if not isinstance(coco, dict):
-        raise RecordError(f"{path}: a COCO file is a JSON object with 'images' and 'annotations'")
-    categories = {c.get("id"): c.get("name") for c in coco.get("categories") or [] if isinstance(c, dict)}
-    by_image: dict[Any, list[dict]] = {}
-    broken: dict[Any, str] = {}
-    for n, ann in enumerate(coco.get("annotations") or []):
-        if not isinstance(ann, dict) or "image_id" not in ann:
-            raise RecordError(f"{path}: annotation {n} has no image_id")
-        if ann.get("iscrowd") and not include_crowd:
-            continue
-        bbox = ann.get("bbox")
-        if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, (int, float)) and
-                                                                   not isinstance(v, bool) for v in bbox)):
-            broken.setdefault(ann["image_id"], f"annotation {ann.get('id', n)} has bbox {bbox!r}, not [x, y, w, h]")
-            continue
-        by_image.setdefault(ann["image_id"], []).append(ann)
-    for n, image in enumerate(coco.get("images") or []):
-        if not isinstance(image, dict) or not isinstance(image.get("file_name"), str) or "id" not in image:
-            yield RecordError(f"COCO image {n} has no 'id' or string 'file_name'")
-            continue
-        if image["id"] in broken:
-            yield RecordError(f"COCO image {image['file_name']}: {broken[image['id']]}")
-            continue
-        anns = by_image.get(image["id"], [])
-        groups: dict[str, list[dict]] = {}
-        for ann in anns:
-            name = categories.get(ann.get("category_id")) or str(ann.get("category_id"))
-            groups.setdefault(name if group == "category" else "", []).append({**ann, "_label": name})
-        size = [image.get("width"), image.get("height")]
-        for key, members in groups.items():
-            items = []
-            for ann in members:
-                x, y, w, h = ann["bbox"]
-                items.append({"bbox_2d": [x, y, x + w, y + h], "label": ann["_label"]})
-            names = key or ", ".join(sorted({m["_label"] for m in members}))
-            record = {"messages": [{"role": "user", "content": "<image>" + prompt.format(category=names)},
-                                   {"role": "assistant", "content": json.dumps(items)}],
-                      "images": [image["file_name"]]}
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in size):
-                record["coco_size"] = size
-            yield record
+    return (to_record(raw, fmt, remap) for raw in iter_raw(path))

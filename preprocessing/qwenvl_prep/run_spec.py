@@ -3,13 +3,14 @@ explicit flags."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, resolve_family
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_for_template, resolve_family
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 
@@ -79,3 +80,27 @@ def spec_from_flags(min_pixels: int, max_pixels: int, family: str) -> RunSpec:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
     policy = ResizePolicy(min_pixels, max_pixels, FAMILIES[family].factor)
     return RunSpec(stamp=Stamp(policy, FAMILIES[family].coords, family))
+
+
+@functools.lru_cache(maxsize=None)
+def template_problem(template: str | None) -> str | None:
+    """Why ``qwenvl_patch: true`` training refuses this LF template (its plugin must be one of the families' plugins,
+    ``Qwen2VLPlugin`` or ``Qwen3VLPlugin``), None when it accepts it. A template of a registered family is known;
+    any other is looked up in LF's own registry (imported only then: it takes seconds)."""
+    if template and family_for_template(template) is not None:
+        return None
+    if not template:
+        return ("the YAML names no template: LLaMA-Factory would use the tokenizer's chat template without a Qwen-VL "
+                "plugin, which qwenvl_patch refuses; set template: qwen2_vl (or qwen3_vl, ...)")
+    try:
+        from llamafactory.data.template import TEMPLATES
+    except ImportError:
+        return f"template {template!r} is not a Qwen-VL template this tool knows, and LLaMA-Factory is not installed"
+    if template not in TEMPLATES:
+        return f"template {template!r} does not exist in LLaMA-Factory"
+    plugin = type(TEMPLATES[template].mm_plugin).__name__
+    accepted = sorted({family.lf_plugin for family in FAMILIES.values()})
+    if plugin not in accepted:
+        return (f"template {template!r} uses LF's {plugin}; qwenvl_patch training accepts templates whose plugin is "
+                f"{' or '.join(accepted)} (qwen2_vl, qwen3_vl, ...) and refuses this one")
+    return None

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -56,11 +57,6 @@ _CORPUS = [
     "You are a helpful assistant. system user assistant",
 ]
 
-# The pre-tokenizer split of the real Qwen2/2.5/3-VL tokenizer.json: every digit is its own pre-token, so numbers are
-# spelled digit by digit, as coordinates are for the real models.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-              r"\s*[\r\n]+|\s+(?!\S)|\s+")
-
 # Model sizes: ``tiny`` for tests (fast), ``small`` for the demo (~1M parameters: enough to learn to localise).
 SIZES = {
     "tiny": dict(hidden=64, layers=2, vision_hidden=32),
@@ -74,15 +70,17 @@ ROPE_THETA = 10.0
 
 
 def build_tokenizer(vocab_size: int = 1024):
-    """A byte-level BPE tokenizer trained on a small embedded corpus, with the Qwen special tokens and Qwen's
-    pre-tokenizer (digits split one by one)."""
+    """A byte-level BPE tokenizer trained on a small embedded corpus, with the Qwen special tokens and the real Qwen2
+    tokenizer's pipeline (NFC, its pre-tokenizer split: digits one by one), so every transformers reads it as it
+    reads a real Qwen-VL tokenizer."""
     import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     backend.decoder = decoders.ByteLevel()

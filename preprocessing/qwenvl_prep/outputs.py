@@ -1,0 +1,109 @@
+"""Where a ``qwenvl-prep`` command may write, checked before it writes anything.
+
+Never onto one of its inputs, onto a file that a ``dataset_info.json`` entry uses (or a registry itself), through a
+symbolic link it did not create, or outside its output folder. Every command checks each output path here first, so
+a refusal names the path and leaves every file as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from llamafactory_qwenvl_patch.frame.stamp import read_dataset_info
+
+REGISTRY = "dataset_info.json"
+
+
+class UnsafeOutput(ValueError):
+    """An output path that would overwrite something the command must not touch."""
+
+
+def registered_files(folder: Path) -> dict[Path, str]:
+    """Resolved path -> entry name for every local file (or folder) the registry in ``folder`` names (a file name
+    that points at the registry's own folder or above claims nothing: LF cannot load it either)."""
+    files, home = {}, folder.resolve()
+    for name, entry in read_dataset_info(folder).items():
+        file_name = entry.get("file_name") if isinstance(entry, dict) else None
+        if isinstance(file_name, str) and file_name.strip():
+            used = (folder / file_name).resolve()
+            if used != home and used not in home.parents:
+                files[used] = name
+    return files
+
+
+class Outputs:
+    """What a run must not write onto: its inputs (and anything inside an input folder, such as a model folder) and
+    the files of every registry it reads, or writes beside. Build once, then ``check`` each output path."""
+
+    def __init__(self, inputs: Iterable[str | os.PathLike] = (), registries: Iterable[str | os.PathLike] = ()) -> None:
+        self.inputs = {Path(p).resolve() for p in inputs}
+        self._registries: dict[Path, dict[Path, str]] = {}
+        for folder in registries:
+            self._registered(Path(folder).resolve())
+
+    def _registered(self, folder: Path) -> dict[Path, str]:
+        if folder not in self._registries:
+            self._registries[folder] = registered_files(folder)
+        return self._registries[folder]
+
+    def check(self, path: str | os.PathLike, what: str, *, inside: str | os.PathLike | None = None,
+              own_entry: str | None = None) -> Path:
+        """Refuse ``path`` (named ``what`` in the message, e.g. ``--json-out``) when it is a symbolic link or a
+        folder, a registry, an input or inside an input folder, outside ``inside``, a file that a registry entry
+        other than ``own_entry`` uses (the registry beside it and those given), or in a folder that is not
+        writable. Returns the path."""
+        path = Path(path)
+        if path.is_symlink():
+            raise UnsafeOutput(f"{what} {path} is a symbolic link; qwenvl-prep does not write through links it did "
+                               "not create (give the real path)")
+        if path.is_dir():
+            raise UnsafeOutput(f"{what} {path} is a directory, not a file to write")
+        if path.name == REGISTRY:
+            raise UnsafeOutput(f"{what} {path} would replace the dataset registry {REGISTRY}")
+        target = path.resolve()
+        if inside is not None and Path(inside).resolve() not in target.parents:
+            raise UnsafeOutput(f"{what} {path} lies outside the output folder {inside}")
+        source = next((p for p in (target, *target.parents) if p in self.inputs), None)
+        if source is not None:
+            raise UnsafeOutput(f"{what} {path} is {'inside ' if source != target else ''}an input of this run "
+                               f"({source}); inputs are never overwritten")
+        self._registered(target.parent)
+        for folder, files in self._registries.items():
+            name = next((n for used, n in files.items() if used == target or used in target.parents), None)
+            if name is not None and name != own_entry:
+                raise UnsafeOutput(f"{what} {path} is the file of dataset {name!r} in {folder / REGISTRY}; choose "
+                                   "another path")
+        parent = next((p for p in target.parents if p.exists()), None)
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            raise UnsafeOutput(f"{what} {path}: the folder {parent} is not writable")
+        return path
+
+
+def check_output(path: str | os.PathLike, what: str, *, inputs: Iterable[str | os.PathLike] = (),
+                 registries: Iterable[str | os.PathLike] = (), inside: str | os.PathLike | None = None,
+                 own_entry: str | None = None) -> Path:
+    """``Outputs(inputs, registries).check(path, what, ...)`` for a command with one or two outputs."""
+    return Outputs(inputs, registries).check(path, what, inside=inside, own_entry=own_entry)
+
+
+def guard_dataset_outputs(ref: Any, inputs: list[str | os.PathLike], outputs: dict[str, str | os.PathLike | None]
+                          ) -> None:
+    """Check the outputs (flag -> path, None when not given) of a command that reads a dataset (``DatasetRef``),
+    its images and ``inputs``; the images are streamed from the dataset, so memory stays flat."""
+    given = {flag: path for flag, path in outputs.items() if path is not None}
+    if not given:
+        return
+    guard = Outputs([ref.path, *inputs], [ref.media_dir])
+    for flag, path in given.items():
+        guard.check(path, flag)
+    targets = {Path(path).resolve(): flag for flag, path in given.items()}
+    from qwenvl_prep.dataset import iter_samples
+
+    for sample in iter_samples(ref):
+        for image in sample.images:
+            flag = targets.get(Path(image).resolve())
+            if flag is not None:
+                raise UnsafeOutput(f"{flag} {given[flag]} is an image of dataset record {sample.index}; inputs are "
+                                   "never overwritten")

@@ -1,0 +1,257 @@
+"""ScreenSpot, ScreenSpot-Pro and RefCOCO parquet through `qwenvl-prep convert`: points or boxes in the model's
+frame, the truth box in original pixels and the subset fields in meta, one error row per bad entry."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from helpers import save_image
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from qwenvl_prep.cli import main
+
+POLICY = ResizePolicy(3136, 200704)
+
+
+def _convert(tmp_path, source, *extra):
+    out = tmp_path / "out" / "data.jsonl"
+    code = main(["convert", str(source), "-o", str(out), "--min-pixels", "3136", "--max-pixels", "200704",
+                 "--workers", "1", "-q", "--skip-bad", *extra])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    errors = out.with_name(out.name + ".errors.jsonl")
+    return code, rows, [json.loads(line) for line in errors.read_text().splitlines()] if errors.exists() else []
+
+
+def _screens(tmp_path):
+    save_image(tmp_path / "desktop.png", 1920, 1080)
+    save_image(tmp_path / "phone.png", 1170, 2532)
+    return {"desktop.png": (1080, 1920), "phone.png": (2532, 1170)}
+
+
+def _answer_coords(row):
+    return json.loads(row["messages"][1]["content"])[0]
+
+
+def test_screenspot_points_in_the_model_frame(tmp_path, capsys):
+    sizes = _screens(tmp_path)
+    entries = [
+        {"img_filename": "desktop.png", "bbox": [1700, 20, 60, 30], "instruction": "close the window",
+         "data_type": "icon", "data_source": "windows"},
+        {"img_filename": "phone.png", "bbox": [100, 2300, 300, 120], "instruction": "open settings",
+         "data_type": "text", "data_source": "ios"},
+        {"img_filename": "phone.png", "bbox": [10, 10, 0, 5], "instruction": "nothing", "data_type": "text"},
+        {"img_filename": "desktop.png", "bbox": [1, 2, 3, 4], "instruction": ""},
+    ]
+    source = tmp_path / "screenspot_mobile.json"
+    source.write_text(json.dumps(entries))
+    code, rows, errors = _convert(tmp_path, source)
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["points"] == 2 and len(rows) == 2
+    assert [e["record"] for e in errors] == [2, 3]
+    assert "no area" in errors[0]["error"] and "instruction" in errors[1]["error"]
+    for row, entry in zip(rows, entries):
+        hw = sizes[entry["img_filename"]]
+        x, y, w, h = entry["bbox"]
+        expected = convert_coords([x + w / 2, y + h / 2], "orig", "model", hw, POLICY.model_size(*hw))
+        assert _answer_coords(row) == {"point_2d": expected}
+        assert entry["instruction"] in row["messages"][0]["content"]
+        meta = json.loads(row["meta"])
+        assert meta == {"bbox_orig": [x, y, x + w, y + h], "data_type": entry["data_type"],
+                        "data_source": entry["data_source"]}
+
+
+def test_screenspot_pro_boxes_and_declared_size(tmp_path):
+    _screens(tmp_path)
+    entries = [
+        {"img_filename": "desktop.png", "bbox": [1700, 20, 1760, 50], "img_size": [1920, 1080], "id": "a",
+         "instruction": "close", "ui_type": "icon", "group": "Dev", "application": "vscode", "platform": "macos"},
+        {"img_filename": "desktop.png", "bbox": [1700, 20, 1760, 50], "img_size": [2560, 1440], "id": "b",
+         "instruction": "close", "ui_type": "icon", "group": "Dev", "application": "vscode", "platform": "macos"},
+    ]
+    source = tmp_path / "vscode_macos.json"
+    source.write_text(json.dumps(entries))
+    code, rows, errors = _convert(tmp_path, source, "--target", "box")
+    assert code == 0 and len(rows) == 1
+    model_hw = POLICY.model_size(1080, 1920)
+    assert _answer_coords(rows[0]) == {"bbox_2d": convert_coords([1700, 20, 1760, 50], "orig", "model",
+                                                                 (1080, 1920), model_hw)}
+    assert json.loads(rows[0]["meta"])["application"] == "vscode"
+    assert "declares image" in errors[0]["error"] and "2560x1440" in errors[0]["error"]
+
+
+def _png(width, height, color):
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_refcoco_parquet(tmp_path):
+    shared = _png(640, 427, (10, 200, 30))
+    table = pa.table({
+        "question_id": ["1", "2", "3"],
+        "image": [{"bytes": shared, "path": "../../x.png"}, {"bytes": shared, "path": None},
+                  {"bytes": b"not an image", "path": None}],
+        "answer": [["left dog", "the brown dog"], ["man on the right"], ["cat"]],
+        "bbox": [[10.0, 20.0, 100.0, 50.5], [300.0, 40.0, 200.0, 300.0], [1.0, 1.0, 2.0, 2.0]],
+        "file_name": ["COCO_1.jpg", "COCO_1.jpg", "COCO_2.jpg"],
+    })
+    source = tmp_path / "refcoco_val.parquet"
+    pq.write_table(table, source)
+    code, rows, errors = _convert(tmp_path, source)
+    assert code == 0 and len(rows) == 3 and len(errors) == 1 and "not a readable image" in errors[0]["error"]
+    images = sorted((tmp_path / "out" / "data_images").iterdir())
+    assert len(images) == 1 and images[0].read_bytes() == shared  # written once, byte for byte
+    assert {row["images"][0] for row in rows} == {f"data_images/{images[0].name}"}
+    model_hw = POLICY.model_size(427, 640)
+    assert _answer_coords(rows[0]) == {"bbox_2d": convert_coords([10, 20, 110, 70.5], "orig", "model", (427, 640),
+                                                                 model_hw)}
+    assert "the brown dog" in rows[1]["messages"][0]["content"]
+    assert json.loads(rows[2]["meta"])["question_id"] == "2"
+    _, first, _ = _convert(tmp_path, source, "--refcoco-expressions", "first", "--overwrite")
+    assert len(first) == 2
+
+
+def test_refcoco_parquet_needs_its_columns(tmp_path, capsys):
+    source = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"x": [1]}), source)
+    code = main(["convert", str(source), "-o", str(tmp_path / "o.jsonl"), "--min-pixels", "3136", "--max-pixels",
+                 "200704", "-q"])
+    assert code == 2 and "missing image, answer, bbox" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def _predictions(path, texts):
+    path.write_text("".join(json.dumps({"predict": text}) + "\n" for text in texts))
+    return path
+
+
+def test_eval_click_accuracy_by_subset(tmp_path, capsys):
+    sizes = _screens(tmp_path)
+    entries = [{"img_filename": name, "bbox": [400, 300, 200, 100], "instruction": f"button {i}",
+                "data_type": kind, "data_source": source}
+               for i, (name, kind, source) in enumerate([("desktop.png", "icon", "windows"),
+                                                         ("desktop.png", "text", "windows"),
+                                                         ("phone.png", "icon", "ios"), ("phone.png", "text", "ios")])]
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps(entries))
+    _convert(tmp_path, source)
+    capsys.readouterr()
+
+    def model(name, x, y):
+        hw = sizes[name]
+        return convert_coords([x, y], "orig", "model", hw, POLICY.model_size(*hw))
+
+    texts = [json.dumps([{"point_2d": model("desktop.png", 500, 350)}]),  # centre: hit
+             json.dumps([{"point_2d": model("desktop.png", 900, 900)}]),  # miss
+             json.dumps(model("phone.png", 410, 310)),  # bare [x, y] near the corner: hit
+             "I cannot see it"]  # no click
+    predictions = _predictions(tmp_path / "pred.jsonl", texts)
+    out = tmp_path / "out"
+    assert main(["eval", str(out / "data.jsonl"), "--predictions", str(predictions), "--by", "data_source",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["clicks"] == {"samples": 4, "click_acc": 0.5, "click_dense_mean": pytest.approx(0.5, abs=0.01),
+                                "no_click_rate": 0.25}
+    assert result["by"]["data_source=windows"]["clicks"]["click_acc"] == 0.5
+    assert result["by"]["data_source=ios"]["clicks"]["click_acc"] == 0.5
+    assert "overall" not in result  # point answers: no box metrics
+    assert main(["eval", str(out / "data.jsonl"), "--predictions", str(predictions), "--by", "data_type"]) == 0
+    table = capsys.readouterr().out
+    assert "data_type=icon" in table and "click acc" in table
+
+
+def test_eval_detection_precision_recall_map_and_monitors(tmp_path, capsys):
+    save_image(tmp_path / "a.png", 1280, 960)
+    save_image(tmp_path / "b.png", 1280, 960)
+    truth_a = [{"bbox_2d": [100, 100, 400, 300], "label": "cat"}, {"bbox_2d": [600, 200, 900, 600], "label": "dog"},
+               {"bbox_2d": [200, 500, 500, 900], "label": "cat"}]
+    truth_b = [{"bbox_2d": [100, 100, 400, 300], "label": "cat"}, {"bbox_2d": [600, 200, 900, 600], "label": "dog"}]
+    records = [{"image": name, "question": "<image>Find every cat and dog.", "answer": json.dumps(truth)}
+               for name, truth in [("a.png", truth_a), ("b.png", truth_b)]]
+    source = tmp_path / "pets.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _convert(tmp_path, source, "--input-coords", "abs")
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    model_hw = POLICY.model_size(960, 1280)
+    whole = convert_coords([0, 0, 1280, 960], "orig", "model", (960, 1280), model_hw)
+    answer_b = json.loads(rows[1]["messages"][1]["content"])
+    answer_b[1]["label"] = "cat"  # right place, wrong label
+    answer_b.append({"bbox_2d": whole, "label": "dog"})
+    predictions = _predictions(tmp_path / "pred.jsonl", [rows[0]["messages"][1]["content"], json.dumps(answer_b)])
+    assert main(["eval", str(tmp_path / "out" / "data.jsonl"), "--predictions", str(predictions), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    detection = result["detection"]
+    assert (detection["truth_boxes"], detection["predicted_boxes"]) == (5, 6)
+    assert detection["precision@0.5"] == pytest.approx(4 / 6, abs=1e-4)
+    assert detection["recall@0.5"] == pytest.approx(4 / 5, abs=1e-4)
+    assert detection["f1@0.5"] == pytest.approx(8 / 11, abs=1e-4)
+    # cat: 3 of 4 boxes right, every truth found (AP 0.75); dog: 1 of 2 right, half found (0.5 x 51/101 points)
+    assert detection["map"] == pytest.approx((0.75 + 0.5 * 51 / 101) / 2, abs=0.01)
+    assert detection["ap50"] >= detection["map"] and "pycocotools_map" in detection
+    assert result["monitors"]["whole_image_rate"] == 0.5 and result["monitors"]["empty_answer_rate"] == 0.0
+    assert result["monitors"]["count_ratio"] == pytest.approx(6 / 5)
+    perfect = _predictions(tmp_path / "perfect.jsonl", [row["messages"][1]["content"] for row in rows])
+    assert main(["eval", str(tmp_path / "out" / "data.jsonl"), "--predictions", str(perfect), "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["detection"]
+    assert best["map"] == 1.0 and best["f1@0.5"] == 1.0
+
+
+def test_draw_shows_the_click_target_and_the_click(tmp_path):
+    from qwenvl_prep.dataset import resolve_dataset, iter_samples
+    from qwenvl_prep.draw import GT_COLOR, PRED_COLOR, render
+
+    _screens(tmp_path)
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps([{"img_filename": "desktop.png", "bbox": [400, 300, 200, 100],
+                                   "instruction": "save", "data_type": "icon"}]))
+    _convert(tmp_path, source)
+    ref = resolve_dataset(str(tmp_path / "out" / "data.jsonl"))
+    sample = next(iter_samples(ref))
+    click = convert_coords([1000, 800], "orig", "model", (1080, 1920), POLICY.model_size(1080, 1920))
+    canvas = render(sample, ref.stamp, "original", json.dumps(click))  # a bare [x, y] prediction
+    assert tuple(canvas[300, 500]) == GT_COLOR  # the target's top edge, from meta.bbox_orig
+    assert tuple(canvas[800, 1000]) == PRED_COLOR  # the click
+
+
+def test_hostile_benchmark_entries_are_error_rows(tmp_path, capsys):
+    _screens(tmp_path)
+    entries = [
+        {"img_filename": "desktop.png", "bbox": [10, 10, 50, 20], "instruction": "open <image> twice"},
+        {"img_filename": "desktop.png", "bbox": [10, 10, 50, 20], "instruction": "save",
+         "bbox_orig": [0, 0, 1920, 1080]},  # an entry's own key never replaces the truth box
+    ]
+    source = tmp_path / "screenspot.json"
+    source.write_text(json.dumps(entries))
+    code, rows, errors = _convert(tmp_path, source)
+    assert code == 0 and len(rows) == 1 and "<image>" in errors[0]["error"]
+    assert json.loads(rows[0]["meta"])["bbox_orig"] == [10, 10, 60, 30]
+    capsys.readouterr()
+    for prompt in ("Click it.", "<image>Click {instruction}"):
+        code = main(["convert", str(source), "-o", str(tmp_path / "p.jsonl"), "--min-pixels", "3136",
+                     "--max-pixels", "200704", "-q", "--prompt", prompt])
+        assert code == 2 and "--prompt" in capsys.readouterr().err
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys):
+    good = io.BytesIO()
+    pq.write_table(pa.table({"image": [{"bytes": _png(64, 48, (1, 2, 3)), "path": None}] * 40,
+                             "answer": [["thing"]] * 40, "bbox": [[1.0, 1.0, 10.0, 10.0]] * 40}), good,
+                   row_group_size=8)
+    data = bytearray(good.getvalue())
+    start = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(3).column(0).data_page_offset
+    data[start:start + 64] = b"\xff" * 64  # the fourth row group's first page is garbage; the footer is intact
+    source = tmp_path / "broken.parquet"
+    source.write_bytes(bytes(data))
+    code = main(["convert", str(source), "-o", str(tmp_path / "out" / "b.jsonl"), "--min-pixels", "3136",
+                 "--max-pixels", "200704", "-q", "--workers", "1"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Traceback" not in captured.err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "b.jsonl.errors.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and "cannot be read from here on" in rows[0]["error"]

@@ -1,0 +1,25 @@
+"""The grounding demo learns (its own file, so that the test workers run it beside the demo smoke runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+
+
+@pytest.mark.slow
+def test_default_demo_learns_to_localise(tmp_path):
+    """The main job as a user runs it (a fixed step count, so no timing enters): on held-out images the trained model
+    beats the constant mean-box baseline of the same run by the README's margins, and the untrained model."""
+    out = tmp_path / "learn"
+    result = run_cli(["qwenvl-prep", "demo", str(out)], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    trained, baseline, untrained = (summary["held_out"][name] for name in ("trained", "baseline", "untrained"))
+    assert summary["held_out_images"] == 100 and baseline["acc@0.5"] > 0
+    assert trained["mean_iou"] >= 2 * baseline["mean_iou"], summary
+    assert trained["acc@0.5"] >= 5 * baseline["acc@0.5"], summary
+    assert trained["mean_centre_offset_orig_px"] < baseline["mean_centre_offset_orig_px"]
+    assert untrained["acc@0.5"] < baseline["acc@0.5"] and trained["parse_failure_rate"] <= 0.05
+    assert summary["sft_loss_first_last"][1] < summary["sft_loss_first_last"][0] / 5

@@ -1,0 +1,233 @@
+"""The portable layout: an export under ``qwenvl_patch: true`` is read by transformers 4.49 (a real side
+environment), 5.x (installed) and, in the vLLM set (tests/test_vllm_serve.py), vLLM 0.11, all in the training frame;
+``qwenvl-prep fix-config`` names each reader's problem by file and key, repairs with backups, and refuses what it
+cannot repair without writing anything."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
+from qwenvl_prep.cli import main
+
+MIN, MAX = 16 * 28 * 28, 64 * 28 * 28
+SIZES = [(60, 40), (1920, 1080), (333, 777), (1000, 100)]  # below min_pixels, above max_pixels, odd aspects
+TEXTS = ["Locate the red square: [12, 34]", "Cafe\u0301 \ufb01 \uff21 <|image_pad|> 12  x\n\n y", "日本語 1,234.50 EUR"]
+
+# What transformers 5.6 writes for a pinned Qwen-VL export (trimmed to the keys the readers look at).
+NESTED_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "dtype": "float32",
+    "tie_word_embeddings": False, "image_token_id": 12,
+    "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 64, "tie_word_embeddings": True,
+                    "rope_parameters": {"mrope_section": [2, 3, 3], "rope_theta": 10.0, "rope_type": "default"}},
+    "vision_config": {"model_type": "qwen2_5_vl_vision", "hidden_size": 32, "patch_size": 14},
+}
+TOKENIZER_CONFIG = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>",
+                    "extra_special_tokens": ["<|im_start|>", "<|im_end|>", "<|image_pad|>"]}
+QWEN2_PIPELINE = {"normalizer": {"type": "NFC"}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}}
+IMAGE_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+                   "size": {"longest_edge": MAX, "shortest_edge": MIN}}
+PROCESSOR = {"processor_class": "Qwen2_5_VLProcessor", "image_processor": IMAGE_PROCESSOR,
+             "video_processor": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                 "size": {"longest_edge": 602112, "shortest_edge": 100352}}}
+
+
+def five_x_folder(root: Path, **overrides: dict) -> Path:
+    """A folder with the files transformers 5.6 writes for a pinned export (no weights: the rules read files)."""
+    files = {"config.json": NESTED_CONFIG, "tokenizer_config.json": TOKENIZER_CONFIG, "tokenizer.json": QWEN2_PIPELINE,
+             "preprocessor_config.json": IMAGE_PROCESSOR, "processor_config.json": PROCESSOR,
+             "qwenvl_policy.json": {"min_pixels": MIN, "max_pixels": MAX, "factor": 28}, **overrides}
+    root.mkdir(parents=True)
+    for name, data in files.items():
+        (root / name).write_text(json.dumps(data))
+    (root / "chat_template.jinja").write_text("{{ messages }}")
+    return root
+
+
+def fix_config(capsys, *args) -> tuple[int, dict | None, str]:
+    code = main(["fix-config", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else None, err
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_each_reader_is_told_file_and_key(tmp_path, capsys):
+    """Item 4: the report names reader, file and key for what each reader cannot load (or loads differently)."""
+    code, report, _ = fix_config(capsys, five_x_folder(tmp_path / "m"))
+    assert code == 0  # a report, not a failure: transformers 5.x reads the folder
+    readers = report["readers"]
+    expected = {
+        "transformers-4.51": ["config.json: text_config", "tokenizer_config.json: tokenizer_class",
+                              "tokenizer_config.json: extra_special_tokens", "preprocessor_config.json: min_pixels",
+                              "processor_config.json: image_processor"],
+        "transformers-4.57": ["config.json: architectures", "config.json: text_config.rope_parameters",
+                              "config.json: text_config.tie_word_embeddings", "tokenizer_config.json: tokenizer_class",
+                              "preprocessor_config.json: min_pixels", "video_preprocessor_config.json: missing"],
+        "vllm": ["config.json: architectures", "preprocessor_config.json: max_pixels: missing; vLLM 0.11",
+                 "tokenizer_config.json: tokenizer_class: TokenizersBackend"],
+    }
+    for reader, fragments in expected.items():
+        for fragment in fragments:
+            assert any(line.startswith(f"{reader}: {fragment}") for line in readers[reader]), (fragment, readers)
+
+
+def test_repair_for_vllm_keeps_backups_and_is_idempotent(tmp_path, capsys):
+    folder = five_x_folder(tmp_path / "m")
+    before = {name: (folder / name).read_text() for name in ("config.json", "tokenizer_config.json")}
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm", "--dry-run")
+    assert code == 1 and "config.json" in report["rewrite"]["would_change"]
+    assert {name: (folder / name).read_text() for name in before} == before  # a dry run writes nothing
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
+    assert code == 0 and report["readers"] == {"transformers-4.51": [], "transformers-4.57": [], "vllm": []}
+    for name, text in before.items():
+        assert Path(report["rewrite"]["backups"][name]).read_text() == text
+    config = json.loads((folder / "config.json").read_text())
+    assert "text_config" not in config and config["rope_theta"] == 10.0 and config["tie_word_embeddings"] is False
+    assert config["rope_scaling"]["mrope_section"] == [2, 3, 3] and config["architectures"]
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "Qwen2TokenizerFast" and "backend" not in tokenizer
+    assert tokenizer["additional_special_tokens"] == TOKENIZER_CONFIG["extra_special_tokens"]
+    image = json.loads((folder / "preprocessor_config.json").read_text())
+    assert (image["min_pixels"], image["max_pixels"]) == (MIN, MAX) == (image["size"]["shortest_edge"],
+                                                                         image["size"]["longest_edge"])
+    assert json.loads((folder / "processor_config.json").read_text()) == {"processor_class": "Qwen2_5_VLProcessor"}
+    assert json.loads((folder / "video_preprocessor_config.json").read_text()) == PROCESSOR["video_processor"]
+    unchanged = digest(folder)
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
+    assert code == 0 and report["rewrite"]["files"] == {} and digest(folder) == unchanged
+
+
+def test_qwen3_keeps_its_nested_layout_with_the_keys_vllm_reads(tmp_path, capsys):
+    """Qwen3-VL: vLLM 0.11 and 4.57 take rope and weight tying from text_config, and the bounds from ``size`` (and
+    ``min_pixels``/``max_pixels`` in 4.57's slow processor); it has no transformers before 4.57 to repair for."""
+    config = {**NESTED_CONFIG, "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+              "text_config": {**NESTED_CONFIG["text_config"], "model_type": "qwen3_vl_text", "rope_parameters": {
+                  "mrope_interleaved": True, "mrope_section": [2, 3, 3], "rope_theta": 10.0, "rope_type": "default"}}}
+    folder = five_x_folder(tmp_path / "q3", **{"config.json": config, "qwenvl_policy.json": {
+        "min_pixels": MIN, "max_pixels": MAX, "factor": 32}})
+    untouched = digest(folder)
+    code, _, err = fix_config(capsys, folder, "--target", "transformers-4.51")
+    assert code == 2 and "model_type 'qwen3_vl' exists only from transformers 4.57 on" in err
+    assert digest(folder) == untouched  # refused: nothing written
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
+    assert code == 0 and report["readers"]["vllm"] == [] and report["readers"]["transformers-4.57"] == []
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert text["rope_theta"] == 10.0 and text["tie_word_embeddings"] is False
+    assert text["rope_scaling"] == {"mrope_interleaved": True, "mrope_section": [2, 3, 3], "rope_type": "default"}
+    assert text["rope_parameters"]["rope_theta"] == 10.0  # 5.x's key stays
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tokenizer.json": {"normalizer": None, "pre_tokenizer": QWEN2_PIPELINE["pre_tokenizer"]}},
+     "tokenizer_config.json: tokenizer_class TokenizersBackend with a tokenizer.json that is not Qwen2's"),
+    ({"tokenizer_config.json": {**TOKENIZER_CONFIG, "tokenizer_class": "LlamaTokenizerFast"}},
+     "tokenizer_config.json: tokenizer_class 'LlamaTokenizerFast' is not a Qwen2 tokenizer"),
+    ({"qwenvl_policy.json": {"min_pixels": MIN, "max_pixels": 2 * MAX, "factor": 28}},
+     f"preprocessor_config.json size: {MIN}..{MAX} differs from the training frame {MIN}..{2 * MAX}"),
+    ({"preprocessor_config.json": {**IMAGE_PROCESSOR, "min_pixels": MIN, "max_pixels": 2 * MAX}},
+     f"preprocessor_config.json min_pixels/max_pixels: {MIN}..{2 * MAX} differs from the training frame"),
+    ({"config.json": {**NESTED_CONFIG, "model_type": "llava"}}, "config.json: model_type 'llava' is not a Qwen-VL"),
+])
+def test_what_cannot_be_repaired_is_refused_untouched(tmp_path, capsys, change, message):
+    folder = five_x_folder(tmp_path / "m", **change)
+    untouched = digest(folder)
+    code, report, err = fix_config(capsys, folder, "--target", "vllm")
+    assert code == 2 and report is None and message in err and err.count("\n") == 1, err
+    assert digest(folder) == untouched
+
+
+def test_dry_run_needs_a_target(tmp_path, capsys):
+    code, _, err = fix_config(capsys, five_x_folder(tmp_path / "m"), "--dry-run")
+    assert code == 2 and "--dry-run goes with --target" in err
+
+
+READER = r"""
+import json, sys
+import numpy as np
+from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, GenerationConfig
+
+
+def read(folder, texts, sizes):
+    config = AutoConfig.from_pretrained(folder)
+    GenerationConfig.from_model_config(config)
+    text = config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or {**text.rope_scaling, "rope_theta": text.rope_theta}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)  # 4.x: the one needing min/max
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where is it?"}]}]
+    return {
+        "architectures": config.architectures, "rope_theta": rope["rope_theta"],
+        "mrope_section": rope["mrope_section"], "tie_word_embeddings": config.tie_word_embeddings,
+        "ids": [tokenizer.encode(t) for t in texts], "processor_ids": [processor.tokenizer.encode(t) for t in texts],
+        "chat": processor.apply_chat_template(messages, add_generation_prompt=True),
+        "grids": [image_processor(images=[np.zeros((h, w, 3), dtype=np.uint8)], return_tensors="np")
+                  ["image_grid_thw"][0].tolist() for w, h in sizes],
+    }
+
+
+texts, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(json.dumps([read(folder, texts, sizes) for folder in sys.argv[3:]]))
+"""
+
+
+def read_with(python: str | Path, *folders: Path) -> list[dict]:
+    """What a transformers (the one of ``python``) reads from each folder: config, tokenizer, processor, chat
+    template, and the slow image processor's grid for every size in SIZES."""
+    result = subprocess.run([str(python), "-c", READER, json.dumps(TEXTS), json.dumps(SIZES), *map(str, folders)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def export(source: Path, workdir: Path, template: str, bin_dir: Path | None = None) -> Path:
+    """``llamafactory-cli export`` of a pinned run (what a user runs after training)."""
+    out = workdir / "export"
+    config = {"model_name_or_path": str(source), "template": template, "qwenvl_patch": True,
+              "image_min_pixels": MIN, "image_max_pixels": MAX, "export_dir": str(out), "infer_dtype": "float32"}
+    result = run_cli(["llamafactory-cli", "export"], config, workdir, bin_dir=bin_dir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "written in the portable layout" in result.stdout + result.stderr
+    return out
+
+
+def policy_grids(factor: int) -> list[list[int]]:
+    policy = ResizePolicy(MIN, MAX, factor)
+    return [[1, *(side // (factor // 2) for side in policy.model_size(h, w))] for w, h in SIZES]
+
+
+@pytest.mark.slow
+def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old_transformers, tmp_path, capsys):
+    """The export of the main tested set (transformers 5.x) needs no repair: transformers 4.49 and 5.x both load
+    config, tokenizer, processor and chat template from it, tokenize exactly as training did (non-NFC text and
+    special tokens included), and resize every image size to the policy's grid. (Qwen3-VL, which has no
+    transformers before 4.57: tests/test_vllm_serve.py.)"""
+    pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
+    folder = export(tiny_model, tmp_path, "qwen2_vl")
+    code, report, _ = fix_config(capsys, folder)
+    assert code == 0 and report["readers"] == {"transformers-4.51": [], "transformers-4.57": [], "vllm": []}
+    truth, new = read_with(sys.executable, tiny_model, folder)
+    assert truth["grids"] != policy_grids(28)  # the source's own bounds are not the run's
+    truth["grids"] = policy_grids(28)
+    assert new == truth
+    assert read_with(old_transformers, folder) == [truth]
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    ids = torch.tensor([truth["ids"][0]])
+    before = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    after = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    assert torch.equal(before(input_ids=ids).logits, after(input_ids=ids).logits)
