@@ -486,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
         "summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--minutes", type=float, default=3.0,
-                      help="grounding demo: SFT training budget in minutes of 2 CPU cores, turned into a fixed step count "
-                      "(%(default)s: the model learns to localise; less is a quicker smoke run)")
-    demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
+    demo.add_argument("--minutes", type=float,
+                      help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
+                      "for grounding, 5 for fields: the model learns the task; less is a quicker smoke run)")
+    demo.add_argument("--steps", type=int,
+                      help="SFT steps, instead of --minutes (both curriculum stages together for fields)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT,
                       help="model family of the grounding demo (Qwen3-VL answers in 0-1000)")
     demo.add_argument("--task", choices=["grounding", "fields"], default="grounding",

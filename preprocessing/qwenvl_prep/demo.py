@@ -77,6 +77,7 @@ def mean_box_predictions(train: list, held_out: list, image_dir: Path, policy: R
 
 SFT_BATCH = 8
 SFT_STEPS_PER_MINUTE = 340  # measured on 2 CPU cores: the small model at batch 8 on this data
+DEFAULT_MINUTES = 3.0
 MAX_TRAIN_IMAGES = 1000  # seen 8 times by default: LF tokenizes an image about as slowly as it trains on it
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2
 GRPO_PROMPTS = 64  # GRPO's own small set: LF tokenizes the whole dataset before the first of a few steps
@@ -88,11 +89,12 @@ def sft_steps_for(minutes: float) -> int:
     return max(1, round(minutes * SFT_STEPS_PER_MINUTE))
 
 
-def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: str = "grounding",
+def run_demo(out: Path, minutes: float | None = None, family: str = "qwen2_5_vl", task: str = "grounding",
              steps: int | None = None) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), or with
-    ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``."""
-    if (steps is not None and steps < 1) or minutes <= 0:
+    ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``
+    (default: each demo's own budget)."""
+    if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
         if family != "qwen2_5_vl":
@@ -100,7 +102,7 @@ def run_demo(out: Path, minutes: float = 3.0, family: str = "qwen2_5_vl", task: 
         from qwenvl_prep.demo_fields import run_fields_demo
 
         return run_fields_demo(out, minutes, steps)
-    steps = steps if steps is not None else sft_steps_for(minutes)
+    steps = steps if steps is not None else sft_steps_for(minutes or DEFAULT_MINUTES)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")
     if family not in FAMILIES or not FAMILIES[family].tiny:

@@ -27,10 +27,12 @@ from qwenvl_prep.dataset import load_jsonl
 from qwenvl_prep.demo_steps import run_step, write_jsonl, write_yaml
 from qwenvl_prep.run_spec import load_yaml
 
-# A4 pages scanned at 72, 100 and 150 dpi: one aspect ratio, so every page resizes to the same model frame of a stage
+# A4 pages scanned at 50, 72 and 100 dpi: one aspect ratio, so every page resizes to the same model frame of a stage
 # (84x112, then 140x196): a 1M-parameter model finds text within minutes at fixed grid sizes (the grounding demo
-# measured the same for boxes), while labels and file sizes still differ from page to page.
-PAGE_SIZES = ((595, 842), (827, 1169), (1240, 1754))
+# measured the same for boxes), while labels and file sizes still differ from page to page. LF decodes and resizes
+# every page at every step, so larger scans only cost time (decoding and resizing a batch of 8: 0.24 s at 72-150 dpi,
+# 0.10 s at 50-100 dpi, measured here).
+PAGE_SIZES = ((413, 585), (595, 842), (827, 1169))
 STAGES = (16 * 28 * 28, 36 * 28 * 28)  # image_max_pixels of the curriculum, low to high
 MIN_PIXELS = 16 * 28 * 28
 # Three fields with eight values each, read from one large word (the first letters differ, so one glyph decides the
@@ -47,8 +49,9 @@ INK, GREY = (0, 0, 0), (90, 90, 90)
 TITLE_FONT, VENDOR_FONT, VALUE_FONT = 10, 10, 18
 
 SFT_BATCH = 8
-SFT_STEPS_PER_MINUTE = 200  # per stage pair: measured on 2 idle CPU cores (stage 2's frame costs twice stage 1's)
-STAGE1_SHARE = 0.12  # of the SFT steps: the low resolution learns the answer format cheaply
+SFT_STEPS_PER_MINUTE = 300  # both stages: measured on 2 idle CPU cores
+DEFAULT_MINUTES = 5.0
+STAGE1_SHARE = 0.07  # of the SFT steps: the low resolution learns the answer format cheaply
 MAX_TRAIN_PAGES = 1200
 GRPO_STEPS, GRPO_SMOKE_STEPS = 30, 2
 GRPO_LR = 5.0e-4
@@ -127,10 +130,10 @@ def sft_steps_for(minutes: float) -> int:
     return max(2, round(minutes * SFT_STEPS_PER_MINUTE))
 
 
-def run_fields_demo(out: Path, minutes: float = 3.0, steps: int | None = None) -> dict[str, Any]:
+def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None = None) -> dict[str, Any]:
     """Render, train (curriculum SFT, then GRPO with the blank-image control), export, predict and evaluate; ``steps``
-    (SFT steps of both stages together) overrides those of ``minutes``."""
-    steps = steps if steps is not None else sft_steps_for(minutes)
+    (SFT steps of both stages together) overrides those of ``minutes`` (default ``DEFAULT_MINUTES``)."""
+    steps = steps if steps is not None else sft_steps_for(minutes or DEFAULT_MINUTES)
     out = out.resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
@@ -192,7 +195,8 @@ def run_fields_demo(out: Path, minutes: float = 3.0, steps: int | None = None) -
     grpo_yaml = write_yaml(out / "grpo.yaml", {
         **{k: v for k, v in final.items() if k not in ("eval_dataset", "lr_scheduler_type", "warmup_ratio")},
         "model_name_or_path": str(sft), "stage": "grpo", "output_dir": str(out / "grpo"), "max_samples": GRPO_PROMPTS,
-        "reward_funcs": "fields,format,no_cheat", "reward_weights": "1,0.5,1", "grpo_blank_image_ratio": GRPO_BLANK_RATIO,
+        "reward_funcs": "fields,format,no_cheat", "reward_weights": "1,0.5,1",
+        "grpo_blank_image_ratio": GRPO_BLANK_RATIO,
         "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "logging_steps": 1,
         "max_steps": GRPO_STEPS if learning else GRPO_SMOKE_STEPS, "per_device_train_batch_size": 4,
         "learning_rate": GRPO_LR, "grpo_log_completions": True,
