@@ -1,7 +1,7 @@
 """``qwenvl-prep demo OUT --task fields``: the field-extraction recipe on 2 CPU cores in a few minutes, on invoices
 it renders itself, ending with a model that reads them.
 
-Render invoices (A4 pages of mixed sizes: document type, vendor, invoice number, total and currency) and write the
+Render invoices (A4 pages of mixed sizes: document type, vendor, invoice number and currency) and write the
 recipe's JSONL (``image_path``, ``question``, an ``answer`` object, ``meta``) -> a small random-weight model ->
 ``qwenvl-prep curriculum`` (two resolution stages, each converted in its own frame) -> SFT stage 1 -> SFT stage 2
 (resuming) -> GRPO with ``fields,format,no_cheat`` and the blank-image control -> export -> predict -> eval. Held-out
