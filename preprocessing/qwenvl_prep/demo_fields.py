@@ -39,15 +39,15 @@ MIN_PIXELS = 16 * 28 * 28
 # value), and a 3-digit invoice number (each digit is its own token): what a 1M-parameter model reads within minutes.
 # Eight values keep the most-common-value baseline near 1/8 per field; dates (8 digits) and amounts are not learned.
 DOCUMENT_TYPES = ("invoice", "receipt", "quote", "order", "bill", "statement", "proforma", "delivery")
-VENDORS = ("Acme", "Globex", "Hooli", "Stark", "Wayne", "Tyrell", "Oscorp", "Duff")  # <= 6 letters: fit at 13
+VENDORS = ("Acme", "Globex", "Initech", "Umbrella", "Stark", "Wayne", "Hooli", "Vandelay")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF", "JPY", "SEK", "NOK", "AUD")
 FIELDS = ("invoice_number", "document_type", "vendor", "currency")  # the fixed-length value first: fixed positions
 QUESTION = "Read the invoice as JSON."
 INK, GREY = (0, 0, 0), (90, 90, 90)
-# In hundredths of the page height (the final frame is 196 px high): capitals ~14 px high in the title, ~18 px for
-# the vendor, ~25 px for the number and the currency. Probes with the same model: the vendor in mixed case at 10
-# was read in 2 of 3 runs of 1,500 steps.
-TITLE_FONT, VENDOR_FONT, VALUE_FONT = 10, 13, 18
+# In hundredths of the page height (the final frame is 196 px high): capitals ~14 px high in the title and the
+# vendor, ~25 px for the number and the currency. The vendor in capitals at 13 (with names of at most 6 letters) made
+# the same run learn nothing at all (loss 0.19 throughout): whether and when this model starts to read is fragile.
+TITLE_FONT, VENDOR_FONT, VALUE_FONT = 10, 10, 18
 
 SFT_BATCH = 8
 SFT_STEPS_PER_MINUTE = 300  # both stages: measured on 2 idle CPU cores
@@ -69,9 +69,9 @@ def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
 
 
 def render_invoice(path: Path, size: tuple[int, int], fields: dict[str, str], rng: random.Random) -> None:
-    """One invoice template, as a vendor's own invoices are: the document type as a bold title, the vendor's name in
-    capitals below it (a letterhead), then the invoice number and the currency in large bold type behind small grey
-    labels, at the same place on every page (rendered from a PDF, not scanned)."""
+    """One invoice template, as a vendor's own invoices are: the document type as a bold title, the vendor below it,
+    then the invoice number and the currency in large bold type behind small grey labels, at the same place on every
+    page (rendered from a PDF, not scanned)."""
     width, height = size
     unit = height / 100
     image = Image.new("RGB", size, (rng.randint(232, 255),) * 3)
@@ -80,9 +80,9 @@ def render_invoice(path: Path, size: tuple[int, int], fields: dict[str, str], rn
     bold = {"fill": INK, "stroke_width": max(1, round(0.3 * unit)), "stroke_fill": INK}
     x = 0.08 * width
     draw.text((x, 4 * unit), fields["document_type"].upper(), font=_font(round(TITLE_FONT * unit)), **bold)
-    draw.text((x, 16 * unit), fields["vendor"].upper(), font=_font(round(VENDOR_FONT * unit)), **bold)
+    draw.text((x, 16 * unit), fields["vendor"], font=_font(round(VENDOR_FONT * unit)), **bold)
     for row, (name, key) in enumerate((("No", "invoice_number"), ("Cur.", "currency"))):
-        top = (34 + 23 * row) * unit
+        top = (30 + 24 * row) * unit
         draw.text((x, top + 7 * unit), name, fill=GREY, font=label)
         draw.text((x + 14 * unit, top), fields[key], font=_font(round(VALUE_FONT * unit)), **bold)
     image.save(path)
