@@ -141,7 +141,8 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     logs, raw = out / "logs", out / "raw"
     logs.mkdir(parents=True)
     learning = steps >= 100  # fewer steps: a smoke run, with fewer pages and GRPO steps
-    stage_steps = (max(1, round(steps * STAGE1_SHARE)), max(1, steps - round(steps * STAGE1_SHARE)))
+    first = max(1, round(steps * STAGE1_SHARE))
+    stage_steps = (first, max(1, steps - first))
     train = synthesise_invoices(raw, min(MAX_TRAIN_PAGES, max(64, steps * SFT_BATCH // 2)), seed=0)
     held_out = synthesise_invoices(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=1)
     blanks = blank_copies(raw / "blank", held_out, raw)
