@@ -53,3 +53,17 @@ def test_readme_key_table_shows_the_defaults():
     defaults = {f.name: f.default for f in dataclasses.fields(extend_finetuning_arguments(FinetuningArguments))}
     assert len(shown) >= 10 and "grpo_log_completions" in shown
     assert {key: defaults[key] for key in shown} == shown
+
+
+def test_whole_numbers_in_float_keys_are_read_as_floats():
+    """YAML reads `grpo_blank_image_penalty: 4` as an int, and LF passes it on as written: an all-confident blank
+    rollout then built an integer reward tensor and failed inside torch (Index put ... Long)."""
+    from llamafactory.hparams import FinetuningArguments
+
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+
+    args = extend_finetuning_arguments(FinetuningArguments)(
+        stage="grpo", reward_funcs="fields", grpo_blank_image_penalty=4, grpo_beta=0, no_cheat_max_copy=1,
+        grpo_log_completions=True, no_cheat_ngram=3)
+    assert [type(v) for v in (args.grpo_blank_image_penalty, args.grpo_beta, args.no_cheat_max_copy)] == [float] * 3
+    assert args.grpo_blank_image_penalty == 4.0 and args.grpo_log_completions is True and args.no_cheat_ngram == 3

@@ -43,7 +43,7 @@ def fields_run(tmp_path_factory, tiny_model):
         temperature=1.0, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         reward_funcs=f"fields,fields_raw,format,no_cheat,{root / 'rewards.py'}:meta_seen",
         reward_weights="1,0,0.5,1,0", no_cheat_min_length_ratio=0.3, grpo_blank_image_ratio=1.0,
-        grpo_blank_image_penalty=0.5, val_size=0.5, do_eval=True, eval_strategy="steps", eval_steps=2,
+        grpo_blank_image_penalty=2, val_size=0.5, do_eval=True, eval_strategy="steps", eval_steps=2,
         per_device_eval_batch_size=2, grpo_log_completions=True)
     result = run_cli(["llamafactory-cli", "train"], config, root / "run")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -60,7 +60,7 @@ def test_fields_rewards_blank_control_and_meta_are_logged(fields_run):
         assert 0 <= row["blank/confident_rate"] <= 1
     rows = [json.loads(line) for line in (fields_run / "completions.jsonl").read_text().splitlines()]
     blank = [row for row in rows if row["blank"]]
-    assert blank and len(blank) < len(rows) and all(row["reward"] in (0.0, -0.5) for row in blank)
+    assert blank and len(blank) < len(rows) and all(row["reward"] in (0.0, -2.0) for row in blank)
 
 
 def test_field_metrics_in_the_evaluation(fields_run):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
@@ -11,6 +11,17 @@ from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREF
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
 ROLLOUT_BACKENDS = ("hf", "vllm")
+
+
+def _read_whole_numbers_as_floats(args: object) -> None:
+    """A float key written as a whole number in YAML (``grpo_blank_image_penalty: 4``) arrives as an int, since LF
+    builds the arguments from the YAML's values as they are; an int penalty made the blank-image rewards an integer
+    tensor, and the rollout then failed deep inside torch."""
+    ours = [spec for spec in fields(args) if spec.name.startswith(("grpo_", "no_cheat_"))]
+    for spec in ours:
+        value = getattr(args, spec.name)
+        if str(spec.type).startswith("float") and isinstance(value, int) and not isinstance(value, bool):
+            setattr(args, spec.name, float(value))
 
 
 def extend_finetuning_arguments(base: type) -> type:
@@ -110,6 +121,7 @@ def extend_finetuning_arguments(base: type) -> type:
 
         def __post_init__(self) -> None:
             super().__post_init__()
+            _read_whole_numbers_as_floats(self)
             if self.grpo_epsilon_high is None:
                 self.grpo_epsilon_high = self.grpo_epsilon
             if self.stage != "grpo":

@@ -367,7 +367,7 @@ class GRPOTrainer(Trainer):
         confident = [confident_answer(text, meta[i // G].reference) for i, text in enumerate(texts)]
         if texts:
             self._metrics["blank/confident_rate"].append(sum(confident) / len(confident))
-        return torch.tensor([-penalty if c else 0.0 for c in confident])
+        return torch.tensor([-penalty if c else 0.0 for c in confident], dtype=torch.float32)
 
     def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
         G, spg = self.num_generations, self.steps_per_generation
