@@ -10,7 +10,7 @@ from PIL import Image
 
 from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
 from qwenvl_prep.demo_fields import (FIELDS, PAGE_SIZES, blank_copies, confident_rate, most_common_answer,
-                                      synthesise_invoices)
+                                      render_invoice, synthesise_invoices)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_fields_demo_pages_baseline_and_blank_rate(tmp_path):
     for record in records:
         assert (tmp_path / "a" / record["image_path"]).read_bytes() == (tmp_path / "b" / record["image_path"]).read_bytes()
         assert Image.open(tmp_path / "a" / record["image_path"]).size in PAGE_SIZES
-        assert len(record["answer"]["invoice_number"]) == 3
+        assert record["answer"]["invoice_number"] is None or record["answer"]["invoice_number"].isdigit()
     answers = [{"invoice_number": n, "document_type": "quote", "vendor": "Acme", "currency": c}
                for n, c in (("101", "EUR"), ("102", "USD"), ("102", "USD"), ("101", "GBP"))]
     assert most_common_answer([{"answer": a} for a in answers]) == {
@@ -97,3 +97,21 @@ def test_fields_demo_pages_baseline_and_blank_rate(tmp_path):
             {"predict": "I cannot read this page."}, {"predict": '{"vendor": "Acme"}'}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert confident_rate(tmp_path / "p.jsonl", records[:4]) == 0.5
+
+
+def test_a_field_left_off_the_invoice_is_null_and_not_drawn(tmp_path):
+    """Invoices leave fields out (``OMIT_SHARE``): such a field is null in the answer and nothing on the page, and the
+    baseline's most common value is a filled one."""
+    import random
+
+    records = synthesise_invoices(tmp_path, 40, seed=0)
+    assert any(value is None for r in records for value in r["answer"].values())
+    assert all(value is None or isinstance(value, str) for r in records for value in r["answer"].values())
+    assert None not in most_common_answer([{"answer": dict.fromkeys(FIELDS)}] * 3 + records).values()
+    render_invoice(tmp_path / "empty.png", PAGE_SIZES[0], dict.fromkeys(FIELDS), random.Random(0))
+    assert len(Image.open(tmp_path / "empty.png").getcolors()) == 1  # the paper only
+    full = {"invoice_number": "123", "document_type": "quote", "vendor": "Acme", "currency": "EUR"}
+    for key in FIELDS:
+        render_invoice(tmp_path / "full.png", PAGE_SIZES[0], full, random.Random(0))
+        render_invoice(tmp_path / "less.png", PAGE_SIZES[0], {**full, key: None}, random.Random(0))
+        assert Image.open(tmp_path / "full.png").tobytes() != Image.open(tmp_path / "less.png").tobytes()

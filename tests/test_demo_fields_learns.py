@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from helpers import run_cli
@@ -35,8 +36,12 @@ def test_default_fields_demo_learns_to_read(tmp_path):
     assert grpo["mean_fields_reward"] >= 1.5 * baseline["mean_fields_reward"], summary
     assert max(grpo["per_field_accuracy"].values()) >= 0.5, summary
     assert grpo["mean_fields_reward"] >= sft["mean_fields_reward"], summary
-    blank = summary["blank_confident_rate"]
-    assert blank["grpo"] < blank["sft"], summary
+    # The blank control: confident answers on blank pages, sampled at GRPO's temperature (every blank page is the same
+    # grey in one frame, so the greedy rate is one bit), fall by more than twice the sampling noise of the difference.
+    sampled, n = summary["blank_confident_rate_sampled"], summary["blank_samples"]
+    assert n >= 4 * summary["held_out_pages"]
+    noise = 2 * math.sqrt((sampled["sft"] * (1 - sampled["sft"]) + sampled["grpo"] * (1 - sampled["grpo"])) / n)
+    assert sampled["grpo"] < sampled["sft"] - noise, summary
     assert summary["grpo_blank_confident_rate"] and all(r is not None for r in summary["grpo_blank_confident_rate"])
     assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["max_pixels"] == STAGES[-1]
     assert len((out / "predictions-grpo.jsonl").read_text().splitlines()) == summary["held_out_pages"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -62,6 +63,17 @@ def _absent(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"--coco-absent takes a count >= 0 or 'all', got {text!r}")
     return int(text)
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a finite number >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"--temperature takes a number >= 0 (0 = greedy), got {text!r}")
+    return value
 
 
 def _count(least: int):
@@ -220,7 +232,7 @@ def _predict(args: argparse.Namespace) -> int:
         from qwenvl_prep.draw import prediction_paths
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
-    predictor = Predictor(args.model_dir, args.max_new_tokens)
+    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed)
     from tqdm import tqdm
 
     rows = []
@@ -264,7 +276,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from qwenvl_prep.demo import run_demo
 
-    summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps)
+    summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps,
+                       seed=args.seed)
     print(json.dumps(summary, indent=2))
     if args.task == "grounding":
         from qwenvl_prep.demo import format_summary
@@ -452,7 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=_count(1), default=128)
-    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded, greedy)")
+    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded)")
+    pred.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
+                      "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
+                      "not only whether its best answer is one")
+    pred.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature; default 0)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -497,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="grounding (boxes, the default) or fields: rendered invoices answered as JSON objects, "
                       "a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the blank-image "
                       "control, field metrics")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="fields demo: other invoices, initial weights and sampling (default 0, the run the README "
+                      "reports)")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -90,10 +90,10 @@ def sft_steps_for(minutes: float) -> int:
 
 
 def run_demo(out: Path, minutes: float | None = None, family: str = "qwen2_5_vl", task: str = "grounding",
-             steps: int | None = None) -> dict[str, Any]:
+             steps: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), or with
     ``task="fields"`` the field-extraction one (``demo_fields``). ``steps`` overrides the SFT steps of ``minutes``
-    (default: each demo's own budget)."""
+    (default: each demo's own budget); ``seed`` (fields only) draws another run."""
     if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
@@ -101,7 +101,9 @@ def run_demo(out: Path, minutes: float | None = None, family: str = "qwen2_5_vl"
             raise ValueError("--family applies to the grounding demo; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
-        return run_fields_demo(out, minutes, steps)
+        return run_fields_demo(out, minutes, steps, seed)
+    if seed:
+        raise ValueError("--seed applies to the fields demo")
     steps = steps if steps is not None else sft_steps_for(minutes or DEFAULT_MINUTES)
     if task != "grounding":
         raise ValueError(f"demo task must be grounding or fields, got {task!r}")

@@ -1,12 +1,14 @@
 """``qwenvl-prep demo OUT --task fields``: the field-extraction recipe on 2 CPU cores in a few minutes, on invoices
 it renders itself, ending with a model that reads them.
 
-Render invoices (A4 pages of mixed sizes: document type, vendor, invoice number and currency) and write the
+Render invoices (A4 pages of mixed sizes and paper tones: document type, vendor, invoice number and currency, each
+left off some pages) and write the
 recipe's JSONL (``image_path``, ``question``, an ``answer`` object, ``meta``) -> a small random-weight model ->
 ``qwenvl-prep curriculum`` (two resolution stages, each converted in its own frame) -> SFT stage 1 -> SFT stage 2
 (resuming) -> GRPO with ``fields,format,no_cheat`` and the blank-image control -> export -> predict -> eval. Held-out
 field metrics of the untrained model, a most-common-value baseline, the SFT model and the GRPO model, and the
-confident-answer rate on blank copies of the held-out pages before and after GRPO, all come from the same run.
+confident-answer rate on blank copies of the held-out pages before and after GRPO (sampled at GRPO's temperature, and
+greedy), all come from the same run.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ PAGE_SIZES = ((413, 585), (595, 842), (827, 1169))
 STAGES = (16 * 28 * 28, 36 * 28 * 28)  # image_max_pixels of the curriculum, low to high
 MIN_PIXELS = 16 * 28 * 28
 # Three fields with eight values each, read from one large word (the first letters differ, so one glyph decides the
-# value), and a 3-digit invoice number (each digit is its own token): what a 1M-parameter model reads within minutes.
-# Eight values keep the most-common-value baseline near 1/8 per field; dates (8 digits) and amounts are not learned.
+# value): what a 1M-parameter model reads within minutes. Eight values keep the most-common-value baseline near 1/8
+# per field. The 3-digit invoice number (each digit its own token) is not read in LF's runs of the default budget
+# (nor with 2 digits); it stays as the field that shows what is not learned (its absence is). With 3 digits a guess is
+# right 1 time in 900, so guesses barely move its score between SFT and GRPO; dates and amounts are not learned.
 DOCUMENT_TYPES = ("invoice", "receipt", "quote", "order", "bill", "statement", "proforma", "delivery")
 VENDORS = ("Acme", "Globex", "Initech", "Umbrella", "Stark", "Wayne", "Hooli", "Vandelay")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF", "JPY", "SEK", "NOK", "AUD")
@@ -45,18 +49,30 @@ FIELDS = ("invoice_number", "document_type", "vendor", "currency")  # the fixed-
 QUESTION = "Read the invoice as JSON."
 INK, GREY = (0, 0, 0), (90, 90, 90)
 # In hundredths of the page height (the final frame is 196 px high): capitals ~14 px high in the title and the
-# vendor, ~25 px for the number and the currency. The vendor in capitals at 13 (with names of at most 6 letters) made
-# the same run learn nothing at all (loss 0.19 throughout): whether and when this model starts to read is fragile.
+# vendor, ~25 px for the number and the currency. The vendor in mixed case at 10 was not read (0.11); in capitals,
+# as the title, it is (1.00). The vendor in capitals at 13 (with names of at most 6 letters) made one run learn
+# nothing at all (loss 0.19 throughout): whether and when this model starts to read is fragile.
 TITLE_FONT, VENDOR_FONT, VALUE_FONT = 10, 10, 18
+# Scans from white paper to dark grey ones (the blank-image control's grey page, 128, is a possible page: an invoice
+# with nothing on it, not an image unlike any seen in training).
+PAPER_TONE = (110, 255)
+# Real invoices leave fields out: each field is missing from this share of the pages (not drawn, null in the answer),
+# so a model learns what an empty place on the page reads as, and an abstention is an answer it can give (without
+# one, GRPO's blank control has no answer to move towards: the SFT model never samples one). At 0.15 the SFT model
+# already answered a blank page with all nulls (sampled confident rate 0.00-0.40), leaving the control nothing to
+# remove; at 0.06 it guesses on blank pages (0.84) and still reads absence on real ones.
+OMIT_SHARE = 0.06
 
 SFT_BATCH = 8
-SFT_STEPS_PER_MINUTE = 300  # both stages: stage 2 ran ~4.7 steps a second here with OMP_NUM_THREADS=1 (as tests run)
+SFT_STEPS_PER_MINUTE = 300  # both stages: stage 2 ran 4.6-4.9 steps a second here on one core, OMP_NUM_THREADS=1
 DEFAULT_MINUTES = 5.0
 STAGE1_SHARE = 0.07  # of the SFT steps: the low resolution learns the answer format cheaply
 MAX_TRAIN_PAGES = 1200
 GRPO_STEPS, GRPO_SMOKE_STEPS = 30, 2
-GRPO_LR = 1.0e-4  # 5e-4 cost held-out reward (0.698 -> 0.674) and left the blank rate at 1; 2e-3 broke the model
-GRPO_BLANK_RATIO = 1.0  # every prompt also on a blank copy, the control's strongest setting (README: it does not act)
+GRPO_LR = 1.0e-4  # 5e-4 cost held-out reward (0.698 -> 0.674) on an earlier SFT model; 2e-3 broke the model
+GRPO_BLANK_RATIO = 1.0  # every prompt also on a blank copy, the control's strongest setting
+GRPO_TEMPERATURE = 1.0
+BLANK_SAMPLES = 4  # sampled answers per blank page (at GRPO's temperature): a rate, not one greedy bit
 GRPO_PROMPTS = 64  # GRPO's own small set (max_samples): LF tokenizes the whole dataset before the first step
 HELD_OUT, HELD_OUT_SMOKE = 64, 8
 MAX_NEW_TOKENS = 80  # the answer is ~60 tokens: the tiny tokenizer spells most words letter by letter
@@ -74,14 +90,18 @@ def render_invoice(path: Path, size: tuple[int, int], fields: dict[str, str], rn
     page (rendered from a PDF, not scanned)."""
     width, height = size
     unit = height / 100
-    image = Image.new("RGB", size, (rng.randint(232, 255),) * 3)
+    image = Image.new("RGB", size, (rng.randint(*PAPER_TONE),) * 3)
     draw = ImageDraw.Draw(image)
     label = _font(round(4 * unit))
     bold = {"fill": INK, "stroke_width": max(1, round(0.3 * unit)), "stroke_fill": INK}
     x = 0.08 * width
-    draw.text((x, 4 * unit), fields["document_type"].upper(), font=_font(round(TITLE_FONT * unit)), **bold)
-    draw.text((x, 16 * unit), fields["vendor"], font=_font(round(VENDOR_FONT * unit)), **bold)
+    if fields["document_type"] is not None:
+        draw.text((x, 4 * unit), fields["document_type"].upper(), font=_font(round(TITLE_FONT * unit)), **bold)
+    if fields["vendor"] is not None:
+        draw.text((x, 16 * unit), fields["vendor"].upper(), font=_font(round(VENDOR_FONT * unit)), **bold)
     for row, (name, key) in enumerate((("No", "invoice_number"), ("Cur.", "currency"))):
+        if fields[key] is None:
+            continue
         top = (30 + 24 * row) * unit
         draw.text((x, top + 7 * unit), name, fill=GREY, font=label)
         draw.text((x + 14 * unit, top), fields[key], font=_font(round(VALUE_FONT * unit)), **bold)
@@ -96,6 +116,7 @@ def synthesise_invoices(folder: Path, count: int, seed: int) -> list[dict[str, A
     for i in range(count):
         fields = {"invoice_number": str(rng.randint(100, 999)), "document_type": rng.choice(DOCUMENT_TYPES),
                   "vendor": rng.choice(VENDORS), "currency": rng.choice(CURRENCIES)}
+        fields = {k: None if rng.random() < OMIT_SHARE else v for k, v in fields.items()}
         size = rng.choice(PAGE_SIZES)
         name = f"s{seed}_invoice{i:04d}.png"
         render_invoice(folder / name, size, fields, rng)
@@ -117,7 +138,8 @@ def blank_copies(folder: Path, records: list[dict[str, Any]], source: Path) -> l
 
 def most_common_answer(records: list[dict[str, Any]]) -> dict[str, str]:
     """The baseline's one answer: each field's most common training value (the first seen among ties)."""
-    return {key: Counter(r["answer"][key] for r in records).most_common(1)[0][0] for key in FIELDS}
+    return {key: Counter(r["answer"][key] for r in records if r["answer"][key] is not None).most_common(1)[0][0]
+            for key in FIELDS}
 
 
 def confident_rate(predictions: Path, records: list[dict[str, Any]]) -> float:
@@ -131,9 +153,11 @@ def sft_steps_for(minutes: float) -> int:
     return max(2, round(minutes * SFT_STEPS_PER_MINUTE))
 
 
-def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None = None) -> dict[str, Any]:
+def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None = None,
+                    seed: int = 0) -> dict[str, Any]:
     """Render, train (curriculum SFT, then GRPO with the blank-image control), export, predict and evaluate; ``steps``
-    (SFT steps of both stages together) overrides those of ``minutes`` (default ``DEFAULT_MINUTES``)."""
+    (SFT steps of both stages together) overrides those of ``minutes`` (default ``DEFAULT_MINUTES``); ``seed`` draws
+    other invoices (training and held-out) and other initial weights, shuffles and samples."""
     steps = steps if steps is not None else sft_steps_for(minutes or DEFAULT_MINUTES)
     out = out.resolve()
     if out.exists() and any(out.iterdir()):
@@ -143,14 +167,15 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     learning = steps >= 100  # fewer steps: a smoke run, with fewer pages and GRPO steps
     first = max(1, round(steps * STAGE1_SHARE))
     stage_steps = (first, max(1, steps - first))
-    train = synthesise_invoices(raw, min(MAX_TRAIN_PAGES, max(64, steps * SFT_BATCH // 2)), seed=0)
-    held_out = synthesise_invoices(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=1)
+    train = synthesise_invoices(raw, min(MAX_TRAIN_PAGES, max(64, steps * SFT_BATCH // 2)), seed=2 * seed)
+    held_out = synthesise_invoices(raw, HELD_OUT if learning else HELD_OUT_SMOKE, seed=2 * seed + 1)
     blanks = blank_copies(raw / "blank", held_out, raw)
     write_jsonl(raw / "train.jsonl", train)
     write_jsonl(raw / "eval.jsonl", held_out)
     write_jsonl(raw / "blank" / "blank.jsonl", blanks)
+    write_jsonl(raw / "blank" / "blank_sampled.jsonl", blanks * BLANK_SAMPLES)
     model = out / "model"
-    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--size", "small"], logs)
+    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--size", "small", "--seed", str(seed)], logs)
     base = write_yaml(out / "base_sft.yaml", {
         "model_name_or_path": str(model), "template": "qwen2_vl", "qwenvl_patch": True,
         "image_min_pixels": MIN_PIXELS, "image_max_pixels": STAGES[-1], "stage": "sft", "do_train": True,
@@ -158,7 +183,7 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "cutoff_len": 512, "overwrite_cache": True, "preprocessing_num_workers": 2, "output_dir": str(out / "sft"),
         "logging_steps": max(1, steps // 40), "save_strategy": "no", "per_device_train_batch_size": SFT_BATCH,
         "learning_rate": 2.0e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "report_to": "none",
-        "use_cpu": True, "save_only_model": True,
+        "use_cpu": True, "save_only_model": True, "seed": seed,
     })
     run_step("curriculum", ["qwenvl-prep", "curriculum", str(raw / "train.jsonl"), "--from-yaml", str(base),
                             "--stages", ",".join(map(str, STAGES)), "--eval-input", str(raw / "eval.jsonl"),
@@ -167,19 +192,30 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     run_step("convert-blank", ["qwenvl-prep", "convert", str(raw / "blank" / "blank.jsonl"), "-o",
                                str(out / "curriculum" / "data" / "blank.jsonl"), "--from-yaml", str(stage_yamls[1]),
                                "-q"], logs)
+    run_step("convert-blank-sampled", ["qwenvl-prep", "convert", str(raw / "blank" / "blank_sampled.jsonl"), "-o",
+                                       str(out / "curriculum" / "data" / "blank_sampled.jsonl"), "--from-yaml",
+                                       str(stage_yamls[1]), "-q"], logs)
     final = load_yaml(stage_yamls[1])
     eval_data = Path(final["dataset_dir"]) / f"{final['eval_dataset']}.jsonl"
     blank_data = out / "curriculum" / "data" / "blank.jsonl"
+    blank_sampled = out / "curriculum" / "data" / "blank_sampled.jsonl"
     policy = ResizePolicy(final["image_min_pixels"], final["image_max_pixels"], 28)
     write_policy_record(model, policy)  # the untrained model answers in the final stage's frame
     evaluated: dict[str, dict[str, Any]] = {}
     blank_rate: dict[str, float] = {}
+    blank_sampled_rate: dict[str, float] = {}
 
-    def predict(name: str, model_dir: Path, data: Path) -> Path:
+    def predict(name: str, model_dir: Path, data: Path, temperature: float = 0.0) -> Path:
         predictions = out / f"predictions-{name}.jsonl"
+        sampling = ["--temperature", str(temperature), "--seed", str(seed)] if temperature else []
         run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset", str(data), "-o",
-                                     str(predictions), "--max-new-tokens", str(MAX_NEW_TOKENS)], logs)
+                                     str(predictions), "--max-new-tokens", str(MAX_NEW_TOKENS), *sampling], logs)
         return predictions
+
+    def blank_rates(name: str, model_dir: Path) -> None:
+        blank_rate[name] = confident_rate(predict(f"blank-{name}", model_dir, blank_data), held_out)
+        blank_sampled_rate[name] = confident_rate(
+            predict(f"blank-sampled-{name}", model_dir, blank_sampled, GRPO_TEMPERATURE), held_out * BLANK_SAMPLES)
 
     def evaluate(name: str, predictions: Path) -> None:
         run_step(f"eval-{name}", ["qwenvl-prep", "eval", str(eval_data), "--predictions", str(predictions),
@@ -193,13 +229,13 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         run_step(f"train-sft-stage{k}", ["llamafactory-cli", "train", str(path), f"max_steps={count}"], logs)
     sft = Path(final["output_dir"])
     evaluate("sft", predict("sft", sft, eval_data))
-    blank_rate["sft"] = confident_rate(predict("blank-sft", sft, blank_data), held_out)
+    blank_rates("sft", sft)
     grpo_yaml = write_yaml(out / "grpo.yaml", {
         **{k: v for k, v in final.items() if k not in ("eval_dataset", "lr_scheduler_type", "warmup_ratio")},
         "model_name_or_path": str(sft), "stage": "grpo", "output_dir": str(out / "grpo"), "max_samples": GRPO_PROMPTS,
         "reward_funcs": "fields,format,no_cheat", "reward_weights": "1,0.5,1",
         "grpo_blank_image_ratio": GRPO_BLANK_RATIO,
-        "grpo_num_generations": 4, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "logging_steps": 1,
+        "grpo_num_generations": 4, "temperature": GRPO_TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS, "logging_steps": 1,
         "max_steps": GRPO_STEPS if learning else GRPO_SMOKE_STEPS, "per_device_train_batch_size": 4,
         "learning_rate": GRPO_LR, "grpo_log_completions": True,
     })
@@ -212,11 +248,12 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     run_step("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
     run_step("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(stage_yamls[1])], logs)
     evaluate("grpo", predict("grpo", out / "exported", eval_data))
-    blank_rate["grpo"] = confident_rate(predict("blank-grpo", out / "exported", blank_data), held_out)
+    blank_rates("grpo", out / "exported")
     grpo_log = load_jsonl(out / "grpo" / "trainer_log.jsonl")
     return {
         "task": "fields", "sft_steps": list(stage_steps), "train_pages": len(train), "held_out_pages": len(held_out),
         "held_out": evaluated, "baseline_answer": json.loads(answer), "blank_confident_rate": blank_rate,
+        "blank_confident_rate_sampled": blank_sampled_rate, "blank_samples": len(held_out) * BLANK_SAMPLES,
         "stages": [{"image_max_pixels": s, "output_dir": str(out / "sft" / f"stage{k}"),
                     "sft_loss": [row["loss"] for row in load_jsonl(out / "sft" / f"stage{k}" / "trainer_log.jsonl")
                                  if "loss" in row]} for k, s in enumerate(STAGES, start=1)],
@@ -238,6 +275,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         accuracy = m["per_field_accuracy"]
         lines.append(f"{name:22}{m['format_valid_rate']:>10.2f}{m['mean_fields_reward']:>8.3f}"
                      f"{m['all_fields_exact']:>7.2f}" + "".join(f"{accuracy[k]:>15.2f}" for k in FIELDS))
-    rate = summary["blank_confident_rate"]
-    lines.append(f"confident answers on blank pages: {rate['sft']:.2f} after SFT, {rate['grpo']:.2f} after GRPO")
+    rate, sampled = summary["blank_confident_rate"], summary["blank_confident_rate_sampled"]
+    lines.append(f"confident answers on blank pages, sampled at temperature {GRPO_TEMPERATURE:g} "
+                 f"({summary['blank_samples']} answers): {sampled['sft']:.2f} after SFT, {sampled['grpo']:.2f} after "
+                 f"GRPO; greedy: {rate['sft']:.2f} after SFT, {rate['grpo']:.2f} after GRPO")
     return "\n".join(lines)
