@@ -16,7 +16,8 @@ from qwenvl_prep.run_spec import load_yaml
 def test_default_fields_demo_learns_to_read(tmp_path):
     """The field-extraction demo as a user runs it (a fixed step count, so no timing enters): curriculum stages in
     their own frames, stage 2 resuming stage 1, GRPO with the blank-image control, export, predict, and the issue's
-    targets on held-out invoices against the most-common-value baseline of the same run."""
+    targets on held-out invoices against the most-common-value baseline of the same run. Seed 0 only: with
+    ``--seed 1`` the SFT model already abstains on blank pages (README), so the blank target is not met there."""
     out = tmp_path / "fields"
     result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "fields"], None, tmp_path, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -37,11 +38,13 @@ def test_default_fields_demo_learns_to_read(tmp_path):
     assert max(grpo["per_field_accuracy"].values()) >= 0.5, summary
     assert grpo["mean_fields_reward"] >= sft["mean_fields_reward"], summary
     # The blank control: confident answers on blank pages, sampled at GRPO's temperature (every blank page is the same
-    # grey in one frame, so the greedy rate is one bit), fall by more than twice the sampling noise of the difference.
+    # grey in one frame, so the greedy rate is one bit), fall by more than twice the sampling noise of the difference
+    # (Agresti-Caffo: one confident and one other answer added to each count, so that 4 of 256 -> 0 is not a fall).
     sampled, n = summary["blank_confident_rate_sampled"], summary["blank_samples"]
     assert n >= 4 * summary["held_out_pages"]
-    noise = 2 * math.sqrt((sampled["sft"] * (1 - sampled["sft"]) + sampled["grpo"] * (1 - sampled["grpo"])) / n)
-    assert sampled["grpo"] < sampled["sft"] - noise, summary
+    sft, grpo = ((sampled[k] * n + 1) / (n + 2) for k in ("sft", "grpo"))
+    noise = 2 * math.sqrt((sft * (1 - sft) + grpo * (1 - grpo)) / (n + 2))
+    assert grpo < sft - noise, summary
     assert summary["grpo_blank_confident_rate"] and all(r is not None for r in summary["grpo_blank_confident_rate"])
     assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["max_pixels"] == STAGES[-1]
     assert len((out / "predictions-grpo.jsonl").read_text().splitlines()) == summary["held_out_pages"]

@@ -39,9 +39,9 @@ STAGES = (16 * 28 * 28, 36 * 28 * 28)  # image_max_pixels of the curriculum, low
 MIN_PIXELS = 16 * 28 * 28
 # Three fields with eight values each, read from one large word (the first letters differ, so one glyph decides the
 # value): what a 1M-parameter model reads within minutes. Eight values keep the most-common-value baseline near 1/8
-# per field. The 3-digit invoice number (each digit its own token) is not read in LF's runs of the default budget
-# (nor with 2 digits); it stays as the field that shows what is not learned (its absence is). With 3 digits a guess is
-# right 1 time in 900, so guesses barely move its score between SFT and GRPO; dates and amounts are not learned.
+# per field. The 3-digit invoice number (each digit its own token) is read with some seeds and not with others in the
+# default budget (seed 1: 0.98; seed 0: not, nor as 2 digits); unread, a 3-digit guess is right 1 time in 900, so
+# guesses barely move its score between SFT and GRPO. Dates and amounts were not learned.
 DOCUMENT_TYPES = ("invoice", "receipt", "quote", "order", "bill", "statement", "proforma", "delivery")
 VENDORS = ("Acme", "Globex", "Initech", "Umbrella", "Stark", "Wayne", "Hooli", "Vandelay")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF", "JPY", "SEK", "NOK", "AUD")
@@ -60,7 +60,8 @@ PAPER_TONE = (110, 255)
 # so a model learns what an empty place on the page reads as, and an abstention is an answer it can give (without
 # one, GRPO's blank control has no answer to move towards: the SFT model never samples one). At 0.15 the SFT model
 # already answered a blank page with all nulls (sampled confident rate 0.00-0.40), leaving the control nothing to
-# remove; at 0.06 it guesses on blank pages (0.84) and still reads absence on real ones.
+# remove; at 0.06 the seed-0 model guesses on blank pages (0.84) and still reads absence on real ones (the seed-1
+# model, which also reads the number, abstains: 0.01).
 OMIT_SHARE = 0.06
 
 SFT_BATCH = 8
@@ -69,7 +70,10 @@ DEFAULT_MINUTES = 5.0
 STAGE1_SHARE = 0.07  # of the SFT steps: the low resolution learns the answer format cheaply
 MAX_TRAIN_PAGES = 1200
 GRPO_STEPS, GRPO_SMOKE_STEPS = 30, 2
-GRPO_LR = 1.0e-4  # 5e-4 cost held-out reward (0.698 -> 0.674) on an earlier SFT model; 2e-3 broke the model
+# GRPO's lr: 1e-4 cost a model that reads the invoice number part of it (seed 1: 0.98 -> 0.91), 5e-5 and 3e-5 kept
+# it; on the seed-0 model all three took the blank rate from 0.84 to 0.01-0.05. 5e-4 cost held-out reward on an
+# earlier SFT model (0.698 -> 0.674); 2e-3 broke the model.
+GRPO_LR = 5.0e-5
 GRPO_BLANK_RATIO = 1.0  # every prompt also on a blank copy, the control's strongest setting
 GRPO_TEMPERATURE = 1.0
 BLANK_SAMPLES = 4  # sampled answers per blank page (at GRPO's temperature): a rate, not one greedy bit
@@ -235,7 +239,8 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "model_name_or_path": str(sft), "stage": "grpo", "output_dir": str(out / "grpo"), "max_samples": GRPO_PROMPTS,
         "reward_funcs": "fields,format,no_cheat", "reward_weights": "1,0.5,1",
         "grpo_blank_image_ratio": GRPO_BLANK_RATIO,
-        "grpo_num_generations": 4, "temperature": GRPO_TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS, "logging_steps": 1,
+        "grpo_num_generations": 4, "temperature": GRPO_TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS,
+        "logging_steps": 1,
         "max_steps": GRPO_STEPS if learning else GRPO_SMOKE_STEPS, "per_device_train_batch_size": 4,
         "learning_rate": GRPO_LR, "grpo_log_completions": True,
     })
