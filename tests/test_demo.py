@@ -9,6 +9,8 @@ from helpers import run_cli
 from PIL import Image
 
 from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
+from qwenvl_prep.demo_fields import (FIELDS, PAGE_SIZES, blank_copies, confident_rate, most_common_answer,
+                                      render_invoice, synthesise_invoices)
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +78,48 @@ def test_export_reloads_with_the_pinned_bounds(demo):
     assert (record["min_pixels"], record["max_pixels"], record["factor"]) == (MIN_PIXELS, MAX_PIXELS, 28)
 
 
-@pytest.mark.slow
-def test_fields_demo_runs_end_to_end(tmp_path):
-    """The field-extraction demo: curriculum stages in their own frames, SFT resuming, GRPO with the blank-image
-    control, export, predict and field metrics."""
-    out = tmp_path / "fields"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "fields"], None, tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    summary = json.loads(result.stdout)
-    assert [s["image_max_pixels"] for s in summary["stages"]] == [64 * 28 * 28, 256 * 28 * 28]
-    assert all(len(s["sft_loss"]) == 4 for s in summary["stages"])
-    second = (out / "curriculum" / "stage2.yaml").read_text()
-    assert str(out / "sft" / "stage1") in second  # stage 2 resumes stage 1's adapter
-    assert summary["metrics"]["samples"] == 4 and set(summary["metrics"]["per_field_accuracy"]) == {
-        "invoice_number", "date", "total"}
-    assert len(summary["grpo_reward"]) == 2 and (out / "exported" / "qwenvl_policy.json").is_file()
-    assert len((out / "predictions.jsonl").read_text().splitlines()) == 4
+def test_fields_demo_pages_baseline_and_blank_rate(tmp_path):
+    """The fields demo's own parts: pages rendered the same for a seed, in the recipe's JSONL shape; the baseline is
+    each field's most common training value; blank copies keep each page's size; the confident rate counts answers
+    that commit to a field (an all-null answer or prose does not)."""
+    records = synthesise_invoices(tmp_path / "a", 5, seed=3)
+    again = synthesise_invoices(tmp_path / "b", 5, seed=3)
+    assert records == again and all(list(r["answer"]) == list(FIELDS) for r in records)
+    for record in records:
+        assert (tmp_path / "a" / record["image_path"]).read_bytes() == (tmp_path / "b" / record["image_path"]).read_bytes()
+        assert Image.open(tmp_path / "a" / record["image_path"]).size in PAGE_SIZES
+        assert record["answer"]["invoice_number"] is None or record["answer"]["invoice_number"].isdigit()
+    answers = [{"invoice_number": n, "document_type": "quote", "vendor": "Acme", "currency": c}
+               for n, c in (("101", "EUR"), ("102", "USD"), ("102", "USD"), ("101", "GBP"))]
+    assert most_common_answer([{"answer": a} for a in answers]) == {
+        "invoice_number": "101", "document_type": "quote", "vendor": "Acme", "currency": "USD"}
+    blanks = blank_copies(tmp_path / "blank", records[:2], tmp_path / "a")
+    for record, blank in zip(records, blanks):
+        image = Image.open(tmp_path / "blank" / blank["image_path"])
+        assert image.size == Image.open(tmp_path / "a" / record["image_path"]).size and len(image.getcolors()) == 1
+        assert blank["answer"] == record["answer"]
+    rows = [{"predict": json.dumps(records[0]["answer"])}, {"predict": json.dumps(dict.fromkeys(FIELDS))},
+            {"predict": "I cannot read this page."}, {"predict": '{"vendor": "Acme"}'}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert confident_rate(tmp_path / "p.jsonl", records[:4]) == 0.5
+
+
+def test_a_field_left_off_the_invoice_is_null_and_not_drawn(tmp_path):
+    """Invoices leave fields out (``OMIT_SHARE``): such a field is null in the answer and nothing on the page, and the
+    baseline's most common value is a filled one."""
+    import random
+
+    records = synthesise_invoices(tmp_path, 40, seed=0)
+    assert any(value is None for r in records for value in r["answer"].values())
+    assert all(value is None or isinstance(value, str) for r in records for value in r["answer"].values())
+    assert None not in most_common_answer([{"answer": dict.fromkeys(FIELDS)}] * 3 + records).values()
+    render_invoice(tmp_path / "empty.png", PAGE_SIZES[0], dict.fromkeys(FIELDS), random.Random(0))
+    assert len(Image.open(tmp_path / "empty.png").getcolors()) == 1  # the paper only
+    full = {"invoice_number": "123", "document_type": "quote", "vendor": "Acme", "currency": "EUR"}
+    for key in FIELDS:
+        render_invoice(tmp_path / "full.png", PAGE_SIZES[0], full, random.Random(0))
+        render_invoice(tmp_path / "less.png", PAGE_SIZES[0], {**full, key: None}, random.Random(0))
+        assert Image.open(tmp_path / "full.png").tobytes() != Image.open(tmp_path / "less.png").tobytes()
 
 
 def test_gui_screens_label_the_elements_they_draw(tmp_path):

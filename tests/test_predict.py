@@ -73,3 +73,34 @@ def test_an_adapter_without_a_local_base_is_refused_with_the_export_advice(tmp_p
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-VL-7B-Instruct"}))
     with pytest.raises(ValueError, match="not a local model folder: export the merged model"):
         Predictor(adapter)
+
+
+def test_sampling_repeats_with_its_seed_and_differs_from_greedy(tiny_model, tmp_path):
+    """``temperature`` > 0 samples the model's distribution: the same seed gives the same answers, another seed other
+    ones, and a random-weight model's samples are not its greedy answers."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    write_policy_record(model, ResizePolicy(16 * 28 * 28, 64 * 28 * 28))
+    jobs = [(str(save_image(tmp_path / f"i{k}.jpg", 320, 240)), "Read the invoice as JSON.") for k in range(4)]
+
+    def answers(**sampling):
+        return [row["predict"] for row in Predictor(model, max_new_tokens=12, **sampling).batch(jobs)]
+
+    greedy = answers()
+    assert len(set(greedy)) == 1  # the same blank-ish image four times: one greedy answer
+    first, again, other = answers(temperature=1.0, seed=3), answers(temperature=1.0, seed=3), answers(temperature=1.0,
+                                                                                                       seed=4)
+    assert first == again and first != other
+    assert len(set(first)) > 1 and set(first) != set(greedy)
+
+
+def test_a_negative_or_non_finite_temperature_is_refused(tiny_model, tmp_path):
+    import pytest
+    from helpers import run_cli
+
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            Predictor(tiny_model, temperature=bad)
+    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", "-1"], None,
+                     tmp_path)
+    assert result.returncode == 2 and "--temperature takes a number >= 0" in result.stderr

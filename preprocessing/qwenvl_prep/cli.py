@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -62,6 +63,17 @@ def _absent(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"--coco-absent takes a count >= 0 or 'all', got {text!r}")
     return int(text)
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a finite number >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"--temperature takes a number >= 0 (0 = greedy), got {text!r}")
+    return value
 
 
 def _count(least: int):
@@ -220,7 +232,7 @@ def _predict(args: argparse.Namespace) -> int:
         from qwenvl_prep.draw import prediction_paths
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
-    predictor = Predictor(args.model_dir, args.max_new_tokens)
+    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed)
     from tqdm import tqdm
 
     rows = []
@@ -275,6 +287,10 @@ def _demo(args: argparse.Namespace) -> int:
         from qwenvl_prep.demo_gui import format_gui_summary
 
         print(format_gui_summary(summary), file=sys.stderr)
+    else:
+        from qwenvl_prep.demo_fields import format_summary as format_fields_summary
+
+        print(format_fields_summary(summary), file=sys.stderr)
     return 0
 
 
@@ -456,7 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=_count(1), default=128)
-    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded, greedy)")
+    pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded)")
+    pred.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
+                      "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
+                      "not only whether its best answer is one")
+    pred.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature; default 0)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -491,12 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=float,
-                      help="grounding and gui demos: SFT training budget in minutes of 2 CPU cores, turned into a "
-                      "fixed step count (default 3: the model learns; less is a quicker smoke run)")
-    demo.add_argument("--steps", type=int, help="SFT steps, instead of --minutes (per stage for fields)")
+                      help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
+                      "for grounding, 4 for gui, 5 for fields: the model learns the task; less is a quicker smoke run)")
+    demo.add_argument("--steps", type=int,
+                      help="SFT steps, instead of --minutes (both curriculum stages together for fields)")
     demo.add_argument("--seed", type=int, default=0,
-                      help="grounding and gui demos: another seed draws other images and another initial model, to "
-                      "see that learning is not one lucky draw (default %(default)s: the README's numbers)")
+                      help="another seed draws another run (other images and initial weights; for fields also other "
+                      "shuffles and samples), to see that learning is not one lucky draw (default %(default)s: the "
+                      "README's numbers)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
                       help=f"model family of the grounding and gui demos (default {DEFAULT} for grounding, qwen3_vl "
                       "for gui; Qwen2-VL and Qwen3-VL answer in 0-1000)")

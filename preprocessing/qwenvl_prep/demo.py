@@ -90,8 +90,8 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
              steps: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
     the click one (``demo_gui``), or with ``task="fields"`` the field-extraction one (``demo_fields``). ``minutes``
-    (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws the
-    images and the initial model (grounding and gui); ``family`` defaults to the task's own (``DEFAULT_FAMILY``)."""
+    (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws another
+    run (other images and another initial model); ``family`` defaults to the task's own (``DEFAULT_FAMILY``)."""
     if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
     if task == "fields":
@@ -99,7 +99,7 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
             raise ValueError("--family applies to the grounding and gui demos; the fields demo uses Qwen2.5-VL")
         from qwenvl_prep.demo_fields import run_fields_demo
 
-        return run_fields_demo(out, steps or 4)
+        return run_fields_demo(out, minutes, steps, seed)
     if task not in ("grounding", "gui"):
         raise ValueError(f"demo task must be grounding, gui or fields, got {task!r}")
     if family is None:

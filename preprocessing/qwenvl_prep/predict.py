@@ -9,6 +9,7 @@ its processor) wins over the base's. transformers 5.6 cannot load an adapter fol
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ def adapter_base(model_dir: Path) -> Path | None:
 class Predictor:
     """Loads a model folder once; ``__call__`` answers one image and returns boxes in original pixels."""
 
-    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128) -> None:
+    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
+                 seed: int = 0) -> None:
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -56,13 +58,20 @@ class Predictor:
             raise ValueError(f"{base or model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
         self.convention = FAMILIES[family].coords
         self.max_new_tokens = max_new_tokens
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        self.temperature = temperature
+        self._generator_seed = seed
+        self._seeded = False
 
     def __call__(self, image_path: str, prompt: str) -> dict[str, Any]:
         return self.batch([(image_path, prompt)])[0]
 
     def batch(self, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """Answer several (image, prompt) pairs in one left-padded ``generate`` (greedy, so each answer is the one
-        it would get alone, up to float rounding)."""
+        """Answer several (image, prompt) pairs in one left-padded ``generate``: greedy by default, so each answer
+        is the one it would get alone, up to float rounding; with a temperature, sampled (top-k and top-p off, the
+        model's own distribution at that temperature) from torch's generator, seeded once with ``seed`` at the first
+        call, so a run of the same jobs in the same batches repeats its answers."""
         import torch
         from PIL import Image
 
@@ -80,8 +89,13 @@ class Predictor:
             if encoded_hw != model_hw:
                 raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead "
                                    f"of {model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
+        sampling = ({"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+                    if self.temperature > 0 else {"do_sample": False})
+        if self.temperature > 0 and not self._seeded:
+            torch.manual_seed(self._generator_seed)
+            self._seeded = True
         with torch.no_grad():
-            output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
+            output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, **sampling)
         answers = self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         return [self._row(image_path, prompt, answer, orig_hw, model_hw)
                 for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
