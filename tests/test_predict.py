@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from helpers import save_image
+import pytest
+from helpers import run_cli, save_image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
@@ -95,9 +96,6 @@ def test_sampling_repeats_with_its_seed_and_differs_from_greedy(tiny_model, tmp_
 
 
 def test_a_negative_or_non_finite_temperature_is_refused(tiny_model, tmp_path):
-    import pytest
-    from helpers import run_cli
-
     for bad in (-0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             Predictor(tiny_model, temperature=bad)

@@ -513,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=float,
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
-                      "for grounding, 4 for gui, 5 for fields: the model learns the task; less is a quicker smoke run)")
+                      "for grounding, 3.33 (1,300 steps) for gui, 5 for fields: the model learns the task; less is a quicker smoke "
+                      "run)")
     demo.add_argument("--steps", type=int,
                       help="SFT steps, instead of --minutes (both curriculum stages together for fields)")
     demo.add_argument("--seed", type=int, default=0,

@@ -26,7 +26,7 @@ from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from llamafactory_qwenvl_patch.image_io.images import blank_like
 from llamafactory_qwenvl_patch.scoring.fields import confident
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import new_run_folder, run_step, steps_for, write_jsonl, write_yaml
+from qwenvl_prep.demo_steps import ONE_THREAD, new_run_folder, run_step, steps_for, write_jsonl, write_yaml
 from qwenvl_prep.run_spec import load_yaml
 
 # A4 pages scanned at 50, 72 and 100 dpi: one aspect ratio, so every page resizes to the same model frame of a stage
@@ -178,6 +178,7 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "finetuning_type": "full", "freeze_vision_tower": False, "freeze_multi_modal_projector": False,
         "cutoff_len": 512, "overwrite_cache": True, "preprocessing_num_workers": 2, "output_dir": str(out / "sft"),
         "logging_steps": max(1, steps // 40), "save_strategy": "no", "per_device_train_batch_size": SFT_BATCH,
+        "dataloader_num_workers": 1,
         "learning_rate": 2.0e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "report_to": "none",
         "use_cpu": True, "save_only_model": True, "seed": seed,
     })
@@ -205,7 +206,8 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         predictions = out / f"predictions-{name}.jsonl"
         sampling = ["--temperature", str(temperature), "--seed", str(seed)] if temperature else []
         run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset", str(data), "-o",
-                                     str(predictions), "--max-new-tokens", str(MAX_NEW_TOKENS), *sampling], logs)
+                                     str(predictions), "--max-new-tokens", str(MAX_NEW_TOKENS), *sampling], logs,
+                 ONE_THREAD)
         return predictions
 
     def blank_rates(name: str, model_dir: Path) -> None:
@@ -222,12 +224,14 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     evaluate("baseline", write_jsonl(out / "predictions-baseline.jsonl", [{"predict": answer} for _ in held_out]))
     evaluate("untrained", predict("untrained", model, eval_data))
     for k, (path, count) in enumerate(zip(stage_yamls, stage_steps), start=1):
-        run_step(f"train-sft-stage{k}", ["llamafactory-cli", "train", str(path), f"max_steps={count}"], logs)
+        run_step(f"train-sft-stage{k}", ["llamafactory-cli", "train", str(path), f"max_steps={count}"], logs,
+                 ONE_THREAD)
     sft = Path(final["output_dir"])
     evaluate("sft", predict("sft", sft, eval_data))
     blank_rates("sft", sft)
     grpo_yaml = write_yaml(out / "grpo.yaml", {
-        **{k: v for k, v in final.items() if k not in ("eval_dataset", "lr_scheduler_type", "warmup_ratio")},
+        **{k: v for k, v in final.items()
+           if k not in ("eval_dataset", "lr_scheduler_type", "warmup_ratio", "dataloader_num_workers")},
         "model_name_or_path": str(sft), "stage": "grpo", "output_dir": str(out / "grpo"), "max_samples": GRPO_PROMPTS,
         "reward_funcs": "fields,format,no_cheat", "reward_weights": "1,0.5,1",
         "grpo_blank_image_ratio": GRPO_BLANK_RATIO,
@@ -236,7 +240,7 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "max_steps": GRPO_STEPS if learning else GRPO_SMOKE_STEPS, "per_device_train_batch_size": 4,
         "learning_rate": GRPO_LR, "grpo_log_completions": True,
     })
-    run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs)
+    run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs, ONE_THREAD)
     export_yaml = write_yaml(out / "export.yaml", {
         "model_name_or_path": str(out / "grpo"), "template": "qwen2_vl", "qwenvl_patch": True,
         "image_min_pixels": final["image_min_pixels"], "image_max_pixels": final["image_max_pixels"],

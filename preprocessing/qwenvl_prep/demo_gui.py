@@ -24,7 +24,7 @@ import numpy as np
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
+from qwenvl_prep.demo_steps import (ONE_THREAD, convert_and_check, export_full, full_training, grpo_stage, losses,
                                     new_run_folder, predict, run_step, sft_stage, small_model, write_jsonl,
                                     write_yaml)
 
@@ -205,18 +205,16 @@ PROMPT = "{instruction}. Answer with its point_2d in JSON."
 MIN_PIXELS, MAX_PIXELS = 32 * 28 * 28, 64 * 28 * 28
 SFT_BATCH = 8
 # Qwen3-VL by default: its vision tower adds learned absolute position embeddings, interpolated to each grid, and the
-# small model found the controls on every seed tried (held-out click accuracy through LF: 0.86 and 0.SEED2 after
+# small model found the controls on every seed tried (held-out click accuracy through LF: 0.86 and 0.95 after
 # 1,300 SFT steps, seeds 0 and 2; 0.81 after 1,000, seed 1; seed 0 had 0.42 after 990). Qwen2.5-VL's positions are
 # relative only (RoPE): its learning starts late and suddenly, at a step that varies by seed (1,200 steps: 0.77 on
 # seed 0, 0.10 on seed 1; in-process on the same screens, 0.76 and 0.19 on two other seeds).
 DEFAULT_FAMILY = "qwen3_vl"
-DEFAULT_MINUTES = 4.0
-SFT_STEPS_PER_MINUTE = 325  # measured on 2 CPU cores, with ONE_THREAD and no gradient checkpointing
-# SFT trains on one thread while its dataloader worker decodes and resizes the next screenshots (1-3 MP each, 7-29 ms
-# in fetch_image, a third of a step's work) on the other core: with torch's default two threads beside that worker
-# and one other busy process, a step took 6 s instead of 0.4 s. LF checkpoints gradients by default, which computes
-# every forward twice: a tenth of a step of this small model, whose activations are no burden.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+SFT_STEPS_PER_MINUTE = 390  # measured on 2 idle CPU cores, with ONE_THREAD and no gradient checkpointing (6.5 a second)
+DEFAULT_MINUTES = 1300 / SFT_STEPS_PER_MINUTE  # the 1,300 steps every seed above was measured with
+# SFT trains on one thread (ONE_THREAD) while its dataloader worker decodes and resizes the next screenshots (1-3 MP
+# each, 7-29 ms in fetch_image, a third of a step's work) on the other core. LF checkpoints gradients by default,
+# which computes every forward twice: a tenth of a step of this small model, whose activations are no burden.
 MAX_TRAIN = 1200
 MAX_NEW_TOKENS = 32  # a point answer is about 20 tokens
 GRPO_STEPS, GRPO_SMOKE_STEPS = 6, 2

@@ -38,6 +38,8 @@ class Predictor:
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int = 0) -> None:
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -58,8 +60,6 @@ class Predictor:
             raise ValueError(f"{base or model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
         self.convention = FAMILIES[family].coords
         self.max_new_tokens = max_new_tokens
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         self.temperature = temperature
         self._generator_seed = seed
         self._seeded = False
