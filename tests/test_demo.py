@@ -125,13 +125,20 @@ def test_a_field_left_off_the_invoice_is_null_and_not_drawn(tmp_path):
 def test_gui_screens_label_the_elements_they_draw(tmp_path):
     """The GUI demo's ScreenSpot boxes sit on the elements they name, at real screen sizes: inside each box, near
     its top-left corner (where neither the label text nor the icon's glyph is drawn), the pixels have the colour of
-    the instruction's label; an image's elements never overlap; every platform appears; the file is ScreenSpot's
-    layout (bbox as left, top, width, height)."""
+    the instruction's label; every platform appears; the file is ScreenSpot's layout (bbox as left, top, width,
+    height). Screens with several controls (a harder variant than the demo's one) never overlap them."""
+    import random
+
     import cv2
 
-    from qwenvl_prep.demo_gui import LABELS, SCREENS, screenspot_entries, synthesise_screens, write_screenspot
+    from qwenvl_prep.demo_gui import LABELS, SCREENS, draw_screen, screenspot_entries, synthesise_screens, write_screenspot
 
-    entries = screenspot_entries(synthesise_screens(tmp_path, seed=3), 24, 2, seed=3)
+    def on_element(image, box, label):
+        x1, y1, x2, y2 = box
+        probe = (y1 + max(2, (y2 - y1) // 20), x1 + max(2, (x2 - x1) // 20))
+        return abs(image[probe].astype(int) - LABELS[label]).max() < 40
+
+    entries = screenspot_entries(synthesise_screens(tmp_path, seed=3), 24, 1, seed=3)
     assert len(entries) == 24 and {entry["platform"] for entry, _ in entries} == set(SCREENS)
     for entry, shot in entries:
         image = cv2.imread(str(tmp_path / entry["img_filename"]))
@@ -139,12 +146,34 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
         assert image.shape[:2] == (height, width) and shot.size == (width, height)
         x, y, w, h = entry["bbox"]
         assert 0 <= x and x + w <= width and 0 <= y and y + h <= height
-        label = entry["instruction"].removeprefix("click ")
-        probe = (y + max(2, h // 20), x + max(2, w // 20))
-        assert abs(image[probe].astype(int) - LABELS[label]).max() < 40, (entry, image[probe])
-        boxes = [e.box for e in shot.elements]
-        assert all(a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
-                   for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        assert on_element(image, (x, y, x + w, y + h), entry["instruction"].removeprefix("click ")), entry
     written = json.loads(write_screenspot(tmp_path / "gui.json", entries).read_text())
     assert written == [entry for entry, _ in entries] and set(written[0]) == {
         "img_filename", "bbox", "instruction", "data_type", "data_source", "platform"}
+    rng = random.Random(5)
+    for size in SCREENS.values():
+        image, elements = draw_screen(size, rng, (3, 3))
+        assert len(elements) >= 2 and len({e.label for e in elements}) == len(elements)
+        assert all(on_element(image, e.box, e.label) for e in elements)
+        boxes = [e.box for e in elements]
+        assert all(a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+                   for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--minutes", "nan"], "--minutes takes a number > 0"), (["--minutes", "0"], "--minutes takes a number > 0"),
+    (["--steps", "0"], "must be at least 1"), (["--seed", "-1"], "must be at least 0"),
+    (["--seed", str(2**32)], "a seed must be below 2**32"), (["--task", "fields", "--family", "qwen3_vl"],
+                                                             "the fields demo uses Qwen2.5-VL"),
+])
+def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args, message):
+    """A mistaken demo argument is one line naming it, before any step runs, and the output folder is not made
+    (otherwise a seed numpy refuses fails inside a training subprocess, and --minutes nan in a traceback)."""
+    from qwenvl_prep.cli import main
+
+    out = tmp_path / "run"
+    try:
+        code = main(["demo", str(out), *args])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err and not out.exists()

@@ -76,6 +76,26 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _minutes(text: str) -> float:
+    """An argparse type: a finite number of minutes > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"--minutes takes a number > 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed numpy and torch both accept (0 to 2**32 - 1), refused here rather than in a
+    training subprocess's log."""
+    value = _count(0)(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"a seed must be below 2**32, got {value}")
+    return value
+
+
 def _count(least: int):
     """An argparse type: an integer >= ``least`` (a negative --workers or --sample is a mistake, not a default)."""
 
@@ -477,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
                       "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
                       "not only whether its best answer is one")
-    pred.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature; default 0)")
+    pred.add_argument("--seed", type=_seed, default=0, help="seed of the sampling (with --temperature; default 0)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -503,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="the whole pipeline on 2 CPU cores in under 6 minutes, ending with a model that finds the objects",
+        help="the whole pipeline on 2 CPU cores in a few minutes (grounding about 4, gui 5, fields 7), ending with a "
+        "model that learned the task",
         description="Synthesise a dataset (grounding: coloured rectangles on photos of mixed sizes; gui: screenshots "
         "at real screen sizes as a ScreenSpot file; fields: rendered invoices), build a small random-weight model, "
         "and run convert, check, llamafactory-cli train (SFT from scratch, then GRPO), export, predict, eval and "
@@ -511,13 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
         "baseline measured in the same run; the JSON summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--minutes", type=float,
+    demo.add_argument("--minutes", type=_minutes,
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
                       "for grounding, 3.33 (1,300 steps) for gui, 5 for fields: the model learns the task; less is a quicker smoke "
                       "run)")
-    demo.add_argument("--steps", type=int,
+    demo.add_argument("--steps", type=_count(1),
                       help="SFT steps, instead of --minutes (both curriculum stages together for fields)")
-    demo.add_argument("--seed", type=int, default=0,
+    demo.add_argument("--seed", type=_seed, default=0,
                       help="another seed draws another run (other images and initial weights; for fields also other "
                       "shuffles and samples), to see that learning is not one lucky draw (default %(default)s: the "
                       "README's numbers)")

@@ -21,12 +21,15 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from llamafactory_qwenvl_patch.image_io.images import blank_like
 from llamafactory_qwenvl_patch.scoring.fields import confident
 from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import ONE_THREAD, new_run_folder, run_step, steps_for, write_jsonl, write_yaml
+from qwenvl_prep.demo_steps import (ONE_THREAD, export_full, losses, new_run_folder, run_step, steps_for,
+                                    write_jsonl, write_yaml)
+from qwenvl_prep.demo_steps import predict as predict_step
 from qwenvl_prep.run_spec import load_yaml
 
 # A4 pages scanned at 50, 72 and 100 dpi: one aspect ratio, so every page resizes to the same model frame of a stage
@@ -64,8 +67,9 @@ PAPER_TONE = (110, 255)
 # model, which also reads the number, abstains: 0.01).
 OMIT_SHARE = 0.06
 
+FAMILY = "qwen2_5_vl"  # answers are JSON objects, in no frame: the family whose recipe users start from
 SFT_BATCH = 8
-SFT_STEPS_PER_MINUTE = 300  # both stages: stage 2 ran 4.6-4.9 steps a second here on one core, OMP_NUM_THREADS=1
+SFT_STEPS_PER_MINUTE = 300  # both stages; measured 322 a minute on 2 idle cores with LF's start-ups (6 a second)
 DEFAULT_MINUTES = 5.0
 STAGE1_SHARE = 0.07  # of the SFT steps: the low resolution learns the answer format cheaply
 MAX_TRAIN_PAGES = 1200
@@ -149,6 +153,8 @@ def most_common_answer(records: list[dict[str, Any]]) -> dict[str, str]:
 def confident_rate(predictions: Path, records: list[dict[str, Any]]) -> float:
     """Share of answers that commit to a field the reference fills (``confident``, the GRPO control's test)."""
     rows = load_jsonl(predictions)
+    if len(rows) != len(records):
+        raise RuntimeError(f"{predictions} has {len(rows)} answers for {len(records)} pages")
     return round(sum(confident(row["predict"], r["answer"]) for row, r in zip(rows, records)) / len(records), 4)
 
 
@@ -171,9 +177,10 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     write_jsonl(raw / "blank" / "blank.jsonl", blanks)
     write_jsonl(raw / "blank" / "blank_sampled.jsonl", blanks * BLANK_SAMPLES)
     model = out / "model"
-    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--size", "small", "--seed", str(seed)], logs)
+    run_step("tiny-model", ["qwenvl-prep", "tiny-model", str(model), "--family", FAMILY, "--size", "small", "--seed",
+                            str(seed)], logs)
     base = write_yaml(out / "base_sft.yaml", {
-        "model_name_or_path": str(model), "template": "qwen2_vl", "qwenvl_patch": True,
+        "model_name_or_path": str(model), "template": FAMILIES[FAMILY].default_template, "qwenvl_patch": True,
         "image_min_pixels": MIN_PIXELS, "image_max_pixels": STAGES[-1], "stage": "sft", "do_train": True,
         "finetuning_type": "full", "freeze_vision_tower": False, "freeze_multi_modal_projector": False,
         "cutoff_len": 512, "overwrite_cache": True, "preprocessing_num_workers": 2, "output_dir": str(out / "sft"),
@@ -196,19 +203,15 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
     eval_data = Path(final["dataset_dir"]) / f"{final['eval_dataset']}.jsonl"
     blank_data = out / "curriculum" / "data" / "blank.jsonl"
     blank_sampled = out / "curriculum" / "data" / "blank_sampled.jsonl"
-    policy = ResizePolicy(final["image_min_pixels"], final["image_max_pixels"], 28)
+    policy = ResizePolicy(final["image_min_pixels"], final["image_max_pixels"], FAMILIES[FAMILY].factor)
     write_policy_record(model, policy)  # the untrained model answers in the final stage's frame
     evaluated: dict[str, dict[str, Any]] = {}
     blank_rate: dict[str, float] = {}
     blank_sampled_rate: dict[str, float] = {}
 
     def predict(name: str, model_dir: Path, data: Path, temperature: float = 0.0) -> Path:
-        predictions = out / f"predictions-{name}.jsonl"
-        sampling = ["--temperature", str(temperature), "--seed", str(seed)] if temperature else []
-        run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset", str(data), "-o",
-                                     str(predictions), "--max-new-tokens", str(MAX_NEW_TOKENS), *sampling], logs,
-                 ONE_THREAD)
-        return predictions
+        return predict_step(name, model_dir, data, out / f"predictions-{name}.jsonl", logs, MAX_NEW_TOKENS,
+                            temperature, seed, ONE_THREAD)
 
     def blank_rates(name: str, model_dir: Path) -> None:
         blank_rate[name] = confident_rate(predict(f"blank-{name}", model_dir, blank_data), held_out)
@@ -241,13 +244,7 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "learning_rate": GRPO_LR, "grpo_log_completions": True,
     })
     run_step("train-grpo", ["llamafactory-cli", "train", str(grpo_yaml)], logs, ONE_THREAD)
-    export_yaml = write_yaml(out / "export.yaml", {
-        "model_name_or_path": str(out / "grpo"), "template": "qwen2_vl", "qwenvl_patch": True,
-        "image_min_pixels": final["image_min_pixels"], "image_max_pixels": final["image_max_pixels"],
-        "finetuning_type": "full", "export_dir": str(out / "exported"), "export_size": 1, "export_device": "cpu",
-    })
-    run_step("export", ["llamafactory-cli", "export", str(export_yaml)], logs)
-    run_step("fix-config", ["qwenvl-prep", "fix-config", str(out / "exported"), "--yaml", str(stage_yamls[1])], logs)
+    export_full(out / "grpo", out / "exported", FAMILY, policy, stage_yamls[1], logs)
     evaluate("grpo", predict("grpo", out / "exported", eval_data))
     blank_rates("grpo", out / "exported")
     grpo_log = load_jsonl(out / "grpo" / "trainer_log.jsonl")
@@ -256,8 +253,7 @@ def run_fields_demo(out: Path, minutes: float | None = None, steps: int | None =
         "held_out": evaluated, "baseline_answer": json.loads(answer), "blank_confident_rate": blank_rate,
         "blank_confident_rate_sampled": blank_sampled_rate, "blank_samples": len(held_out) * BLANK_SAMPLES,
         "stages": [{"image_max_pixels": s, "output_dir": str(out / "sft" / f"stage{k}"),
-                    "sft_loss": [row["loss"] for row in load_jsonl(out / "sft" / f"stage{k}" / "trainer_log.jsonl")
-                                 if "loss" in row]} for k, s in enumerate(STAGES, start=1)],
+                    "sft_loss": losses(out / "sft" / f"stage{k}")} for k, s in enumerate(STAGES, start=1)],
         "grpo_reward": [row["reward"] for row in grpo_log if "reward" in row],
         "grpo_blank_confident_rate": [row.get("blank/confident_rate") for row in grpo_log if "reward" in row],
         "curriculum": str(out / "curriculum"), "model": str(model), "exported": str(out / "exported"),

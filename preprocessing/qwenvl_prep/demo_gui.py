@@ -1,7 +1,7 @@
 """``qwenvl-prep demo OUT --task gui``: click grounding for GUI agents on CPU, on screenshots it draws itself.
 
 Draw app-like screenshots at real screen sizes (desktop 1920x1080, laptop 1280x800, phone 1170x2532, tablet
-2048x1536) with labelled buttons (``text``) and icons (``icon``), written as a ScreenSpot annotation file (``bbox``
+1920x1200) with labelled buttons (``text``) and icons (``icon``), written as a ScreenSpot annotation file (``bbox``
 as left, top, width, height; ``instruction`` "click <label>"; ``data_type``, ``platform``) -> ``qwenvl-prep convert``
 (answers as ``point_2d`` in the model's frame, the truth box in ``meta``) -> check -> a small random-weight model ->
 ``llamafactory-cli train`` (SFT from scratch, then GRPO with click, click_dense and format) -> export -> predict ->
@@ -30,7 +30,7 @@ from qwenvl_prep.demo_steps import (ONE_THREAD, convert_and_check, export_full, 
 
 SCREENS = {"desktop": (1920, 1080), "laptop": (1280, 800), "phone": (1170, 2532), "tablet": (1920, 1200)}
 # One colour and one icon shape per label, on every screen: at the demo's bounds a 1920x1080 screenshot becomes a
-# 280x168 model input (7x smaller), where label text is a few grey pixels; a ~1M-parameter model finds the element by
+# 288x160 model input for Qwen3-VL, 280x168 for Qwen2.5-VL (7x smaller), where label text is a few grey pixels; a ~1M-parameter model finds the element by
 # its colour, which the instruction's label names (a real model would also read the text, which is drawn too).
 LABELS = {"Delete": (50, 50, 210), "Save": (60, 170, 60), "Search": (210, 110, 40), "Share": (30, 150, 250),
           "Settings": (170, 60, 150), "Home": (170, 170, 30)}
@@ -105,8 +105,10 @@ def _edge_position(rng: random.Random, width: int, height: int, w: int, h: int, 
     return (gap if side == "left" else width - w - gap), y
 
 
-def draw_screen(size: tuple[int, int], rng: random.Random) -> tuple[np.ndarray, list[Element]]:
-    """One app-like screenshot: a title bar, grey text lines and panels, and ELEMENTS_PER_SCREEN controls with distinct labels."""
+def draw_screen(size: tuple[int, int], rng: random.Random, elements_per_screen: tuple[int, int] = ELEMENTS_PER_SCREEN
+                ) -> tuple[np.ndarray, list[Element]]:
+    """One app-like screenshot: a title bar, grey text lines and panels, and a number of controls drawn from
+    ``elements_per_screen`` (the demo's one; more, for harder variants, never overlap) with distinct labels."""
     width, height = size
     short = min(width, height)
     canvas = np.full((height, width, 3), rng.randint(236, 252), np.uint8)
@@ -128,7 +130,7 @@ def draw_screen(size: tuple[int, int], rng: random.Random) -> tuple[np.ndarray, 
     taken: list[tuple[int, int, int, int]] = []  # element boxes with their labels below
     gap = short // 40
     scale = (width * height) ** 0.5  # element sizes follow the screen's area, so every shape gets alike targets
-    for label in rng.sample(list(LABELS), rng.randint(*ELEMENTS_PER_SCREEN)):
+    for label in rng.sample(list(LABELS), rng.randint(*elements_per_screen)):
         kind = rng.choice(("text", "icon"))
         if kind == "text":
             w, h = round(scale * rng.uniform(*BUTTON_SIZE[0])), round(scale * rng.uniform(*BUTTON_SIZE[1]))
@@ -239,7 +241,7 @@ def mean_click_predictions(train: list[tuple[dict[str, Any], Shot]], held_out: l
     return rows
 
 
-def run_gui_demo(out: Path, steps: int, family: str = "qwen2_5_vl", seed: int = 0) -> dict[str, Any]:
+def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int = 0) -> dict[str, Any]:
     """The GUI demo (see the module's docstring) with ``steps`` SFT steps; under 50 is a smoke run (fewer
     held-out screenshots and GRPO steps). ``seed`` draws the screenshots and the initial model."""
     out, logs = new_run_folder(out)

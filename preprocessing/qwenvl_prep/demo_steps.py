@@ -1,7 +1,7 @@
 """What every demo does between its own steps: run one step as its own process (as a user would), write its
 inputs, and the steps the demos share (a new run folder, the small model, full training from scratch on CPU, export,
-predict). The demos (``demo`` for grounding, ``demo_fields`` for invoices, ``demo_gui`` for clicks) import this and
-never each other."""
+predict). The demos (``demo`` for grounding, ``demo_fields`` for invoices, ``demo_gui`` for clicks) import this;
+``demo.run_demo`` also dispatches to the other two, which never import each other."""
 
 from __future__ import annotations
 
@@ -133,11 +133,13 @@ def export_full(trained: Path, export_dir: Path, family: str, policy: ResizePoli
     return export_dir
 
 
-def predict(name: str, model_dir: Path, dataset: Path, predictions: Path, logs: Path, max_new_tokens: int = 64
-            ) -> Path:
-    """``qwenvl-prep predict`` over a converted dataset (greedy, answers mapped back to original pixels)."""
+def predict(name: str, model_dir: Path, dataset: Path, predictions: Path, logs: Path, max_new_tokens: int = 64,
+            temperature: float = 0.0, seed: int = 0, env: dict[str, str] | None = None) -> Path:
+    """``qwenvl-prep predict`` over a converted dataset (answers mapped back to original pixels): greedy, or sampled
+    at ``temperature`` from ``seed``."""
+    sampling = ["--temperature", str(temperature), "--seed", str(seed)] if temperature else []
     run_step(f"predict-{name}", ["qwenvl-prep", "predict", str(model_dir), "--dataset", str(dataset), "-o",
-                                 str(predictions), "--max-new-tokens", str(max_new_tokens)], logs)
+                                 str(predictions), "--max-new-tokens", str(max_new_tokens), *sampling], logs, env)
     return predictions
 
 
