@@ -14,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The demos' learning runs (5-10 minutes each, ``test_*_learns.py``) first: the two workers take them at the
+    start and the short files fill in around them, instead of two of them queueing on one worker at the end while the
+    other has nothing left."""
+    items.sort(key=lambda item: not item.path.name.endswith("_learns.py"))
+
+
 # The oldest transformers that reads Qwen2.5-VL (no torch: configs, tokenizers, slow image processors), with what its
 # processors and chat templates import.
 OLD_TRANSFORMERS = ["transformers==4.49.0", "pillow==11.3.0", "Jinja2==3.1.6"]
