@@ -16,9 +16,10 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per 
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The demos' learning runs (5-10 minutes each, ``test_*_learns.py``) first: the two workers take them at the
-    start and the short files fill in around them, instead of two of them queueing on one worker at the end while the
-    other has nothing left."""
+    """The learning runs (``test_*_learns.py``, the demos' 5-10 minutes each) first, and ``--no-loadscope-reorder``
+    keeps that order: the two workers take them at the start and the short files fill in around them. xdist's default
+    order puts files with the fewest tests last, and two demo runs queued one after the other on one worker while the
+    other had nothing left."""
     items.sort(key=lambda item: not item.path.name.endswith("_learns.py"))
 
 
