@@ -102,3 +102,6 @@ def test_a_negative_or_non_finite_temperature_is_refused(tiny_model, tmp_path):
     result = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", "-1"], None,
                      tmp_path)
     assert result.returncode == 2 and "--temperature takes a number >= 0" in result.stderr
+    greedy_seed = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--seed", "3"], None,
+                          tmp_path)  # a seed that would change nothing is refused, not silently ignored
+    assert greedy_seed.returncode == 2 and "--seed only acts with --temperature > 0" in greedy_seed.stderr

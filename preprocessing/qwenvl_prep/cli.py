@@ -252,7 +252,7 @@ def _predict(args: argparse.Namespace) -> int:
         from qwenvl_prep.draw import prediction_paths
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
-    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed)
+    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
     from tqdm import tqdm
 
     rows = []
@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
                       "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
                       "not only whether its best answer is one")
-    pred.add_argument("--seed", type=_seed, default=0, help="seed of the sampling (with --temperature; default 0)")
+    pred.add_argument("--seed", type=_seed, help="seed of the sampling (only with --temperature > 0; default 0)")
     pred.set_defaults(func=_predict)
 
     ev = sub.add_parser(
@@ -562,6 +562,8 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "predict" and args.seed is not None and args.temperature == 0:
+        parser.error("predict --seed only acts with --temperature > 0: greedy answers do not depend on a seed")
     func: Callable[[argparse.Namespace], int] = args.func
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # unwind: temps removed, workers stopped
