@@ -64,6 +64,16 @@ def test_qwen3_vl_demo_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_qwen2_vl_demo_runs_end_to_end(tmp_path):
+    """Qwen2-VL: factor 28 like Qwen2.5-VL but answers in 0-1000 like Qwen3-VL, the one family whose factor and
+    convention pair differently, so a step that guessed one from the other would show here."""
+    out = tmp_path / "q2"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen2_vl"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_summary(out, json.loads(result.stdout), "qwen2_vl", 28, "rel1000")
+
+
+@pytest.mark.slow
 def test_export_reloads_with_the_pinned_bounds(demo):
     out, _ = demo
     from transformers import AutoModelForImageTextToText, AutoProcessor

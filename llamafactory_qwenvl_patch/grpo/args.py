@@ -7,6 +7,7 @@ from typing import Literal
 
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
 from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN as BUILTIN_REWARDS
 from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
@@ -32,8 +33,7 @@ def extend_finetuning_arguments(base: type) -> type:
         stage: Literal[STAGES] = field(default="sft", metadata={"help": "Which stage will be performed in training."})
         reward_funcs: str | None = field(
             default=None,
-            metadata={"help": "GRPO rewards, comma separated: built-ins iou, format, fields, fields_raw, no_cheat, "
-                      "json_fields, accuracy; "
+            metadata={"help": f"GRPO rewards, comma separated: built-ins {', '.join(BUILTIN_REWARDS)}; "
                       "`module:function` or `path/to/file.py:function`."},
         )
         reward_weights: str | None = field(

@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny random-weight Qwen-VL checkpoint offline (CPU smoke tests)",
-        description="Write a few-MB random-weight Qwen2.5-VL or Qwen3-VL (real architecture, byte-level BPE "
+        description="Write a few-MB random-weight Qwen2-VL, Qwen2.5-VL or Qwen3-VL (real architecture, byte-level BPE "
         "tokenizer with the Qwen special tokens, processor, chat template) that LLaMA-Factory loads.",
     )
     tiny.add_argument("out", help="output folder (must not exist or be empty)")
@@ -349,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert",
         help="convert grounding data to LF sharegpt in the model's frame, stamped with the policy",
-        description="Read LF sharegpt/alpaca JSON or JSONL, COCO instances, or plain {image, question, answer} "
-        "JSONL; rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
+        description="Read LF sharegpt/alpaca JSON or JSONL, COCO instances, ScreenSpot / ScreenSpot-v2 / "
+        "ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, or plain {image, question, answer} JSONL; rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
         "run's resize policy; write LF sharegpt and merge a stamped entry into dataset_info.json beside it.",
     )
     conv.add_argument("input", type=Path, help="input file (.json, .jsonl, or a COCO instances .json)")
@@ -508,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
         "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
         "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
         "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
-        "(pycocotools) and the detection-hack monitors.",
+        "(order-free, since answers carry no scores; pycocotools' own number beside it) and the detection-hack "
+        "monitors.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)
