@@ -175,6 +175,8 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
     (["--steps", "0"], "must be at least 1"), (["--seed", "-1"], "must be at least 0"),
     (["--seed", str(2**32)], "a seed must be below 2**32"), (["--task", "fields", "--family", "qwen3_vl"],
                                                              "the fields demo uses Qwen2.5-VL"),
+    (["--controls", "2"], "--controls applies to the gui demo"), (["--task", "gui", "--controls", "4"],
+                                                                  "--controls must be 1 to 3"),
 ])
 def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args, message):
     """A mistaken demo argument is one line naming it, before any step runs, and the output folder is not made
@@ -187,3 +189,47 @@ def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args
     except SystemExit as exc:  # argparse's own refusal
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_other_control_rate_counts_clicks_on_controls_the_instruction_did_not_name():
+    """A click on the named control, on the other one, on neither and no click at all: only the second counts."""
+    from qwenvl_prep.demo_gui import Element, Shot, other_control_rate
+
+    shot = Shot("s.jpg", "desktop", (1920, 1080), (Element("Save", "text", (0, 0, 100, 50)),
+                                                   Element("Home", "icon", (1800, 900, 1900, 1000))))
+    entry = {"instruction": "click Save"}
+    frame = {"orig_size": [1920, 1080], "model_size": [288, 160], "coords": "rel1000"}
+    answers = ['[{"point_2d": [26, 23]}]', '[{"point_2d": [963, 880]}]', '[{"bbox_2d": [950, 850, 980, 900]}]',
+               '[{"point_2d": [500, 500]}]', "no click"]  # on Save; on Home; a box centred on Home; neither; none
+    rows = [{"predict": answer, **frame} for answer in answers]
+    assert other_control_rate([(entry, shot)] * 5, rows) == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="4 predictions for 5 held-out instructions"):
+        other_control_rate([(entry, shot)] * 5, rows[:4])
+
+
+@pytest.mark.slow
+def test_gui_demo_smoke_run_with_two_controls(tmp_path):
+    """The GUI demo's smoke path (under 50 steps) with two controls a screen: every step runs through
+    llamafactory-cli, each screenshot holds two controls, and each model's clicks on the control the instruction did
+    not name are reported beside its accuracy."""
+    out = tmp_path / "gui"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "gui", "--steps", "6", "--controls", "2"], None,
+                     tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert summary["controls"] == 2 and summary["sft_steps"] == 6 and summary["family"] == "qwen3_vl"
+    assert set(summary["click"]) == {"baseline", "untrained", "sft", "grpo"}
+    for result_of_model in summary["click"].values():
+        overall = result_of_model["overall"]
+        assert overall["samples"] == summary["held_out_instructions"]
+        assert 0 <= overall["other_control_rate"] <= 1 - overall["click_acc"]
+    assert "other control" in result.stderr and (out / "exported" / "qwenvl_policy.json").exists()
+    import cv2
+
+    from qwenvl_prep.demo_gui import LABELS
+
+    image = cv2.imread(str(out / "raw" / json.loads((out / "raw" / "eval.json").read_text())[0]["img_filename"]))
+
+    saturated = {label for label, colour in LABELS.items()
+                 if (abs(image.astype(int) - colour).max(axis=2) < 30).sum() > 500}
+    assert len(saturated) == 2

@@ -297,7 +297,7 @@ def _demo(args: argparse.Namespace) -> int:
     from qwenvl_prep.demo import run_demo
 
     summary = run_demo(args.out, minutes=args.minutes, family=args.family, task=args.task, steps=args.steps,
-                       seed=args.seed)
+                       seed=args.seed, controls=args.controls)
     print(json.dumps(summary, indent=2))
     if args.task == "grounding":
         from qwenvl_prep.demo import format_summary
@@ -543,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="another seed draws another run (other images and initial weights; for fields also other "
                       "shuffles and samples), to see that learning is not one lucky draw (default %(default)s: the "
                       "README's numbers)")
+    demo.add_argument("--controls", type=_count(1), default=1,
+                      help="gui: controls per screenshot, the instruction naming one (default 1: the model finds the "
+                      "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
                       help=f"model family of the grounding and gui demos (default {DEFAULT} for grounding, qwen3_vl "
                       "for gui; Qwen2-VL and Qwen3-VL answer in 0-1000)")

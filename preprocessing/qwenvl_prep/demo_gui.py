@@ -23,6 +23,7 @@ import numpy as np
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.scoring.clicks import click_hit, click_point
 from qwenvl_prep.dataset import load_jsonl
 from qwenvl_prep.demo_steps import (ONE_THREAD, convert_and_check, export_full, full_training, grpo_stage, losses,
                                     new_run_folder, predict, run_step, sft_stage, small_model, write_jsonl,
@@ -44,6 +45,7 @@ SHAPES = {"Delete": "cross", "Save": "square", "Search": "circle", "Share": "tri
 # the mean click lands on content, so the baseline is near 0 and the demo's test also asks an absolute accuracy.
 # Learning starts late and suddenly: 600 steps gave 0.15 to 0.41 by the draw, 1,200 steps 0.77 through LF.
 ELEMENTS_PER_SCREEN = (1, 1)
+MAX_CONTROLS = 3  # the most that fit at the edges of every screen size, large as above (tested)
 BUTTON_SIZE = ((0.3, 0.5), (0.15, 0.25))  # button width and height in shares of sqrt(screen width x height)
 ICON_SIZE = (0.2, 0.3)  # icon side in the same unit
 CLUTTER = (2, 5)  # grey paragraphs and panels per screen
@@ -169,8 +171,9 @@ class Shot:
     elements: tuple[Element, ...]
 
 
-def synthesise_screens(folder: Path, seed: int) -> Iterator[Shot]:
-    """Screenshots without end, the platforms in turn, each written when it is drawn. Written as JPEG, not PNG as
+def synthesise_screens(folder: Path, seed: int, controls: int = 1) -> Iterator[Shot]:
+    """Screenshots without end, the platforms in turn, each with ``controls`` controls (fewer where they do not fit),
+    each written when it is drawn. Written as JPEG, not PNG as
     most screenshots are: LF decodes every image at every step, and a 3-megapixel PNG decodes about 3.5x slower than
     a JPEG (measured here), which would double a step of the small model."""
     rng = random.Random(seed)
@@ -178,7 +181,7 @@ def synthesise_screens(folder: Path, seed: int) -> Iterator[Shot]:
     platforms = list(SCREENS)
     for i in count():
         platform = platforms[i % len(platforms)]
-        canvas, elements = draw_screen(SCREENS[platform], rng)
+        canvas, elements = draw_screen(SCREENS[platform], rng, (controls, controls))
         name = f"s{seed}_{i:04d}_{platform}.jpg"
         cv2.imwrite(str(folder / name), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90])
         yield Shot(name, platform, SCREENS[platform], tuple(elements))
@@ -243,15 +246,36 @@ def mean_click_predictions(train: list[tuple[dict[str, Any], Shot]], held_out: l
     return rows
 
 
-def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int = 0) -> dict[str, Any]:
+def other_control_rate(held_out: list[tuple[dict[str, Any], Shot]], rows: list[dict[str, Any]]) -> float:
+    """The share of held-out clicks that land on a control the instruction did not name: with several controls per
+    screen, what tells a model that reads the instruction (its clicks on the named control) from one that finds
+    controls and picks one (as many clicks on the others). The click and the hit are eval's: ``click_point`` of the
+    answer, mapped to original pixels, inside a box edges included. ``rows`` are ``qwenvl-prep predict`` rows."""
+    if len(rows) != len(held_out):
+        raise ValueError(f"{len(rows)} predictions for {len(held_out)} held-out instructions")
+    wrong = 0
+    for (entry, shot), row in zip(held_out, rows):
+        point = click_point(row["predict"])
+        if point is None:
+            continue
+        (width, height), (model_w, model_h) = row["orig_size"], row["model_size"]
+        x, y = convert_coords(list(point), row["coords"], "orig", (height, width), (model_h, model_w))
+        wrong += any(f"click {element.label}" != entry["instruction"] and click_hit((x, y), element.box)
+                     for element in shot.elements)
+    return wrong / len(rows) if rows else 0.0
+
+
+def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int = 0, controls: int = 1
+                 ) -> dict[str, Any]:
     """The GUI demo (see the module's docstring) with ``steps`` SFT steps; under 50 is a smoke run (fewer
-    held-out screenshots and GRPO steps). ``seed`` draws the screenshots and the initial model."""
+    held-out screenshots and GRPO steps). ``seed`` draws the screenshots and the initial model; ``controls`` per
+    screenshot (the instruction names one) makes the instruction matter, at the price of more steps."""
     out, logs = new_run_folder(out)
     data, raw = out / "data", out / "raw"
     learning = steps >= 50
-    train = screenspot_entries(synthesise_screens(raw, seed=2 * seed), min(MAX_TRAIN, max(64, steps * SFT_BATCH)),
-                               1, seed=2 * seed)
-    held_out = screenspot_entries(synthesise_screens(raw, seed=2 * seed + 1),
+    train = screenspot_entries(synthesise_screens(raw, 2 * seed, controls),
+                               min(MAX_TRAIN * controls, max(64, steps * SFT_BATCH)), 1, seed=2 * seed)
+    held_out = screenspot_entries(synthesise_screens(raw, 2 * seed + 1, controls),
                                   HELD_OUT if learning else HELD_OUT_SMOKE, 1, seed=2 * seed + 1)
     write_screenspot(raw / "train.json", train)
     write_screenspot(raw / "grpo.json", train[:GRPO_PROMPTS])
@@ -273,7 +297,8 @@ def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int 
         run_step(f"eval-{name}", ["qwenvl-prep", "eval", str(converted["eval"]), "--predictions", str(predictions),
                                   "--by", "platform,data_type", "--json-out", str(report)], logs)
         result = json.loads(report.read_text())
-        evaluated[name] = {"overall": result["clicks"],
+        evaluated[name] = {"overall": {**result["clicks"],
+                                       "other_control_rate": other_control_rate(held_out, load_jsonl(predictions))},
                            "by": {group: value["clicks"] for group, value in result["by"].items()}}
 
     write_jsonl(out / "predictions-baseline.jsonl",
@@ -294,7 +319,8 @@ def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int 
     grpo_log = load_jsonl(out / "grpo" / "trainer_log.jsonl")
     rewards = [[row.get(f"rewards/{name}/mean") for row in grpo_log if "reward" in row] for name in ("click", "click_dense")]
     sft_loss = losses(out / "sft")
-    return {"task": "gui", "family": family, "seed": seed, "sft_steps": steps, "train_instructions": len(train),
+    return {"task": "gui", "family": family, "seed": seed, "controls": controls, "sft_steps": steps,
+            "train_instructions": len(train),
             "held_out_instructions": len(held_out), "click": evaluated,
             "sft_loss_first_last": [sft_loss[0], sft_loss[-1]] if sft_loss else None,
             "grpo_click_reward_first_last": [rewards[0][0], rewards[0][-1]],
@@ -308,11 +334,12 @@ def format_gui_summary(summary: dict[str, Any]) -> str:
     groups = sorted(summary["click"]["grpo"]["by"])
     short = [group.replace("platform=", "").replace(", data_type=", " ") for group in groups]
     lines = [f"held-out instructions: {summary['held_out_instructions']} ({summary['family']}, "
-             f"{summary['sft_steps']} SFT steps): click accuracy overall and by platform and element type",
-             f"{'':20}{'overall':>8}" + "".join(f"{name:>15}" for name in short)]
+             f"{summary['sft_steps']} SFT steps, {summary['controls']} control(s) a screen): click accuracy overall "
+             "and by platform and element type; 'other control': clicks on a control the instruction did not name",
+             f"{'':20}{'overall':>8}{'other control':>15}" + "".join(f"{name:>15}" for name in short)]
     for key, name in names.items():
         result = summary["click"][key]
-        lines.append(f"{name:20}{result['overall']['click_acc']:>8.2f}"
+        lines.append(f"{name:20}{result['overall']['click_acc']:>8.2f}{result['overall']['other_control_rate']:>15.2f}"
                      + "".join(f"{result['by'][group]['click_acc']:>15.2f}" for group in groups))
     lines.append(f"clicks (red) and target boxes (green) on the original screenshots: {summary['drawn']}")
     return "\n".join(lines)
