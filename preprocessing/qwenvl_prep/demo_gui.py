@@ -39,9 +39,10 @@ SHAPES = {"Delete": "cross", "Save": "square", "Search": "circle", "Share": "tri
           "Home": "house"}
 # One control per screenshot, large, against a screen edge (a toolbar, a side bar, a bottom bar): the small model,
 # trained in-process on the same screens (held-out click accuracy after 800 steps), learned that (0.58) but not
-# 1-3 controls placed anywhere (0.105, under the mean click's 0.125) nor controls half this size (0.015); two controls
-# at the edges, the instruction naming one, gave 0.28 and 0.23 through LF after 1,300 steps (Qwen3-VL, seeds 0 and 1)
-# with 0.26 and 0.12 of the clicks on the other control: found, not told apart. At the edges
+# 1-3 controls placed anywhere (0.105, under the mean click's 0.125) nor controls half this size (0.015). Two controls
+# at the edges (--controls 2), the instruction naming one, through LF (Qwen3-VL, seeds 0 and 1): 0.28 and 0.23 after
+# 1,300 steps with 0.26 and 0.12 on the other control (found, hardly told apart); 0.67 and 0.79 after 3,120 steps
+# with 0.16 and 0.06 (told apart). At the edges
 # the mean click lands on content, so the baseline is near 0 and the demo's test also asks an absolute accuracy.
 # Learning starts late and suddenly: 600 steps gave 0.15 to 0.41 by the draw, 1,200 steps 0.77 through LF.
 ELEMENTS_PER_SCREEN = (1, 1)
