@@ -162,8 +162,8 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
         "img_filename", "bbox", "instruction", "data_type", "data_source", "platform"}
     rng = random.Random(5)
     for size in SCREENS.values():
-        image, elements = draw_screen(size, rng, (3, 3))
-        assert len(elements) >= 2 and len({e.label for e in elements}) == len(elements)
+        image, elements = draw_screen(size, rng, 3)
+        assert len(elements) == 3 and len({e.label for e in elements}) == len(elements)
         assert all(on_element(image, e.box, e.label) for e in elements)
         boxes = [e.box for e in elements]
         assert all(a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
@@ -175,8 +175,10 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
     (["--steps", "0"], "must be at least 1"), (["--seed", "-1"], "must be at least 0"),
     (["--seed", str(2**32)], "a seed must be below 2**32"), (["--task", "fields", "--family", "qwen3_vl"],
                                                              "the fields demo uses Qwen2.5-VL"),
-    (["--controls", "2"], "--controls applies to the gui demo"), (["--task", "gui", "--controls", "4"],
-                                                                  "--controls must be 1 to 3"),
+    (["--controls", "2"], "--controls applies to the gui demo"), (["--task", "fields", "--controls", "1"],
+                                                                  "--controls applies to the gui demo"),
+    (["--task", "gui", "--controls", "4"], "--controls must be 1 to 3"),
+    (["--task", "gui", "--controls", "0"], "--controls must be 1 to 3"),
 ])
 def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args, message):
     """A mistaken demo argument is one line naming it, before any step runs, and the output folder is not made
@@ -192,17 +194,21 @@ def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args
 
 
 def test_other_control_rate_counts_clicks_on_controls_the_instruction_did_not_name():
-    """A click on the named control, on the other one, on neither and no click at all: only the second counts."""
+    """Clicks on the named control, on the other one, on neither and none: only those on the other count, in both
+    conventions (0-1000 and model pixels of a frame whose sides differ, so swapped sides would miss)."""
     from qwenvl_prep.demo_gui import Element, Shot, other_control_rate
 
     shot = Shot("s.jpg", "desktop", (1920, 1080), (Element("Save", "text", (0, 0, 100, 50)),
                                                    Element("Home", "icon", (1800, 900, 1900, 1000))))
-    entry = {"instruction": "click Save"}
-    frame = {"orig_size": [1920, 1080], "model_size": [288, 160], "coords": "rel1000"}
-    answers = ['[{"point_2d": [26, 23]}]', '[{"point_2d": [963, 880]}]', '[{"bbox_2d": [950, 850, 980, 900]}]',
-               '[{"point_2d": [500, 500]}]', "no click"]  # on Save; on Home; a box centred on Home; neither; none
-    rows = [{"predict": answer, **frame} for answer in answers]
-    assert other_control_rate([(entry, shot)] * 5, rows) == pytest.approx(2 / 5)
+    entry = {"instruction": "click Save", "bbox": [0, 0, 100, 50]}
+    rel = {"orig_size": [1920, 1080], "model_size": [288, 160], "coords": "rel1000"}
+    model = {"orig_size": [1920, 1080], "model_size": [280, 168], "coords": "model"}
+    rows = [{"predict": answer, **rel} for answer in (
+        '[{"point_2d": [26, 23]}]', '[{"point_2d": [963, 880]}]', '[{"bbox_2d": [950, 850, 980, 900]}]',
+        '[{"point_2d": [500, 500]}]', "no click")]  # on Save; on Home; a box centred on Home; neither; none
+    rows += [{"predict": answer, **model} for answer in (
+        '[{"point_2d": [270, 147]}]', '[{"point_2d": [7, 4]}]', '[{"point_2d": [147, 270]}]')]  # Home; Save; off
+    assert other_control_rate([(entry, shot)] * 8, rows) == pytest.approx(3 / 8)
     with pytest.raises(ValueError, match="4 predictions for 5 held-out instructions"):
         other_control_rate([(entry, shot)] * 5, rows[:4])
 

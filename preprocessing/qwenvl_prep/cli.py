@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="convert grounding data to LF sharegpt in the model's frame, stamped with the policy",
         description="Read LF sharegpt/alpaca JSON or JSONL, COCO instances, ScreenSpot / ScreenSpot-v2 / "
-        "ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, or plain {image, question, answer} JSONL; rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
+        "ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, or plain {image, question, answer} JSONL; "
+        "rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
         "run's resize policy; write LF sharegpt and merge a stamped entry into dataset_info.json beside it.",
     )
     conv.add_argument("input", type=Path, help="input file (.json, .jsonl, or a COCO instances .json)")
@@ -543,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="another seed draws another run (other images and initial weights; for fields also other "
                       "shuffles and samples), to see that learning is not one lucky draw (default %(default)s: the "
                       "README's numbers)")
-    demo.add_argument("--controls", type=_count(1), default=1,
+    demo.add_argument("--controls", type=int,
                       help="gui: controls per screenshot, the instruction naming one (default 1: the model finds the "
                       "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],

@@ -87,16 +87,17 @@ HELD_OUT, HELD_OUT_SMOKE = 100, 8
 
 
 def run_demo(out: Path, minutes: float | None = None, family: str | None = None, task: str = "grounding",
-             steps: int | None = None, seed: int = 0, controls: int = 1) -> dict[str, Any]:
+             steps: int | None = None, seed: int = 0, controls: int | None = None) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
     the click one (``demo_gui``), or with ``task="fields"`` the field-extraction one (``demo_fields``). ``minutes``
     (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws another
     run (other images and another initial model); ``family`` defaults to the task's own (``DEFAULT_FAMILY``);
-    ``controls`` per screenshot is the gui demo's."""
+    ``controls`` per screenshot is the gui demo's (default 1)."""
     if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
         raise ValueError(f"the demo needs --steps >= 1 and --minutes > 0, got {steps} and {minutes}")
-    if controls != 1 and task != "gui":
+    if controls is not None and task != "gui":
         raise ValueError("--controls applies to the gui demo (--task gui)")
+    controls = 1 if controls is None else controls
     if not 1 <= controls <= demo_gui.MAX_CONTROLS:
         raise ValueError(f"--controls must be 1 to {demo_gui.MAX_CONTROLS}, got {controls}")
     if task == "fields":
