@@ -276,7 +276,7 @@ def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int 
     out, logs = new_run_folder(out)
     data, raw = out / "data", out / "raw"
     learning = steps >= 50
-    # one instruction per screenshot: with more controls, more screenshots, so that as many controls are named
+    # one instruction per screenshot, so the cap on screenshots grows with the controls a screenshot holds
     train = screenspot_entries(synthesise_screens(raw, 2 * seed, controls),
                                min(MAX_TRAIN * controls, max(64, steps * SFT_BATCH)), 1, seed=2 * seed)
     held_out = screenspot_entries(synthesise_screens(raw, 2 * seed + 1, controls),
