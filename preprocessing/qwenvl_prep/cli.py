@@ -65,26 +65,20 @@ def _absent(text: str) -> int:
     return int(text)
 
 
-def _temperature(text: str) -> float:
-    """An argparse type: a finite number >= 0 (0 = greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"--temperature takes a number >= 0 (0 = greedy), got {text!r}")
-    return value
+def _finite(flag: str, zero_allowed: bool, note: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite number > 0, or >= 0 with ``zero_allowed`` (nan and inf are mistakes, not values)."""
+    bound = ">= 0" if zero_allowed else "> 0"
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+            raise argparse.ArgumentTypeError(f"{flag} takes a number {bound}{note}, got {text!r}")
+        return value
 
-def _minutes(text: str) -> float:
-    """An argparse type: a finite number of minutes > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"--minutes takes a number > 0, got {text!r}")
-    return value
+    return parse
 
 
 def _seed(text: str) -> int:
@@ -232,6 +226,8 @@ def _predict(args: argparse.Namespace) -> int:
     from qwenvl_prep.outputs import Outputs
     from qwenvl_prep.predict import Predictor
 
+    if args.seed is not None and args.temperature == 0:
+        raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
     registries = []
     if args.dataset:
         ref = resolve_dataset(str(args.dataset))
@@ -494,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=_count(1), default=128)
     pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded)")
-    pred.add_argument("--temperature", type=_temperature, default=0.0,
+    pred.add_argument("--temperature", type=_finite("--temperature", True, " (0 = greedy)"), default=0.0,
                       help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
                       "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
                       "not only whether its best answer is one")
@@ -534,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         "baseline measured in the same run; the JSON summary goes to stdout.",
     )
     demo.add_argument("out", type=Path, help="new output folder")
-    demo.add_argument("--minutes", type=_minutes,
+    demo.add_argument("--minutes", type=_finite("--minutes", False),
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
                       "for grounding, 3.33 (1,300 steps) for gui, 5 for fields: the model learns the task; less is a quicker smoke "
                       "run)")
@@ -567,8 +563,6 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "predict" and args.seed is not None and args.temperature == 0:
-        parser.error("predict --seed only acts with --temperature > 0: greedy answers do not depend on a seed")
     func: Callable[[argparse.Namespace], int] = args.func
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # unwind: temps removed, workers stopped
