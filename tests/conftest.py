@@ -76,3 +76,17 @@ def tiny_model_qwen2(tmp_path_factory) -> Path:
     from qwenvl_prep.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_vl", "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_qwen3_5(tmp_path_factory) -> Path:
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", "qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_qwen3_5_moe(tmp_path_factory) -> Path:
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5_moe", "qwen3_5", moe=True)

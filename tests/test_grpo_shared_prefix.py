@@ -23,6 +23,7 @@ from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of, vision_token_ids
 from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
 from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 
 G = 3
 # (width, height) of each prompt's images: five frames, five prompt lengths; prompt 4 has two images
@@ -43,9 +44,13 @@ MODES = {
 }
 
 
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"]
+
+
 @pytest.fixture(scope="module")
-def families(tiny_model_qwen2, tiny_model, tiny_model_qwen3):
-    return {"qwen2_vl": tiny_model_qwen2, "qwen2_5_vl": tiny_model, "qwen3_vl": tiny_model_qwen3}
+def families(tiny_model_qwen2, tiny_model, tiny_model_qwen3, tiny_model_qwen3_5, tiny_model_qwen3_5_moe):
+    return {"qwen2_vl": tiny_model_qwen2, "qwen2_5_vl": tiny_model, "qwen3_vl": tiny_model_qwen3,
+            "qwen3_5": tiny_model_qwen3_5, "qwen3_5_moe": tiny_model_qwen3_5_moe}
 
 
 def noise(width: int, height: int, seed: int) -> Image.Image:
@@ -81,12 +86,14 @@ def load(model_dir, mode: dict):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
-                                                        attn_implementation=mode.get("attention", "sdpa"))
+                                                        attn_implementation=mode.get("attention", "sdpa"),
+                                                        **folder_experts_load_kwargs(model_dir))
     if mode["lora"]:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=(
-            r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
+            r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|"
+            r"in_proj_b|in_proj_a|out_proj)")))
     elif not mode["vision"]:
         for param in model.model.visual.parameters():
             param.requires_grad_(False)
@@ -103,10 +110,12 @@ def make_trainer(model_dir, mode: dict, shared: str, tmp_path, batch: int = 2, a
     processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")
     tokenizer = processor.tokenizer
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(0)  # the same LoRA initialisation for both layouts
     model = load(model_dir, mode)
     ref_model = None
     if not mode["lora"]:
-        ref_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ref_model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch.float32, **folder_experts_load_kwargs(model_dir)).eval()
     args = TrainingArguments(output_dir=str(tmp_path / shared), per_device_train_batch_size=batch,
                              gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
                              lr_scheduler_type="constant", max_grad_norm=1e9, use_cpu=True, report_to="none",
@@ -173,7 +182,7 @@ def assert_close_grads(shared: dict, repeated: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_log_probs_and_gradients_match_the_repeated_layout(families, family, mode, tmp_path):
     """Four prompts of four lengths (one with two images), completions of 0-7 tokens, one cut to nothing."""
     trainer, processor = make_trainer(families[family], MODES[mode], "true", tmp_path)
@@ -188,7 +197,7 @@ def test_log_probs_and_gradients_match_the_repeated_layout(families, family, mod
 
 
 @pytest.mark.parametrize("mode", ["full", "full-frozen-vision", "lora"])
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_optimiser_step_matches_the_repeated_layout(families, family, mode, tmp_path):
     """One step of batch 2 x accumulation 2 (four prompts, four frames): rollout bookkeeping, old and reference
     log-probs, the loss and transformers' accumulation, SGD; the parameter moves equal."""
@@ -222,14 +231,15 @@ class VisionCalls:
             self.first_rows = kwargs["inputs_embeds"].size(0)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_prefills_once_and_samples_what_generate_samples(families, family):
     """Greedy answers equal generate's; sampled completions equal generate's draw for draw with the same seed
     (same logits processors: repetition penalty, suppressed vision tokens, top-p); the images are encoded once per
     prompt and the prompt prefilled once, where generate encodes and prefills them G times."""
     from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-    model = AutoModelForImageTextToText.from_pretrained(families[family], dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(
+        families[family], dtype=torch.float32, **folder_experts_load_kwargs(families[family])).eval()
     processor = AutoProcessor.from_pretrained(families[family], padding_side="left")
     tokenizer = processor.tokenizer
     batch = prompt_batch(processor, [0, 1, 3])

@@ -24,6 +24,7 @@ class Family:
     default_template: str  # the LF template its runs use unless told otherwise (the demos)
     flat_config: bool = True  # its config.json can be written flat (readable by transformers <= 4.51)
     tiny: bool = False  # ``qwenvl-prep tiny-model`` can build it
+    since_transformers: str = "4.49"  # the first transformers release with its model types
 
 
 FAMILIES: dict[str, Family] = {}
@@ -36,10 +37,17 @@ def register(family: Family) -> Family:
 
 
 register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True))
-register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True))
-# Qwen3-VL (and its MoE) configs are nested in every transformers that supports them
-register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl", "qwen3_5", "qwen3_6"), "Qwen3VLPlugin",
-                "qwen3_vl_nothink", flat_config=False, tiny=True))
+register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
+                since_transformers="4.45"))
+# Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
+register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
+                flat_config=False, tiny=True, since_transformers="4.57"))
+# Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``; LF's ``qwen3_6`` templates serve its successor of the same
+# architecture). Its frame is Qwen3-VL's: transformers 5.2+ pairs it with ``Qwen3VLProcessor`` and
+# ``Qwen2VLImageProcessor`` at patch 16, merge 2 (factor 32), LF 0.9.5 gives its templates the Qwen3-VL plugin, and
+# Qwen's grounding cookbooks for Qwen3-VL and Qwen3.5 answer ``bbox_2d`` / ``point_2d`` relative 0-1000.
+register(Family("qwen3_5", 32, "rel1000", ("qwen3_5",), ("qwen3_5", "qwen3_6"), "Qwen3VLPlugin", "qwen3_5_nothink",
+                flat_config=False, tiny=True, since_transformers="5.2"))
 
 
 def family_of_model_type(model_type: str | None) -> str | None:

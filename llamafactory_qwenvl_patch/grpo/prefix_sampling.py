@@ -1,8 +1,8 @@
 """HF rollouts that prefill each prompt once: G completions decoded from one prompt's key/value cache.
 
 ``generate(num_return_sequences=G)`` repeats ``input_ids`` and ``pixel_values`` G times before the prefill, so the
-vision tower and the whole prompt run G times. Here the prompt (images included) is prefilled once, its cache is
-repeated G times, and the completions are decoded with the logits processors ``generate`` itself builds for the same
+vision tower and the whole prompt run G times. Here the prompt (images included) is prefilled once, its cache (key
+and value layers, and the conv and recurrent states of linear-attention layers) is repeated G times, and the completions are decoded with the logits processors ``generate`` itself builds for the same
 ``GenerationConfig`` and the same operations as its sample loop (float32 scores, softmax, one multinomial draw per
 row per step, padding after a stop token), so the sampling distribution is ``generate``'s. Decoding positions are the
 prompt's last position + 1 + step, which is what the training forward gives completion tokens (for image prompts
@@ -77,7 +77,9 @@ def sample_shared_prefix(model: Any, batch: dict[str, torch.Tensor], config: Gen
         out = model(**batch, use_cache=True, logits_to_keep=1)
     next_position = following(seen[0], P, 1).repeat_interleave(G, dim=1)  # (3 or 4, B*G, 1)
     cache = out.past_key_values
-    cache.batch_repeat_interleave(G)
+    # reorder_cache copies every layer kind G times: key/value layers and linear-attention (conv and recurrent)
+    # states alike, where batch_repeat_interleave exists only for key/value layers
+    cache.reorder_cache(torch.arange(B, device=prompt_ids.device).repeat_interleave(G))
     ids = prompt_ids.repeat_interleave(G, 0)
     mask = prompt_mask.repeat_interleave(G, 0)
     logits = out.logits[:, -1, :].to(dtype=torch.float32).repeat_interleave(G, 0)

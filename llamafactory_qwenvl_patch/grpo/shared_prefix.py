@@ -8,6 +8,8 @@ the language model gives every completion token the position it has in the repea
 prompt's last token + 1 + its index: the same in each M-RoPE section, as ``get_rope_index`` gives text after the
 prompt), so the model's own code computes the prompt's 3-D positions, images and deepstack features. Log-probs and
 gradients equal those of the repeated layout up to float rounding (``tests/test_grpo_shared_prefix.py``).
+Linear-attention layers (Qwen3.5's Gated DeltaNet) start every completion from the prompt's end states instead
+(``linear_prefix``), so hybrid models are exact too.
 
 PrefixGrouper itself (PyPI ``prefix-grouper``) is not used: it needs a modified modelling file that takes its object
 in ``forward`` (verl ships one for text-only Qwen3), and it leaves positions and the vision tower to the caller.
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from llamafactory_qwenvl_patch.grpo import linear_prefix
 
 KWARG = "qwenvl_shared_prefix"  # the forward keyword that carries the layout down to the attention function
 ATTENTION = "qwenvl_shared_prefix"  # the name registered in transformers' AttentionInterface
@@ -152,7 +156,7 @@ def language_model(model: Any) -> torch.nn.Module:
     decoder = getattr(inner, "language_model", None)
     if not isinstance(decoder, torch.nn.Module):
         raise RuntimeError(f"{type(hf_model(model)).__name__} has no model.language_model: grpo_shared_prefix "
-                           "supports Qwen2-VL, Qwen2.5-VL and Qwen3-VL models")
+                           "supports Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 models")
     return decoder
 
 
@@ -166,7 +170,7 @@ def unsupported_reason(model: Any) -> str | None:
     if base not in SUPPORTED_BASES:
         return (f"the language model's attention is {base!r}; the shared prefix reproduces "
                 f"{' and '.join(SUPPORTED_BASES)} only (variable-length flash attention is not implemented)")
-    return None
+    return linear_prefix.unsupported_reason(decoder)
 
 
 def resolve(setting: str, models: list[Any]) -> bool:
@@ -185,8 +189,9 @@ def resolve(setting: str, models: list[Any]) -> bool:
 
 
 def install(model: Any) -> None:
-    """Register the attention function (once per process) and the position hook on ``model``'s language model
-    (once per model). Both act only on forwards that carry a layout."""
+    """Register the attention function (once per process), the position hook on ``model``'s language model and
+    the packed forward of its linear-attention layers (once per model). All act only on forwards that carry a
+    layout."""
     from transformers import AttentionInterface
 
     if ATTENTION not in AttentionInterface._global_mapping:
@@ -195,6 +200,7 @@ def install(model: Any) -> None:
     if not getattr(decoder, "_qwenvl_shared_prefix_hook", False):
         decoder.register_forward_pre_hook(_completion_positions, with_kwargs=True)
         decoder._qwenvl_shared_prefix_hook = True
+    linear_prefix.install(decoder, KWARG)
 
 
 @contextmanager

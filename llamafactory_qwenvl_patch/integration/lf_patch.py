@@ -215,8 +215,37 @@ def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
     return ServingFrame(policy, family.coords, getattr(model_args, "qwenvl_answer_coords", "model"))
 
 
+def _experts_on_cpu(config: Any, init_kwargs: dict[str, Any]) -> None:
+    """A pinned MoE run on a CPU whose torch cannot run grouped_mm there loads its experts eager (see
+    ``model_files.experts``), unless the caller chose an implementation."""
+    import torch
+
+    from llamafactory_qwenvl_patch.model_files.experts import experts_load_kwargs
+
+    chosen = experts_load_kwargs(config.to_dict(), on_cpu=not torch.cuda.is_available())
+    if chosen and "experts_implementation" not in init_kwargs:
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging.get_logger(__name__).info_rank0(
+            f"qwenvl_patch: torch {torch.__version__} has no CPU grouped_mm kernel; the experts run "
+            f"experts_implementation={chosen['experts_implementation']}")
+        init_kwargs.update(chosen)
+
+
 def patch_model_loader(loader: ModuleType) -> None:
-    lf_compat.require(loader, ["load_tokenizer"])
+    lf_compat.require(loader, ["load_tokenizer", "patch_config"])
+
+    def make_patch_config(patch_config: Callable) -> Callable:
+        def wrapper(config: Any, tokenizer: Any, model_args: Any, init_kwargs: dict[str, Any], *args: Any,
+                    **kwargs: Any) -> Any:
+            result = patch_config(config, tokenizer, model_args, init_kwargs, *args, **kwargs)
+            if getattr(model_args, "qwenvl_patch", False):
+                _experts_on_cpu(config, init_kwargs)
+            return result
+
+        return wrapper
+
+    _replace(loader, "patch_config", make_patch_config)
 
     def make(load_tokenizer: Callable) -> Callable:
         def wrapper(model_args: Any, *args: Any, **kwargs: Any) -> Any:

@@ -26,8 +26,8 @@ FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
 def _tiny_model(args: argparse.Namespace) -> int:
     from qwenvl_prep.tiny_model import build_tiny_model
 
-    out = build_tiny_model(args.out, family=args.family, seed=args.seed, size=args.size)
-    print(json.dumps({"model_dir": str(out), "family": args.family, "size": args.size}))
+    out = build_tiny_model(args.out, family=args.family, seed=args.seed, size=args.size, moe=args.moe)
+    print(json.dumps({"model_dir": str(out), "family": args.family, "size": args.size, "moe": args.moe}))
     return 0
 
 
@@ -338,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out", help="output folder (must not exist or be empty)")
     tiny.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--moe", action="store_true", help="the mixture-of-experts variant (qwen3_5 only)")
     tiny.add_argument("--size", choices=list(TINY_SIZES), default="tiny",
                       help="tiny: fastest, for tests; small: ~1M parameters, enough to learn the demo's task")
     tiny.set_defaults(func=_tiny_model)

@@ -18,6 +18,7 @@ from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy
+from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 
 
 def adapter_base(model_dir: Path) -> Path | None:
@@ -48,7 +49,8 @@ class Predictor:
         processor_dir = self.model_dir if (self.model_dir / "preprocessor_config.json").is_file() else base
         self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
-        self.model = AutoModelForImageTextToText.from_pretrained(base or model_dir, dtype=torch.float32)
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            base or model_dir, dtype=torch.float32, **folder_experts_load_kwargs(base or model_dir))
         if base is not None:
             from peft import PeftModel
 
@@ -57,7 +59,8 @@ class Predictor:
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         family = family_of_model(base or model_dir)
         if family is None:
-            raise ValueError(f"{base or model_dir}/config.json is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
+            raise ValueError(f"{base or model_dir}/config.json is not a Qwen-VL model of a known family "
+                             f"({', '.join(FAMILIES)})")
         self.convention = FAMILIES[family].coords
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature

@@ -117,10 +117,37 @@ def _set_rope(text: dict, theta: float, section: list[int], **extra: object) -> 
         text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": section, **extra}
 
 
-def _model_and_processor(family: str, tokenizer, size: str = "tiny"):
-    """Random-weight model of ``SIZES[size]`` (4 heads, 2 KV heads, vision depth 2) and its processor."""
+def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, moe: bool):
+    """Qwen3.5 or Qwen3.5-MoE: the last layer full attention, the others Gated DeltaNet (the real models: 3 of every
+    4), with 2 key and 4 value heads so that the linear layers' head repeat runs; attention heads of 32 (vLLM's CPU
+    attention refuses 16), half of each rotated (the real models rotate a quarter of 256)."""
+    head_dim = 32
+    text = dict(text, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.5,
+                layer_types=["linear_attention"] * (text["num_hidden_layers"] - 1) + ["full_attention"])
+    rotated = head_dim // 2
+    _set_rope(text, ROPE_THETA, [rotated // 8, 3 * rotated // 16, 3 * rotated // 16], mrope_interleaved=True,
+              partial_rotary_factor=0.5)
+    vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=16, num_position_embeddings=2304)
+    if moe:
+        hidden = text.pop("intermediate_size") // 2
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                    shared_expert_intermediate_size=hidden)
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                               **token_ids)
+        return transformers.Qwen3_5MoeForConditionalGeneration(config)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **token_ids)
+    return transformers.Qwen3_5ForConditionalGeneration(config)
+
+
+def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool = False):
+    """Random-weight model of ``SIZES[size]`` (4 heads, 2 KV heads, vision depth 2) and its processor; ``moe``: the
+    family's mixture-of-experts variant."""
     import transformers
 
+    if moe and family != "qwen3_5":
+        raise ValueError(f"the tiny builder makes a mixture-of-experts model for qwen3_5 only, not {family!r}")
     dims = SIZES[size]
     hidden, vision_hidden = dims["hidden"], dims["vision_hidden"]
     head_dim = hidden // 4
@@ -174,6 +201,11 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny"):
         image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
         video_processor = transformers.Qwen3VLVideoProcessor()
         processor_cls = transformers.Qwen3VLProcessor
+    elif family == "qwen3_5":
+        model = _qwen3_5(transformers, text, token_ids, vision_hidden, moe)
+        image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
+        video_processor = transformers.Qwen3VLVideoProcessor()
+        processor_cls = transformers.Qwen3VLProcessor
     else:
         raise ValueError(f"the tiny builder makes {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, not {family!r}")
     processor = processor_cls(
@@ -186,7 +218,7 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny"):
 
 
 def build_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2_5_vl", seed: int = 0,
-                     size: str = "tiny") -> Path:
+                     size: str = "tiny", moe: bool = False) -> Path:
     """Write a loadable tiny checkpoint to ``out_dir`` (atomically: built in a temp folder, then renamed)."""
     import torch
 
@@ -197,12 +229,13 @@ def build_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2_5_vl", see
     tokenizer = build_tokenizer()
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, not {size!r}")
-    model, processor = _model_and_processor(family, tokenizer, size)
+    model, processor = _model_and_processor(family, tokenizer, size, moe)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp") as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        (Path(tmp) / "tiny_model.json").write_text(json.dumps({"family": family, "seed": seed, "size": size}) + "\n")
+        (Path(tmp) / "tiny_model.json").write_text(json.dumps({"family": family, "seed": seed, "size": size,
+                                                                "moe": moe}) + "\n")
         os.chmod(tmp, 0o755)
         if out.exists():
             out.rmdir()
