@@ -74,6 +74,19 @@ def test_qwen2_vl_demo_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_qwen3_5_demo_runs_end_to_end(tmp_path):
+    """Qwen3.5 (Gated DeltaNet and full-attention layers) through the same steps, the frame taken from the
+    checkpoint (factor 32, 0-1000), GRPO with the exact shared prefix on."""
+    out = tmp_path / "q35"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_5"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_summary(out, json.loads(result.stdout), "qwen3_5", 32, "rel1000")
+    assert "grpo_shared_prefix: on" in (out / "logs" / "train-grpo.log").read_text()
+    assert json.loads((out / "data" / "dataset_info.json").read_text())["demo_train"]["qwenvl_policy"][
+        "family"] == "qwen3_5"
+
+
+@pytest.mark.slow
 def test_export_reloads_with_the_pinned_bounds(demo):
     out, _ = demo
     from transformers import AutoModelForImageTextToText, AutoProcessor

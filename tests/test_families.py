@@ -51,3 +51,19 @@ def test_a_new_family_is_one_registration_away(tmp_path, qwen9, capsys):
     assert item.coords == (0, 0, 500, 500)  # relative 0-1000, whatever the factor
     stamp = json.loads((out.parent / "dataset_info.json").read_text())["t"]["qwenvl_policy"]
     assert stamp["factor"] == 56
+
+
+@pytest.mark.parametrize("model_type, family", [("qwen3_5", "qwen3_5"), ("qwen3_5_moe", "qwen3_5"),
+                                                ("qwen3_vl_moe", "qwen3_vl"), ("qwen3_vl", "qwen3_vl")])
+def test_qwen3_5_and_the_moe_checkpoints_decide_their_family(tmp_path, model_type, family):
+    """The checkpoint alone: no template is needed (a Qwen3.5 run without one used to get Qwen2.5-VL's frame)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    resolved = resolve_family(tmp_path)
+    assert (resolved.name, resolved.factor, resolved.coords) == (family, 32, "rel1000")
+    assert resolve_family(tmp_path, "qwen2_vl").name == family
+
+
+def test_qwen3_5_templates():
+    for template in ("qwen3_5", "qwen3_5_nothink", "qwen3_6"):
+        assert resolve_family(None, template).name == "qwen3_5"
+    assert resolve_family(None, "qwen3_vl").name == "qwen3_vl"

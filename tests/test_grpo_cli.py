@@ -14,6 +14,7 @@ from helpers import (
 )
 
 from llamafactory_qwenvl_patch.grpo.sampling import VISION_TOKENS
+from llamafactory_qwenvl_patch.model_files.experts import cpu_grouped_mm_runs
 
 REWARDS = '''
 import zlib
@@ -169,22 +170,31 @@ def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks(setup, tiny_model):
-    """ZeRO-3 on 2 ranks, the shared prefix (on by default) against the repeated layout."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_zero3_two_ranks(setup, tiny_model, tiny_model_qwen3_5, family):
+    """ZeRO-3 on 2 ranks, the shared prefix (on by default) against the repeated layout; Qwen3.5's linear-attention
+    layers run their packed forward on parameters ZeRO-3 gathers per module."""
     root, data_dir = setup
+    model, extra = tiny_model, {}
+    if family == "qwen3_5":
+        model, extra = tiny_model_qwen3_5, dict(template="qwen3_5_nothink", image_min_pixels=64 * 32 * 32,
+                                                image_max_pixels=256 * 32 * 32,
+                                                reward_funcs=f"format,{root / 'my_rewards.py'}:spread_rel1000")
     logs = {}
     for shared in ("auto", "false"):
-        out = root / f"z3-{shared}"
-        config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py",
+        out = root / f"z3-{family}-{shared}"
+        config = grpo_config(model, data_dir, out, root / "my_rewards.py",
                              deepspeed=str(CONFIG / "ds_z3_cpu_test.json"), ddp_backend="gloo", use_cpu=None,
-                             grpo_scale_rewards="batch", grpo_shared_prefix=shared)
-        result = run_cli(["llamafactory-cli", "train"], config, root / f"z3-run-{shared}",
+                             grpo_scale_rewards="batch", grpo_shared_prefix=shared, **extra)
+        result = run_cli(["llamafactory-cli", "train"], config, root / f"z3-run-{family}-{shared}",
                          env=torchrun_env(), timeout=900)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        assert ("grpo_shared_prefix: on" in output) == (shared == "auto")
         logs[shared] = [row for row in read_log(out) if "loss" in row]
     steps = logs["auto"]
     assert len(steps) == 3 and steps[-1]["kl"] > 0
-    assert (root / "z3-auto" / "checkpoint-3" / "adapter_model.safetensors").exists()
+    assert (root / f"z3-{family}-auto" / "checkpoint-3" / "adapter_model.safetensors").exists()
     assert_same_training(steps, logs["false"])
 
 
@@ -333,3 +343,42 @@ def test_sft_adapter_reference_under_zero3(setup, tiny_model, sft_adapter):
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
     assert (out / "checkpoint-2" / "adapter_model.safetensors").exists()
     assert not (out / "checkpoint-2" / "grpo_reference").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_shared_prefix_equals_the_repeated_layout(setup, tiny_model_qwen3_5, tiny_model_qwen3_5_moe, moe):
+    """Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet and full-attention layers; LoRA on every linear layer, the
+    linear-attention projections included): batch 2 of mixed sizes, accumulation 2, the same seed with the shared
+    prefix (on by default) and without give the same rewards, loss and KL, and adapters within 1e-5. SGD, so that
+    the adapters compare the gradients: Adam's first step moves every element by about lr whatever its gradient,
+    so float rounding in a near-zero gradient would flip whole steps. The MoE runs its experts eager on this CPU
+    (said once in the log)."""
+    from safetensors.torch import load_file
+
+    root, data_dir = setup
+    model = tiny_model_qwen3_5_moe if moe else tiny_model_qwen3_5
+    logs, adapters = {}, {}
+    for shared in ("auto", "false"):
+        out = root / f"q35-{moe}-{shared}"
+        config = grpo_config(model, data_dir, out, root / "my_rewards.py", template="qwen3_5_nothink",
+                             image_min_pixels=64 * 32 * 32, image_max_pixels=256 * 32 * 32, max_steps=2,
+                             save_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             optim="sgd", learning_rate=0.1,
+                             reward_funcs=f"{root / 'my_rewards.py'}:spread_rel1000",
+                             grpo_shared_prefix=shared)
+        result = run_cli(["llamafactory-cli", "train"], config, root / f"q35-run-{moe}-{shared}")
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        assert ("grpo_shared_prefix: on" in output) == (shared == "auto")
+        assert ("experts_implementation=eager" in output) == (moe and not cpu_grouped_mm_runs())
+        logs[shared] = [row for row in read_log(out) if "loss" in row]
+        adapters[shared] = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    assert_same_training(logs["auto"], logs["false"])
+    assert logs["auto"][0]["reward_std"] > 0
+    assert any("linear_attn.in_proj_qkv" in name for name in adapters["auto"])
+    moved = 0
+    for name, tensor in adapters["false"].items():
+        assert (adapters["auto"][name] - tensor).abs().max() <= 1e-5, name
+        moved += bool(tensor.abs().max() > 1e-4 and "lora_B" in name)
+    assert moved > 0

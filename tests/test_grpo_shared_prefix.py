@@ -284,3 +284,24 @@ def test_settings(tiny_model, caplog):
         shared_prefix.resolve("true", [model])
     with pytest.raises(ValueError, match="no model.language_model"):
         shared_prefix.resolve("true", [torch.nn.Linear(2, 2)])
+
+
+def test_hybrid_settings_fall_back_loudly_where_a_layer_cannot_be_exact(tiny_model_qwen3_5, caplog):
+    """Qwen3.5's Gated DeltaNet layers are exact, so auto and true turn the shared prefix on; where a linear layer
+    lacks what the packed forward reads (a transformers that renamed it) or a layer kind is unknown, auto falls back
+    with one line naming it and true is an error at start: never a silently wrong log-prob."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_qwen3_5)
+    assert shared_prefix.resolve("auto", [model]) and shared_prefix.resolve("true", [model])
+    decoder = shared_prefix.language_model(model)
+    del decoder.layers[0].linear_attn.chunk_gated_delta_rule
+    with caplog.at_level(logging.INFO, logger="llamafactory.qwenvl_patch.grpo"):
+        assert not shared_prefix.resolve("auto", [model])
+    assert caplog.text.count("grpo_shared_prefix: off") == 1 and "chunk_gated_delta_rule" in caplog.text
+    with pytest.raises(ValueError, match="true cannot apply.*Qwen3_5GatedDeltaNet has no chunk_gated_delta_rule"):
+        shared_prefix.resolve("true", [model])
+    other = AutoModelForImageTextToText.from_pretrained(tiny_model_qwen3_5)
+    shared_prefix.language_model(other).config.layer_types[0] = "sliding_attention"
+    with pytest.raises(ValueError, match="sliding_attention, which the shared prefix does not reproduce"):
+        shared_prefix.resolve("true", [other])

@@ -56,3 +56,26 @@ def test_sizes_and_positions(family, tmp_path):
         assert json.loads((folder / "tiny_model.json").read_text())["size"] == size
         assert len(AutoTokenizer.from_pretrained(folder)("305")["input_ids"]) == 3
     assert counts["tiny"] < 400_000 and 800_000 < counts["small"] < 1_500_000
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_qwen3_5_is_hybrid_and_servable(moe, tmp_path):
+    """Both layer kinds, attention heads of 32 (vLLM's CPU attention refuses 16), experts in the MoE variant; on a
+    torch without a CPU grouped_mm kernel the MoE trains only with eager experts, which the loader then picks."""
+    import torch
+
+    from llamafactory_qwenvl_patch.model_files.experts import cpu_grouped_mm_runs, folder_experts_load_kwargs
+
+    folder = build_tiny_model(tmp_path / "m", "qwen3_5", moe=moe)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == ("qwen3_5_moe" if moe else "qwen3_5")
+    text = config["text_config"]
+    assert set(text["layer_types"]) == {"linear_attention", "full_attention"} and text["head_dim"] >= 32
+    assert bool(text.get("num_experts")) == moe
+    kwargs = folder_experts_load_kwargs(folder)
+    assert kwargs == ({"experts_implementation": "eager"} if moe and not cpu_grouped_mm_runs() else {})
+    model = AutoModelForImageTextToText.from_pretrained(folder, **kwargs)
+    for param in model.parameters():  # aligned copies, as after an optimiser step
+        param.data = param.data.clone()
+    ids = torch.tensor([[20, 21, 22, 23, 24]] * 2)
+    model(input_ids=ids, labels=ids).loss.backward()

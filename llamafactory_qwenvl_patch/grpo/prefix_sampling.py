@@ -2,9 +2,10 @@
 
 ``generate(num_return_sequences=G)`` repeats ``input_ids`` and ``pixel_values`` G times before the prefill, so the
 vision tower and the whole prompt run G times. Here the prompt (images included) is prefilled once, its cache (key
-and value layers, and the conv and recurrent states of linear-attention layers) is repeated G times, and the completions are decoded with the logits processors ``generate`` itself builds for the same
-``GenerationConfig`` and the same operations as its sample loop (float32 scores, softmax, one multinomial draw per
-row per step, padding after a stop token), so the sampling distribution is ``generate``'s. Decoding positions are the
+and value layers, and the conv and recurrent states of linear-attention layers) is repeated G times, and the
+completions are decoded with the logits processors ``generate`` itself builds for the same ``GenerationConfig`` and
+the same operations as its sample loop (float32 scores, softmax, one multinomial draw per row per step, padding after
+a stop token), so the sampling distribution is ``generate``'s. Decoding positions are the
 prompt's last position + 1 + step, which is what the training forward gives completion tokens (for image prompts
 ``generate`` gives the same; for left-padded text-only prompts transformers 5.x's ``generate`` numbers positions
 without the padding while its training forward counts it: this loop follows the training forward, so it samples

@@ -226,7 +226,7 @@ def _experts_on_cpu(config: Any, init_kwargs: dict[str, Any]) -> None:
     if chosen and "experts_implementation" not in init_kwargs:
         from llamafactory.extras import logging as lf_logging
 
-        lf_logging.get_logger(__name__).info_rank0(
+        lf_logging.get_logger("llamafactory.qwenvl_patch").info_rank0(
             f"qwenvl_patch: torch {torch.__version__} has no CPU grouped_mm kernel; the experts run "
             f"experts_implementation={chosen['experts_implementation']}")
         init_kwargs.update(chosen)
@@ -424,9 +424,12 @@ def _portable_export(folder: str) -> None:
         logger.warning_rank0(f"{folder} is exported as this transformers wrote it, which older transformers and vLLM "
                              f"may not read: {exc}. `qwenvl-prep fix-config {folder}` lists what each reader needs.")
         return
-    logger.info_rank0(f"{folder}: written in the portable layout (transformers 4.x from the model family's first "
-                      f"release to 5.x, and vLLM 0.11, read it in the training frame); rewrote "
-                      f"{', '.join(written['files']) or 'nothing'}")
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+
+    since = resolve_family(folder).since_transformers
+    readers = "and vLLM 0.11 " if since.startswith("4.") else ""
+    logger.info_rank0(f"{folder}: written in the portable layout (transformers {since} to 5.x {readers}read it in "
+                      f"the training frame); rewrote {', '.join(written['files']) or 'nothing'}")
 
 
 # --- chat and API --------------------------------------------------------------------------------------------------

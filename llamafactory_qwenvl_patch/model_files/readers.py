@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.families import family_of_model_type
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
 from llamafactory_qwenvl_patch.model_files.config_layout import layout, nested_only
 from llamafactory_qwenvl_patch.model_files.folder import (
     CONFIG, IMAGE_PROCESSOR, PROCESSOR, TOKENIZER_CONFIG, VIDEO_PROCESSOR, ModelFolder,
@@ -25,15 +25,21 @@ READERS = {
     "vllm": "vLLM 0.11 (transformers 4.57)",
 }
 OLD = "transformers-4.51"
+READER_TRANSFORMERS = {"transformers-4.51": "4.49", "transformers-4.57": "4.57", "vllm": "4.57"}  # the oldest each
 SLOW_DEFAULTS = "56*56..28*28*1280"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
 
 
 def _config_problems(config: dict[str, Any], reader: str) -> list[str]:
     family = family_of_model_type(config.get("model_type"))
     if family is None:
         return [f"{CONFIG}: model_type {config.get('model_type')!r} is not a Qwen-VL type"]
-    if nested_only(config.get("model_type")) and reader == OLD:
-        return [f"{CONFIG}: model_type {config['model_type']!r} exists only from transformers 4.57 on"]
+    since = FAMILIES[family].since_transformers
+    if _version(READER_TRANSFORMERS[reader]) < _version(since):
+        return [f"{CONFIG}: model_type {config['model_type']!r} exists only from transformers {since} on"]
     if layout(config) == "flat":
         return []
     text = config["text_config"]

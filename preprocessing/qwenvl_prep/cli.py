@@ -317,8 +317,9 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-pixels", type=int, help="pinned image_min_pixels (without --from-yaml)")
     group.add_argument("--max-pixels", type=int, help="pinned image_max_pixels (without --from-yaml)")
     group.add_argument("--family", choices=list(FAMILIES),
-                       help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL and Qwen3-VL on "
-                       "relative 0-1000 (default: from the YAML's model config or template, else qwen2_5_vl)")
+                       help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL, Qwen3-VL and "
+                       "Qwen3.5 on relative 0-1000 (default: from the YAML's model config or template, else "
+                       "qwen2_5_vl)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny random-weight Qwen-VL checkpoint offline (CPU smoke tests)",
-        description="Write a few-MB random-weight Qwen2-VL, Qwen2.5-VL or Qwen3-VL (real architecture, byte-level BPE "
-        "tokenizer with the Qwen special tokens, processor, chat template) that LLaMA-Factory loads.",
+        description="Write a few-MB random-weight Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 (real architecture, "
+        "byte-level BPE tokenizer with the Qwen special tokens, processor, chat template) that LLaMA-Factory loads.",
     )
     tiny.add_argument("out", help="output folder (must not exist or be empty)")
     tiny.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny], default=DEFAULT)
@@ -546,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
                       help=f"model family of the grounding and gui demos (default {DEFAULT} for grounding, qwen3_vl "
-                      "for gui; Qwen2-VL and Qwen3-VL answer in 0-1000)")
+                      "for gui; Qwen2-VL, Qwen3-VL and Qwen3.5 answer in 0-1000)")
     demo.add_argument("--task", choices=["grounding", "gui", "fields"], default="grounding",
                       help="grounding (boxes, the default); gui: screenshots at real screen sizes written as a "
                       "ScreenSpot file, 'click <label>' answered with a point, GRPO with click,click_dense,format, "
