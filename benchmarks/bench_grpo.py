@@ -16,6 +16,7 @@ and the best round of each is reported::
 
     .venv/bin/python benchmarks/bench_grpo.py --shape grounding --generations 8,16
     .venv/bin/python benchmarks/bench_grpo.py --shape text --generations 8
+    .venv/bin/python benchmarks/bench_grpo.py --shape grounding --generations 8 --family qwen3_5
 
 ``from trl import GRPOTrainer`` fails on this stack with ``No module named 'mergekit'``: see ``trl_compat.py``. trl
 0.24 also writes ``model.warnings_issued``, which transformers 5.x models no longer have; the script sets it to an
@@ -51,7 +52,10 @@ from trl_compat import import_trl_grpo
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MIN_PIXELS, MAX_PIXELS = 64 * 28 * 28, 256 * 28 * 28  # the --learn task's toy data
-LORA_TARGET = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# the language model's projections, Qwen3.5's linear-attention ones included (absent names match nothing)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+                "in_proj_b", "in_proj_a", "out_proj")
+LORA_TARGET = rf".*language_model.*\.({'|'.join(LORA_MODULES)})"
 PROMPT = "Locate the blue square and output its bbox_2d in JSON."
 ANSWER = '[{"bbox_2d": [10, 20, 110, 120], "label": "blue square"}]'
 SHAPES = {
@@ -131,18 +135,20 @@ def make_data(root: Path, shape: str) -> Path | None:
     return image
 
 
-def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generations: int, shared: bool
-             ) -> dict[str, float]:
+def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generations: int, shared: bool,
+             family: str) -> dict[str, float]:
     from llamafactory.train.tuner import run_exp
+
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES
 
     spec = SHAPES[shape]
     timer = StepTimer()
     run_exp({
         "model_name_or_path": str(model), "stage": "grpo", "do_train": True, "finetuning_type": "lora",
-        "lora_rank": 8, "lora_target": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "lora_rank": 8, "lora_target": ",".join(LORA_MODULES),
         "qwenvl_patch": True, "image_min_pixels": spec["min_pixels"], "image_max_pixels": spec["max_pixels"],
-        "dataset": shape, "dataset_dir": str(data), "template": "qwen2_vl", "cutoff_len": 4096,
-        "output_dir": str(out), "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1,
+        "dataset": shape, "dataset_dir": str(data), "template": FAMILIES[family].default_template,
+        "cutoff_len": 4096, "output_dir": str(out), "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1,
         "save_strategy": "no", "learning_rate": 1e-4, "report_to": "none", "use_cpu": True,
         "reward_funcs": "iou,format", "grpo_num_generations": generations, "grpo_beta": 0.04, "temperature": 1.0,
         "max_new_tokens": spec["new_tokens"], "overwrite_cache": True, "dataloader_num_workers": 0,
@@ -170,20 +176,23 @@ def trl_format(completions, reference, **kw) -> list[float]:
     return format_reward(_texts(completions), references=reference)
 
 
-def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, generations: int) -> dict[str, float]:
+def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, generations: int, family: str
+            ) -> dict[str, float]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES
     from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
     from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
 
     spec = SHAPES[shape]
     GRPOConfig, GRPOTrainer = import_trl_grpo()
     processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")
-    set_image_processor_bounds(processor.image_processor, ResizePolicy(spec["min_pixels"], spec["max_pixels"]))
+    set_image_processor_bounds(processor.image_processor, ResizePolicy(spec["min_pixels"], spec["max_pixels"],
+                                                                       FAMILIES[family].factor))
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.warnings_issued = {}  # trl 0.24 writes to this transformers 4.x attribute, gone in 5.x
     content = [{"type": "text", "text": spec["prompt"]}]
@@ -226,10 +235,11 @@ def worker(spec: dict) -> None:
     torch.manual_seed(0)
     root, out = Path(spec["root"]), Path(spec["out"])
     if spec["config"] == "trl":
-        result = run_trl(root / "model", root, out, spec["shape"], spec["steps"], spec["generations"])
+        result = run_trl(root / "model", root, out, spec["shape"], spec["steps"], spec["generations"],
+                         spec["family"])
     else:
         result = run_ours(root / "model", root, out, spec["shape"], spec["steps"], spec["generations"],
-                          shared=spec["config"] == "shared")
+                          shared=spec["config"] == "shared", family=spec["family"])
     print(json.dumps(result))
 
 
@@ -250,14 +260,14 @@ def main_speed(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build_tiny_model(root / "model", size="small")
+        build_tiny_model(root / "model", family=args.family, size="small")
         make_data(root, args.shape)
         for round_ in range(args.rounds):  # interleaved, so drift of the machine hits every configuration alike
             for g in generations:
                 for config in configs:
                     result = run_worker({"root": str(root), "out": str(root / f"{config}-{g}-{round_}"),
                                          "config": config, "shape": args.shape, "steps": args.steps,
-                                         "generations": g})
+                                         "generations": g, "family": args.family})
                     runs.setdefault(f"{config} G{g}", []).append(result)
                     print(f"round {round_} {config} G{g}: {result}", file=sys.stderr)
     best = {key: min(results, key=lambda r: r["step_s"]) for key, results in runs.items()}
@@ -277,7 +287,7 @@ def main_speed(args: argparse.Namespace) -> None:
             low, high = min(generations), max(generations)
             ratios[f"{config} G{high}/G{low} step"] = round(
                 best[f"{config} G{high}"]["step_s"] / best[f"{config} G{low}"]["step_s"], 3)
-    print(json.dumps({"shape": args.shape, "steps": args.steps, "rounds": args.rounds, "new_tokens":
+    print(json.dumps({"family": args.family, "shape": args.shape, "steps": args.steps, "rounds": args.rounds, "new_tokens":
                       spec["new_tokens"], "results": table, "ratios": ratios}, indent=2))
 
 
@@ -385,6 +395,9 @@ def main_learn(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="grounding")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5"],
+                        help="the small tiny model's family (qwen3_5: Gated DeltaNet and full-attention layers; "
+                        "factor 32, so the grounding image is 784 tokens)")
     parser.add_argument("--generations", help="comma-separated G values (grounding: 8,16; text: 8)")
     parser.add_argument("--configs", default="shared,repeated,trl", help="which of shared,repeated,trl to run")
     parser.add_argument("--steps", type=int, default=4)

@@ -16,13 +16,11 @@ hybrid decoder layer hands the mixer the layout of the current call (recomputati
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from types import MethodType
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from llamafactory_qwenvl_patch.grpo.shared_prefix import PrefixLayout
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -31,6 +29,7 @@ MIXER_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "
                "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads", "A_log", "dt_bias", "norm",
                "out_proj", "chunk_gated_delta_rule")
 LAYOUT_ATTRIBUTE = "_qwenvl_prefix_layout"
+KEYWORD = "qwenvl_shared_prefix"  # the forward keyword that carries the layout (``shared_prefix.KWARG``)
 
 
 def layer_types(decoder: torch.nn.Module) -> list[str]:
@@ -78,9 +77,10 @@ def _heads(mixer: Any, mixed: torch.Tensor, hidden: torch.Tensor) -> tuple[torch
     return query, key, value, g, beta
 
 
-def packed_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                   layout: "PrefixLayout") -> torch.Tensor:
-    """The Gated DeltaNet over packed rows (B, P + G*T, D), each completion continuing the prompt's states."""
+def packed_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, layout: Any
+                   ) -> torch.Tensor:
+    """The Gated DeltaNet over packed rows (B, P + G*T, D), each completion continuing the prompt's states;
+    ``layout`` is ``shared_prefix.PrefixLayout`` (prompt_length, generations, completion_length)."""
     P, G, T = layout.prompt_length, layout.generations, layout.completion_length
     B, _, D = hidden_states.shape
     if attention_mask is not None:  # padding tokens are zeroed before they enter either state, as the layer does
@@ -108,25 +108,35 @@ def packed_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
     return mixer.out_proj(core.reshape(B, P + G * T, -1))
 
 
-def install(decoder: torch.nn.Module, layout_keyword: str) -> None:
-    """Route every linear-attention layer of ``decoder`` through ``packed_forward`` on calls that carry a layout
-    (keyword ``layout_keyword`` of the decoder layer); other calls run the layer's own forward. Once per model."""
+def _hand_layout(layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Decoder-layer pre-hook: the layout of this call (None outside shared-prefix passes) for its token mixer."""
+    setattr(layer.linear_attn, LAYOUT_ATTRIBUTE, kwargs.get(KEYWORD))
+
+
+def _drop_layout(layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    setattr(layer.linear_attn, LAYOUT_ATTRIBUTE, None)
+
+
+def _forward(self: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None
+             ) -> torch.Tensor:
+    """The mixer's forward: its own, or the packed one when its layer's call carries a layout."""
+    layout = getattr(self, LAYOUT_ATTRIBUTE, None)
+    if layout is None:
+        return self._qwenvl_own_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask)
+    if cache_params is not None:
+        raise RuntimeError("shared-prefix training passes run without a cache; please report this")
+    return packed_forward(self, hidden_states, attention_mask, layout)
+
+
+def install(decoder: torch.nn.Module) -> None:
+    """Route every linear-attention layer of ``decoder`` through ``packed_forward`` on calls that carry a layout;
+    other calls run the layer's own forward. Once per model; bound methods and hooks without closures, so a deep
+    copy of the model routes its own layers."""
     for layer, mixer in mixers(decoder):
         if getattr(mixer, "_qwenvl_packed", False):
             continue
-
-        def hand_layout(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], mixer=mixer) -> None:
-            setattr(mixer, LAYOUT_ATTRIBUTE, kwargs.get(layout_keyword))
-
-        def forward(hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None,
-                    mixer=mixer, own=mixer.forward) -> torch.Tensor:
-            layout = getattr(mixer, LAYOUT_ATTRIBUTE, None)
-            if layout is None:
-                return own(hidden_states, cache_params=cache_params, attention_mask=attention_mask)
-            if cache_params is not None:
-                raise RuntimeError("shared-prefix training passes run without a cache; please report this")
-            return packed_forward(mixer, hidden_states, attention_mask, layout)
-
-        layer.register_forward_pre_hook(hand_layout, with_kwargs=True)
-        mixer.forward = forward
+        layer.register_forward_pre_hook(_hand_layout, with_kwargs=True)
+        layer.register_forward_hook(_drop_layout, with_kwargs=True)
+        mixer._qwenvl_own_forward = mixer.forward
+        mixer.forward = MethodType(_forward, mixer)
         mixer._qwenvl_packed = True

@@ -26,7 +26,7 @@ import torch
 
 from llamafactory_qwenvl_patch.grpo import linear_prefix
 
-KWARG = "qwenvl_shared_prefix"  # the forward keyword that carries the layout down to the attention function
+KWARG = linear_prefix.KEYWORD  # the forward keyword that carries the layout down to the attention function
 ATTENTION = "qwenvl_shared_prefix"  # the name registered in transformers' AttentionInterface
 SETTINGS = ("auto", "true", "false")
 # the implementations whose attention this one reproduces (it computes with SDPA: eager's math, other rounding)
@@ -200,7 +200,7 @@ def install(model: Any) -> None:
     if not getattr(decoder, "_qwenvl_shared_prefix_hook", False):
         decoder.register_forward_pre_hook(_completion_positions, with_kwargs=True)
         decoder._qwenvl_shared_prefix_hook = True
-    linear_prefix.install(decoder, KWARG)
+    linear_prefix.install(decoder)
 
 
 @contextmanager
