@@ -258,6 +258,7 @@ def main_speed(args: argparse.Namespace) -> None:
     generations = [int(g) for g in (args.generations or spec["generations"]).split(",")]
     configs = args.configs.split(",")
     runs: dict[str, list[dict]] = {}
+    failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         build_tiny_model(root / "model", family=args.family, size="small")
@@ -265,9 +266,17 @@ def main_speed(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):  # interleaved, so drift of the machine hits every configuration alike
             for g in generations:
                 for config in configs:
-                    result = run_worker({"root": str(root), "out": str(root / f"{config}-{g}-{round_}"),
-                                         "config": config, "shape": args.shape, "steps": args.steps,
-                                         "generations": g, "family": args.family})
+                    if f"{config} G{g}" in failures:
+                        continue
+                    try:
+                        result = run_worker({"root": str(root), "out": str(root / f"{config}-{g}-{round_}"),
+                                             "config": config, "shape": args.shape, "steps": args.steps,
+                                             "generations": g, "family": args.family})
+                    except RuntimeError as error:  # a peer that cannot train this family: say why, go on
+                        lines = str(error).strip().splitlines()
+                        failures[f"{config} G{g}"] = next((line for line in reversed(lines) if "Error" in line),
+                                                          lines[-1])
+                        continue
                     runs.setdefault(f"{config} G{g}", []).append(result)
                     print(f"round {round_} {config} G{g}: {result}", file=sys.stderr)
     best = {key: min(results, key=lambda r: r["step_s"]) for key, results in runs.items()}
@@ -288,7 +297,7 @@ def main_speed(args: argparse.Namespace) -> None:
             ratios[f"{config} G{high}/G{low} step"] = round(
                 best[f"{config} G{high}"]["step_s"] / best[f"{config} G{low}"]["step_s"], 3)
     print(json.dumps({"family": args.family, "shape": args.shape, "steps": args.steps, "rounds": args.rounds, "new_tokens":
-                      spec["new_tokens"], "results": table, "ratios": ratios}, indent=2))
+                      spec["new_tokens"], "results": table, "ratios": ratios, "failed": failures}, indent=2))
 
 
 LEARN_PROMPT = "Locate the box and output its bbox_2d in JSON."
