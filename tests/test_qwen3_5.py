@@ -106,3 +106,38 @@ def test_moe_convert_sft_grpo_export_predict_eval(tmp_path, tiny_model_qwen3_5_m
                       "--json-out", str(tmp_path / "eval.json")], None, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "eval.json").read_text())["overall"]["samples"] == len(SIZES)
+
+
+@pytest.mark.slow
+def test_lf_api_serves_a_qwen3_5_checkpoint_in_its_frame(tmp_path, tiny_model_qwen3_5):
+    """``llamafactory-cli api`` (HF engine, the ``openai`` client) on a pinned Qwen3.5 folder, no key in the
+    serving YAML: the image tokens it reports for three sizes (below min_pixels, above max_pixels, an odd aspect)
+    are the policy's, and it answers."""
+    from test_serving import Server, data_url
+
+    data = tmp_path / "data"
+    raw, _ = raw_dataset(tmp_path / "raw")
+    spec = train_config(tiny_model_qwen3_5, data, tmp_path / "pinned", finetuning_type="full",
+                        template="qwen3_5_nothink", image_min_pixels=MIN_PIXELS, image_max_pixels=MAX_PIXELS,
+                        dataset="train", max_steps=2, save_steps=1000)
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(spec))
+    result = run_cli(["qwenvl-prep", "convert", str(raw), "-o", str(data / "train.json"), "--from-yaml",
+                      str(tmp_path / "sft.yaml"), "--input-coords", "abs", "-q"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli(["llamafactory-cli", "train"], spec, tmp_path / "sft-run")
+    assert result.returncode == 0, result.stderr[-4000:]
+    media = tmp_path / "media"
+    media.mkdir()
+    server = Server(tmp_path / "api", {"model_name_or_path": str(tmp_path / "pinned"), "template": "qwen3_5_nothink",
+                                       "infer_backend": "huggingface"}, media)
+    try:
+        sizes = [(100, 80), (4032, 3024), (333, 777)]
+        replies = [server.ask(data_url(w, h)) for w, h in sizes]
+    finally:
+        server.stop()
+    policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, 32)
+    tokens = [reply.usage.prompt_tokens for reply in replies]
+    expected = [policy.image_tokens(h, w) for w, h in sizes]
+    assert len(set(expected)) == 3
+    assert [t - tokens[0] for t in tokens] == [e - expected[0] for e in expected]
+    assert all(reply.choices[0].message.content is not None for reply in replies)
