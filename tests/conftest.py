@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import helpers  # noqa: E402  (tests/ is on the path from here on)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -82,6 +83,7 @@ def tiny_model_qwen2(tmp_path_factory) -> Path:
 def tiny_model_qwen3_5(tmp_path_factory) -> Path:
     from qwenvl_prep.tiny_model import build_tiny_model
 
+    helpers.skip_without("qwen3_5")
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", "qwen3_5")
 
 
@@ -89,4 +91,5 @@ def tiny_model_qwen3_5(tmp_path_factory) -> Path:
 def tiny_model_qwen3_5_moe(tmp_path_factory) -> Path:
     from qwenvl_prep.tiny_model import build_tiny_model
 
+    helpers.skip_without("qwen3_5")
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5_moe", "qwen3_5", moe=True)

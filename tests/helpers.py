@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+import pytest
 import yaml
 from PIL import Image
 
@@ -209,3 +210,15 @@ def image_pad_loving_model(src: Path, dst: Path) -> Path:
                                                repetition_penalty=1.05)
     model.save_pretrained(dst)
     return dst
+
+
+def skip_without(family: str) -> None:
+    """Skip a test whose family the installed transformers does not have (the vLLM set's 4.57 has no Qwen3.5)."""
+    import transformers
+
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES
+
+    since = FAMILIES[family].since_transformers
+    installed = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if installed < tuple(int(part) for part in since.split(".")):
+        pytest.skip(f"transformers {transformers.__version__} has no {family} (it came in {since})")

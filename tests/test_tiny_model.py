@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import skip_without
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
@@ -46,6 +47,7 @@ def test_every_mrope_section_rotates_across_an_image_grid(size, tmp_path):
 
 @pytest.mark.parametrize("family", [name for name, f in FAMILIES.items() if f.tiny])
 def test_sizes_and_positions(family, tmp_path):
+    skip_without(family)
     counts = {}
     for size in ("tiny", "small"):
         folder = build_tiny_model(tmp_path / size, family, size=size)
@@ -66,6 +68,7 @@ def test_qwen3_5_is_hybrid_and_servable(moe, tmp_path):
 
     from llamafactory_qwenvl_patch.model_files.experts import cpu_grouped_mm_runs, folder_experts_load_kwargs
 
+    skip_without("qwen3_5")
     folder = build_tiny_model(tmp_path / "m", "qwen3_5", moe=moe)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == ("qwen3_5_moe" if moe else "qwen3_5")

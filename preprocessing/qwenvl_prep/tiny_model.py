@@ -202,6 +202,8 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
         video_processor = transformers.Qwen3VLVideoProcessor()
         processor_cls = transformers.Qwen3VLProcessor
     elif family == "qwen3_5":
+        if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+            raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3.5; install >= 5.2")
         model = _qwen3_5(transformers, text, token_ids, vision_hidden, moe)
         image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
         video_processor = transformers.Qwen3VLVideoProcessor()
