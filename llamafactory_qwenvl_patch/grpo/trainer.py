@@ -28,6 +28,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo import resume, shared_prefix
 from llamafactory_qwenvl_patch.grpo.collate import blank_copy
 from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
+from llamafactory_qwenvl_patch.grpo.gather_budget import zero3_budget
 from llamafactory_qwenvl_patch.grpo.loss import (
     advantages, micro_batch_counts, policy_loss, step_normalizers, zero_std_groups,
 )
@@ -143,6 +144,7 @@ class GRPOTrainer(Trainer):
         self.rollout_sampler: RolloutSampler | None = None
         self.vllm = vllm_engine
         self._vllm_step = -1  # the global step whose weights the engine holds
+        self._gather_checked = False  # HF rollouts under ZeRO-3: the whole-model gather checked against the GPU
         self._first_pass = True
         self.add_callback(_SamplerEpoch(self))
         self.add_callback(_Resumable(self))  # last: its marker follows every other callback's checkpoint files
@@ -205,9 +207,25 @@ class GRPOTrainer(Trainer):
 
     # --- rollout -------------------------------------------------------------------------------------------------
 
+    def _check_gather_budget(self, model: Any) -> None:
+        """Once, before the first HF rollout under ZeRO-3 on a GPU: can every rank hold the whole model?"""
+        self._gather_checked = True
+        if not (self._zero3() and torch.cuda.is_available()):
+            return
+        budget = zero3_budget(self.accelerator.unwrap_model(model), self.accelerator.device)
+        verdict = budget.verdict()
+        if verdict is None:
+            return
+        level, message = verdict
+        if level == "error":
+            raise RuntimeError(f"stage: grpo: {message}")
+        logging.getLogger("llamafactory.qwenvl_patch.grpo").warning(f"stage: grpo: {message}")
+
     def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
         from trl.models import unwrap_model_for_generation
 
+        if not self._gather_checked:
+            self._check_gather_budget(model)
         gen_inputs = dict(batch)
         if self.pass_token_types:
             gen_inputs["mm_token_type_ids"] = token_types(batch["input_ids"], self.model.config)
