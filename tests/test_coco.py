@@ -234,3 +234,46 @@ def test_a_bad_coco_prompt_is_one_line(tmp_path, capsys, prompt, message):
     src = coco_file(tmp_path / "instances.json", [image(1, "a.jpg")], [box(1, 1)])
     code, _, err = convert(capsys, src, tmp_path / "out.json", "--coco-prompt", prompt)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "pretty"])
+def test_coco_in_its_own_key_order_is_recognised(tmp_path, capsys, indent):
+    """COCO's files start with info and licenses, then a long 'images' list: 'annotations' comes long after the
+    first 4 kB. The format is read from the top-level keys, streamed, without --format."""
+    names = [f"{n:012d}.jpg" for n in range(1, 301)]
+    for name in names[:2]:
+        save_image(tmp_path / "val2017" / name, 640, 480)
+    data = {"info": {"description": "COCO 2017 Dataset", "version": "1.0"},
+            "licenses": [{"url": "http://creativecommons.org/licenses/by-nc-sa/2.0/", "id": 1, "name": "by-nc-sa"}],
+            "images": [dict(image(n + 1, name), license=1, coco_url="http://images.cocodataset.org/val2017/" + name,
+                            date_captured="2013-11-14 17:02:52") for n, name in enumerate(names[:2])]
+            + [dict(image(n + 1, name), license=1) for n, name in enumerate(names[2:], start=2)],
+            "annotations": [box(1, 1), box(2, 2, 2)], "categories": CATEGORIES}
+    src = tmp_path / "annotations" / "instances_val2017.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(data, indent=indent))
+    assert src.read_bytes().find(b'"annotations"') > 4096
+    code, summary, err = convert(capsys, src, tmp_path / "data" / "train.json", "--image-dir", str(tmp_path / "val2017"))
+    assert code == 0, err
+    assert summary["coco"]["samples_with_boxes"] == 2
+
+
+@pytest.mark.parametrize("field, value", [("iscrowd", "0"), ("iscrowd", None), ("iscrowd", 2), ("width", "640"),
+                                          ("width", 640.5), ("height", None), ("height", 0), ("width", True)])
+def test_mistyped_crowd_flags_and_sizes_are_error_rows(tmp_path, capsys, field, value):
+    """iscrowd "0" used to count as a crowd region (the sample dropped), and a width that is text skipped the
+    declared-size check: each is now an error row naming the image and the field; the other image is converted.
+    An image that does not declare its size is fine."""
+    for name in ("a.jpg", "b.jpg"):
+        save_image(tmp_path / name, 640, 480)
+    bad_image, bad_box = image(1, "a.jpg"), box(1, 1)
+    (bad_box if field == "iscrowd" else bad_image)[field] = value
+    good = {"id": 2, "file_name": "b.jpg"}  # no width or height declared
+    src = coco_file(tmp_path / "instances.json", [bad_image, good], [bad_box, box(2, 2)])
+    out = tmp_path / "data" / "train.json"
+    code, summary, err = convert(capsys, src, out)
+    assert code == 1 and summary["dropped"] == 1 and not out.exists(), err
+    [row] = error_rows(out)
+    assert "a.jpg" in row["error"] and field in row["error"] and row["file"] == str(src), row
+    code, summary, err = convert(capsys, src, out, "--skip-bad")
+    assert code == 0 and [r["images"][0].endswith("b.jpg") for r in records(out)] == [True], err

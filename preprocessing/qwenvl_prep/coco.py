@@ -72,6 +72,17 @@ def _box_ok(bbox: Any) -> bool:
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox)
 
 
+def _size_problem(image: dict) -> str | None:
+    """Why an image's declared ``width`` / ``height`` cannot be used (None: positive integers, or not declared)."""
+    for key in ("width", "height"):
+        if key not in image:
+            continue
+        value = image[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"its {key} is {_show(value)}, not a positive integer (leave the key out if it is unknown)"
+    return None
+
+
 def _ids(anns: list[tuple[int, dict]]) -> str:
     shown = [str(ann.get("id", f"#{n}"))[:40] for n, ann in anns[:5]]
     return ", ".join(shown) + (f" and {len(anns) - 5} more" if len(anns) > 5 else "")
@@ -199,6 +210,8 @@ class CocoReader:
                                   "their annotations cannot be told apart")
             elif image_id in index.broken:
                 yield RecordError(f"COCO image {name} (id {_show(image_id)}): {index.broken[image_id]}")
+            elif (problem := _size_problem(image)) is not None:
+                yield RecordError(f"COCO image {name} (id {_show(image_id)}): {problem}")
             else:
                 yield from self._samples(image, index.by_image.get(image_id, []))
         yield from (RecordError(message) for message in index.malformed)
@@ -227,6 +240,9 @@ class CocoReader:
             elif not _box_ok(ann.get("bbox")):
                 index.broken.setdefault(image_id, f"annotation {ann_id} has bbox {_show(ann.get('bbox'))}, not "
                                                   "[x, y, w, h]")
+            elif ann.get("iscrowd", 0) not in (0, 1) or isinstance(ann.get("iscrowd"), (str, float)):
+                index.broken.setdefault(image_id, f"annotation {ann_id} has iscrowd {_show(ann.get('iscrowd'))}, "
+                                                  "not 0 or 1")
             else:
                 index.by_image.setdefault(image_id, []).append(ann)
         as_text = {str(known): known for known in images}

@@ -7,6 +7,7 @@ to floats and keeps the last of two equal keys, so the labels would not reach tr
 
 from __future__ import annotations
 
+import json
 import re
 from typing import IO, Iterator
 
@@ -114,3 +115,32 @@ def _rest_is_space(buf: _Buffer, pos: int) -> None:
     pos = buf.skip_space(pos)
     if pos < len(buf.data):
         raise ArraySyntaxError(buf.base + pos, "text after the array's closing ']'")
+
+
+def top_level_keys(f: IO[bytes]) -> Iterator[str]:
+    """The keys of the JSON object ``f`` holds (positioned at or before its ``{``), in order, streamed: values are
+    skipped by their brackets and never parsed, so COCO's ``annotations`` is found after a long ``images`` list
+    (COCO's own key order) in one pass of the regex, without loading the file. Stops at the object's end."""
+    buf = _Buffer(f)
+    pos = buf.skip_space(0)
+    if buf.data[pos:pos + 1] != b"{":
+        return
+    level, i = 0, pos
+    while True:
+        match = _SCAN.search(buf.data, i)
+        if match is None or match.group() == b'"':  # a string that runs past the window: read on from its start
+            i = buf.drop(match.start() if match else len(buf.data))
+            if not buf.more():
+                return
+            continue
+        token, i = match.group(), match.end()
+        if token in (b"[", b"{"):
+            level += 1
+        elif token in (b"]", b"}"):
+            level -= 1
+            if level == 0:
+                return
+        elif level == 1:  # a string directly inside the object: a key when a colon follows it
+            after = buf.skip_space(i)
+            if buf.data[after:after + 1] == b":":
+                yield json.loads(token)

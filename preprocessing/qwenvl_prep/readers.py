@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llamafactory_qwenvl_patch.scoring import json_text
-from qwenvl_prep.json_array import ArraySyntaxError, iter_array_items
+from qwenvl_prep.json_array import ArraySyntaxError, iter_array_items, top_level_keys
 from qwenvl_prep.lf_rules import not_carried
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -69,11 +69,15 @@ def detect_format(path: Path) -> str:
     """Guess the format from the first record (COCO from its top-level keys, parquet from its suffix)."""
     if path.suffix == ".parquet":
         return "refcoco-parquet"
-    with open(path, "rb") as f:
-        start = f.read(4096).lstrip()
-    if start.startswith(b"{") and b'"images"' in start and (b'"annotations"' in start or b'"categories"' in start):
-        if not path.suffix == ".jsonl":
-            return "coco"
+    if path.suffix != ".jsonl":
+        with open(path, "rb") as f:
+            if f.read(3) != _BOM:
+                f.seek(0)
+            keys: set[str] = set()
+            for key in top_level_keys(f):  # COCO's own order puts a long 'images' list before 'annotations'
+                keys.add(key)
+                if "images" in keys and keys & {"annotations", "categories"}:
+                    return "coco"
     for value in itertools.islice(map(_value, iter_raw(path)), 20):
         if isinstance(value, RecordError):
             continue  # a bad first line is its own error row; the format comes from the next good one
