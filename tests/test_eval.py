@@ -161,3 +161,28 @@ def test_field_metrics_next_to_grounding(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
     assert main(["eval", str(data), "--predictions", str(preds)]) == 0
     assert "invoice_number" in capsys.readouterr().out
+
+
+def test_a_number_too_long_for_python_is_a_parse_failure_or_an_error_row(dataset, tmp_path, capsys):
+    """A 5,000-digit coordinate (Python will not make an int of it) used to abort eval and convert with
+    'Exceeds the limit (4300 digits)' and no record named: in a prediction it is now that answer's parse failure,
+    in a label an error row naming the record."""
+    huge = "9" * 5000
+    rows = [{"prompt": "p", "predict": f'[{{"bbox_2d": [0, 0, {huge}, 10]}}]', "label": answer(dataset, 0)},
+            {"prompt": "p", "predict": answer(dataset, 1), "label": answer(dataset, 1)}]
+    preds = tmp_path / "generated_predictions.jsonl"
+    preds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["eval", str(dataset), "--predictions", str(preds), "--json"]) == 0
+    overall = json.loads(capsys.readouterr().out)["overall"]
+    assert overall["parse_failure_rate"] == 0.5 and overall["acc@0.5"] == 0.5
+    raw = tmp_path / "raw" / "huge.jsonl"
+    raw.write_text(json.dumps({"image": "wide.jpg", "question": "Where?", "answer": "[]"}).replace(
+        '"[]"', '"[{\\"bbox_2d\\": [0, 0, ' + huge + ', 10]}]"') + "\n" + json.dumps(
+        {"image": "wide.jpg", "question": "Where?", "answer": '[{"bbox_2d": [0, 0, 100, 50]}]'}) + "\n")
+    out = tmp_path / "data" / "huge.json"
+    code = main(["convert", str(raw), "-o", str(out), "--input-coords", "abs", "--min-pixels", str(MIN),
+                 "--max-pixels", str(MAX), "-q", "--workers", "1"])
+    assert code == 1 and not out.exists()
+    [row] = [json.loads(line) for line in out.with_name(out.name + ".errors.jsonl").read_text().splitlines()]
+    assert row["record"] == 0 and "5000 characters" in row["error"], row

@@ -142,11 +142,17 @@ def test_grpo_evaluation_scores_not_present_samples_apart():
 RANGES = {"no_cheat": (-1.0, 0.0), "fields_raw": (0.0, math.inf)}
 
 
+HUGE = "9" * 5000  # Python refuses to make an int of it (over 4,300 digits)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.text(max_size=80) | st.sampled_from(["[", "```json\n[{\"bbox_2d\": [1, 2]}]```", '[{"bbox_2d": "x"}]',
-                                                         '{"a": NaN}', "<|box_start|>(1,2),(3,<|box_end|>"]),
+                                                         '{"a": NaN}', "<|box_start|>(1,2),(3,<|box_end|>",
+                                                         f'[{{"bbox_2d": [1, 2, {HUGE}, 4]}}]',
+                                                         f'[{{"point_2d": [1, 1{"0" * 400}]}}]',
+                                                         f'{{"invoice_number": {HUGE}}}']),
                 min_size=1, max_size=5),
-       st.sampled_from([BOX, '{"a": 1}', "plain", ""]))
+       st.sampled_from([BOX, '{"a": 1}', "plain", "", f'[{{"bbox_2d": [1, 2, {HUGE}, 4]}}]']))
 def test_rewards_never_raise_on_garbage(completions, reference):
     for name, func in BUILTIN.items():
         values = func(completions, references=[reference] * len(completions), orig_sizes=[None] * len(completions),

@@ -15,6 +15,7 @@ import re
 from typing import Any, Iterator
 
 MAX_DEPTH = 100  # objects and arrays nested deeper than this are refused (real labels nest a few levels)
+MAX_NUMBER_CHARS = 300  # a longer number is refused: every integer this long still converts to a float
 
 
 class JSONTextError(ValueError):
@@ -32,12 +33,22 @@ class TooDeepError(JSONTextError):
         super().__init__(f"a JSON value is nested more than {MAX_DEPTH} levels deep")
 
 
+class NumberTooLongError(JSONTextError):
+    def __init__(self, text: str) -> None:
+        super().__init__(f"a number written with {len(text)} characters ({text[:12]}...) is longer than the "
+                         f"{MAX_NUMBER_CHARS} any coordinate or field can need")
+
+
 class Number:
-    """A JSON number and its text as written (``300.00`` stays ``300.00``)."""
+    """A JSON number and its text as written (``300.00`` stays ``300.00``). Longer than ``MAX_NUMBER_CHARS`` it is
+    refused as it is read: Python will not turn an integer of over 4,300 digits into an int, and one of over 308
+    does not fit a float, so every later step (a box check, a reward, an IoU) would fail on it."""
 
     __slots__ = ("text",)
 
     def __init__(self, text: str) -> None:
+        if len(text) > MAX_NUMBER_CHARS:
+            raise NumberTooLongError(text)
         self.text = text
 
     @property
