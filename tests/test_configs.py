@@ -67,3 +67,47 @@ def test_whole_numbers_in_float_keys_are_read_as_floats():
         grpo_log_completions=True, no_cheat_ngram=3)
     assert [type(v) for v in (args.grpo_blank_image_penalty, args.grpo_beta, args.no_cheat_max_copy)] == [float] * 3
     assert args.grpo_blank_image_penalty == 4.0 and args.grpo_log_completions is True and args.no_cheat_ngram == 3
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("grpo_num_generations", "4", "grpo_num_generations must be a whole number, got '4'"),
+    ("grpo_num_generations", 2.5, "must be a whole number"),
+    ("grpo_num_generations", 1, r"grpo_num_generations must be in \[2, inf\)"),
+    ("grpo_beta", "0.04", "grpo_beta must be a finite number, got '0.04'"),
+    ("grpo_beta", -0.1, r"grpo_beta must be in \[0, inf\)"),
+    ("grpo_beta", float("nan"), "grpo_beta must be a finite number"),
+    ("grpo_epsilon", float("inf"), "grpo_epsilon must be a finite number"),
+    ("grpo_blank_image_penalty", float("inf"), "must be a finite number"),
+    ("no_cheat_max_copy", 1.5, r"no_cheat_max_copy must be in \[0, 1\]"),
+    ("no_cheat_min_length_ratio", -1, r"must be in \[0, 1\]"),
+    ("grpo_vllm_gpu_memory_utilization", 0, r"must be in \(0, 1\]"),
+    ("grpo_mask_truncated", "no", "grpo_mask_truncated must be true or false, got 'no'"),
+    ("grpo_stop_on_reward_failure", "false", "must be true or false"),
+    ("reward_funcs", ["iou", "format"], "reward_funcs must be a string.*comma-separated"),
+    ("reward_weights", 1, "reward_weights must be a string"),
+])
+def test_grpo_keys_are_read_as_their_type_and_range(key, value, message):
+    """Issue 33, class 6: LF hands the YAML's values on as they are; a string number reached torch, a string
+    boolean read as true, a YAML list failed in .split, and negative or NaN values trained."""
+    from llamafactory.hparams import FinetuningArguments
+
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+
+    with pytest.raises(ValueError, match=message):
+        extend_finetuning_arguments(FinetuningArguments)(**{"stage": "grpo", "reward_funcs": "iou", key: value})
+
+
+def test_inverted_clip_range_and_non_finite_weights_are_refused():
+    from llamafactory.hparams import FinetuningArguments
+
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+    from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
+
+    with pytest.raises(ValueError, match="grpo_epsilon_high .0.1. must be at least grpo_epsilon .0.2."):
+        extend_finetuning_arguments(FinetuningArguments)(stage="grpo", reward_funcs="iou", grpo_epsilon_high=0.1)
+    args = extend_finetuning_arguments(FinetuningArguments)(stage="grpo", reward_funcs="iou",
+                                                            grpo_shared_prefix=True, grpo_epsilon_high=0.28)
+    assert args.grpo_shared_prefix == "true" and args.grpo_epsilon_high == 0.28
+    for weights in ("nan,1", "inf,1", "x,1"):
+        with pytest.raises(ValueError, match="reward_weights: .* not a"):
+            load_rewards("iou,format", weights)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -14,15 +15,71 @@ STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
 ROLLOUT_BACKENDS = ("hf", "vllm")
 
 
-def _read_whole_numbers_as_floats(args: object) -> None:
-    """A float key written as a whole number in YAML (``grpo_blank_image_penalty: 4``) arrives as an int, since LF
-    builds the arguments from the YAML's values as they are; an int penalty made the blank-image rewards an integer
-    tensor, and the rollout then failed deep inside torch."""
-    ours = [spec for spec in fields(args) if spec.name.startswith(("grpo_", "no_cheat_"))]
-    for spec in ours:
-        value = getattr(args, spec.name)
-        if str(spec.type).startswith("float") and isinstance(value, int) and not isinstance(value, bool):
-            setattr(args, spec.name, float(value))
+BOOL_AS_TEXT = ("grpo_shared_prefix",)  # string keys whose values include true and false
+# (low, high, low inclusive, high inclusive) for the numeric keys that have a range; every number must be finite
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "grpo_num_generations": (2, math.inf, True, False),  # advantages are relative within a group
+    "grpo_beta": (0, math.inf, True, False),
+    "grpo_epsilon": (0, math.inf, True, False),
+    "grpo_epsilon_high": (0, math.inf, True, False),
+    "grpo_num_iterations": (1, math.inf, True, False),
+    "grpo_steps_per_generation": (1, math.inf, True, False),
+    "no_cheat_min_length_ratio": (0, 1, True, True),
+    "no_cheat_max_repetition": (0, 1, True, True),
+    "no_cheat_max_copy": (0, 1, True, True),
+    "no_cheat_ngram": (1, math.inf, True, False),
+    "grpo_blank_image_ratio": (0, 1, True, True),
+    "grpo_blank_image_penalty": (0, math.inf, True, False),
+    "grpo_vllm_gpu_memory_utilization": (0, 1, False, True),
+    "grpo_vllm_tensor_parallel_size": (1, math.inf, True, False),
+    "grpo_vllm_is_cap": (0, math.inf, False, False),
+}
+
+
+def _typed(name: str, declared: str, value: object) -> object:
+    """``value`` of the key ``name`` read as its declared type, strictly: LF builds the arguments from the YAML's
+    values as they are, so ``"4"`` reached an int key (a TypeError deep in the trainer), ``"no"`` a bool key (read
+    as true) and a YAML list a comma-separated one. A whole number in a float key is a float
+    (``grpo_blank_image_penalty: 4`` made the blank-image rewards an integer tensor)."""
+    kind = declared.split("|")[0].strip()
+    if value is None and "None" in declared:
+        return None
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            number = float(value)
+        else:
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    elif kind == "str":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, bool) and name in BOOL_AS_TEXT:  # YAML reads `grpo_shared_prefix: true` as a bool
+            return str(value).lower()
+        hint = " (one comma-separated string, e.g. `iou,format`)" if isinstance(value, (list, tuple)) else ""
+        raise ValueError(f"{name} must be a string, got {value!r}{hint}")
+    else:
+        return value
+    if name in RANGES:
+        low, high, low_in, high_in = RANGES[name]
+        if not ((number >= low if low_in else number > low) and (number <= high if high_in else number < high)):
+            bounds = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return number
+
+
+def _read_keys_as_typed(args: object) -> None:
+    """Every ``grpo_*``, ``no_cheat_*`` and ``reward_*`` key read as its declared type and range (``_typed``)."""
+    for spec in fields(args):
+        if spec.name.startswith(("grpo_", "no_cheat_", "reward_")):
+            setattr(args, spec.name, _typed(spec.name, str(spec.type), getattr(args, spec.name)))
 
 
 def extend_finetuning_arguments(base: type) -> type:
@@ -121,9 +178,12 @@ def extend_finetuning_arguments(base: type) -> type:
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            _read_whole_numbers_as_floats(self)
+            _read_keys_as_typed(self)
             if self.grpo_epsilon_high is None:
                 self.grpo_epsilon_high = self.grpo_epsilon
+            if self.grpo_epsilon_high < self.grpo_epsilon:
+                raise ValueError(f"grpo_epsilon_high ({self.grpo_epsilon_high}) must be at least grpo_epsilon "
+                                 f"({self.grpo_epsilon}): the clip range would be inverted")
             if self.stage != "grpo":
                 return
             if not self.reward_funcs:
@@ -134,30 +194,16 @@ def extend_finetuning_arguments(base: type) -> type:
                                          IMPORTANCE_LEVELS)):
                 if value not in allowed:
                     raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-            if self.grpo_num_generations < 2:
-                raise ValueError("grpo_num_generations must be at least 2: advantages are relative within a group")
-            if self.grpo_num_iterations < 1:
-                raise ValueError("grpo_num_iterations must be at least 1")
-            if self.grpo_steps_per_generation is not None and self.grpo_steps_per_generation < 1:
-                raise ValueError("grpo_steps_per_generation must be at least 1")
-            if not 0 <= self.grpo_blank_image_ratio <= 1:
-                raise ValueError(f"grpo_blank_image_ratio must be in [0, 1], got {self.grpo_blank_image_ratio}")
-            if self.grpo_blank_image_penalty < 0:
-                raise ValueError("grpo_blank_image_penalty must be >= 0 (it is subtracted)")
             if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
                 raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                                  f"got {self.grpo_rollout_backend!r}")
             if self.grpo_rollout_backend == "vllm" and self.grpo_vllm_tensor_parallel_size != 1:
                 raise ValueError("grpo_vllm_tensor_parallel_size > 1 is not supported yet: each training rank runs "
                                  "its own engine; use 1")
-            self.grpo_shared_prefix = str(self.grpo_shared_prefix).lower()
+            self.grpo_shared_prefix = self.grpo_shared_prefix.lower()
             if self.grpo_shared_prefix not in SHARED_PREFIX_SETTINGS:
                 raise ValueError(f"grpo_shared_prefix must be one of {', '.join(SHARED_PREFIX_SETTINGS)}, "
                                  f"got {self.grpo_shared_prefix!r}")
-            if self.grpo_vllm_is_cap <= 0:
-                raise ValueError("grpo_vllm_is_cap must be > 0")
-            if self.no_cheat_ngram < 1:
-                raise ValueError("no_cheat_ngram must be at least 1")
 
         @property
         def cheat_rules(self) -> CheatRules:

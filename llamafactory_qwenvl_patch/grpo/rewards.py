@@ -272,12 +272,23 @@ def _keywords(func: RewardFunc) -> frozenset[str] | None:
     return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+def _weight(text: str) -> float:
+    """One of ``reward_weights``: a finite number (``nan`` trained on and logged ``reward: NaN``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"reward_weights: {text.strip()!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"reward_weights: {text.strip()!r} is not a finite number")
+    return value
+
+
 def load_rewards(funcs: str, weights: str | None, cheat_rules: CheatRules = CheatRules()) -> list[Reward]:
     """The rewards of ``reward_funcs`` with their weights; ``no_cheat`` gets the run's ``no_cheat_*`` thresholds."""
     specs = [s for s in (funcs or "").split(",") if s.strip()]
     if not specs:
         raise ValueError("stage: grpo needs reward_funcs, e.g. `reward_funcs: iou,format`")
-    values = [float(w) for w in weights.split(",")] if weights else [1.0] * len(specs)
+    values = [_weight(w) for w in weights.split(",")] if weights else [1.0] * len(specs)
     if len(values) != len(specs):
         raise ValueError(f"reward_weights has {len(values)} values for {len(specs)} reward_funcs")
     rewards = []
