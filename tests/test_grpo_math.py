@@ -176,3 +176,42 @@ def test_reward_loading(tmp_path):
 def test_batch_scaling_takes_the_global_std():
     local = advantages(torch.tensor(REWARDS), 3, "batch", batch_std=0.25)
     assert local.tolist() == pytest.approx([v / (0.25 + EPS) for v in [0.5, -0.5, 0.0, -1 / 3, -1 / 3, 2 / 3]])
+
+
+def test_rewards_that_overflow_exit_or_empty_their_inputs_fail_by_name(tmp_path):
+    """Issue 33, class 7: 1e39 passed the finite check and overflowed the float32 rewards to inf; sys.exit(0) in a
+    reward ended training with rc 0; a reward that emptied its completions list broke the length check; a reward
+    file with a syntax error or a raise at import gave a raw traceback."""
+    from llamafactory_qwenvl_patch.grpo.rewards import Reward, score
+
+    columns = {"references": ["r", "r"]}
+    shared = {"resize_policy": None, "coords": "model"}
+
+    def huge(completions, **kw):
+        return [1e39 for _ in completions]
+
+    def leaves(completions, **kw):
+        raise SystemExit(0)
+
+    def empties(completions, references, **kw):
+        completions.clear()
+        references.clear()
+        return [1.0, 1.0]
+
+    scored = score(Reward("huge", huge, 1.0), ["a", "b"], columns, shared)
+    assert scored.errors == [True, True] and scored.values == [0.0, 0.0] and "float32" in scored.failure
+    scored = score(Reward("leaves", leaves, 1.0), ["a", "b"], columns, shared)
+    assert scored.errors == [True, True] and "sys.exit(0)" in scored.failure
+    scored = score(Reward("empties", empties, 1.0), ["a", "b"], columns, shared)
+    assert scored.errors == [False, False] and scored.values == [1.0, 1.0] and columns["references"] == ["r", "r"]
+    (tmp_path / "broken.py").write_text("def f(completions, **kw):\n    return [1.0 for c in completions\n")
+    (tmp_path / "raising.py").write_text("import os\nraise RuntimeError('no GPU for my reward model')\n")
+    (tmp_path / "exiting.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ValueError, match=r"broken.py:f.*cannot be loaded: SyntaxError.*line 2"):
+        load_rewards(f"{tmp_path / 'broken.py'}:f", None)
+    with pytest.raises(ValueError, match=r"raising.py:f.*RuntimeError: no GPU for my reward model.*line 2"):
+        load_rewards(f"{tmp_path / 'raising.py'}:f", None)
+    with pytest.raises(ValueError, match=r"exiting.py:f.*SystemExit: 3"):
+        load_rewards(f"{tmp_path / 'exiting.py'}:f", None)
+    with pytest.raises(ValueError, match=r"nope_module_xyz:f.*ModuleNotFoundError"):
+        load_rewards("nope_module_xyz:f", None)

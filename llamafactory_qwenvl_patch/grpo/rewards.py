@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -230,22 +231,35 @@ def load_reward(spec: str) -> tuple[str, RewardFunc]:
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: not a built-in ({', '.join(BUILTIN)}) and not module:function")
     target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"reward {spec!r}: file {path} not found")
-        module_spec = importlib.util.spec_from_file_location(f"qwenvl_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ValueError(f"reward {spec!r}: file {path} not found")
+            module_spec = importlib.util.spec_from_file_location(f"qwenvl_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ValueError(f"reward {spec!r}: cannot import {target} ({exc})") from None
+    except ValueError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: a syntax error, a raise at import
+        if isinstance(exc, SyntaxError):
+            where = f"{exc.filename}, line {exc.lineno}"
+        else:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{frame.filename}, line {frame.lineno}"
+        raise ValueError(f"reward {spec!r}: {target} cannot be loaded: {type(exc).__name__}: {exc} "
+                         f"({where})") from None
     func = getattr(module, name, None)
     if not callable(func):
         raise ValueError(f"reward {spec!r}: {target} has no function {name}")
     return name, func
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # a larger reward overflows the float32 reward tensor to inf
+SLOW_REWARD_S = 60.0  # a reward call slower than this is named once (no timeout: see the README)
+_WARNED_SLOW: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -305,13 +319,31 @@ def load_rewards(funcs: str, weights: str | None, cheat_rules: CheatRules = Chea
     return rewards
 
 
+class RewardExit(RuntimeError):
+    """A reward called ``sys.exit``: a failure of that reward, not the end of the run (it ended with rc 0 and no
+    adapter)."""
+
+
 def _call(reward: Reward, completions: list[str], columns: dict[str, list], shared: dict[str, Any]) -> list[float]:
-    kwargs = {**columns, **shared, "policy": shared["resize_policy"]}  # ``policy``: the pre-rename keyword
+    """The reward's values; it gets copies of the lists, so one that empties or reorders them cannot change what
+    its values are checked against (or what the next reward sees)."""
+    kwargs = {**{key: list(value) for key, value in columns.items()}, **shared,
+              "policy": shared["resize_policy"]}  # ``policy``: the pre-rename keyword
     if reward.accepts is not None:
         kwargs = {key: value for key, value in kwargs.items() if key in reward.accepts}
-    values = [float(v) for v in reward.func(completions, **kwargs)]
+    start = time.perf_counter()
+    try:
+        returned = reward.func(list(completions), **kwargs)
+    except SystemExit as exc:
+        raise RewardExit(f"the reward called sys.exit({exc.code!r})") from None
+    values = [float(v) for v in returned]
     if len(values) != len(completions):
         raise ValueError(f"returned {len(values)} rewards for {len(completions)} completions")
+    elapsed = time.perf_counter() - start
+    if elapsed > SLOW_REWARD_S and reward.name not in _WARNED_SLOW:
+        _WARNED_SLOW.add(reward.name)
+        warnings.warn(f"reward {reward.name!r} took {elapsed:.0f} s for {len(completions)} completions: the "
+                      "whole run waits for it at every rollout", RuntimeWarning, stacklevel=2)
     return values
 
 
@@ -341,11 +373,13 @@ def score(reward: Reward, completions: list[str], columns: dict[str, list], shar
             except Exception as error:  # noqa: BLE001
                 values.append(math.nan)
                 first_failure = first_failure or f"on the completion {completion!r}:\n{_traceback(error)}"
-    errors = [not math.isfinite(v) for v in values]
+    errors = [not math.isfinite(v) or abs(v) > FLOAT32_MAX for v in values]
     failure = first_failure or batch_failure
     if failure is None and any(errors):
         bad = next(c for c, e in zip(completions, errors) if e)
-        failure = f"returned {values[errors.index(True)]} for the completion {bad!r}"
+        value = values[errors.index(True)]
+        what = f"{value}" if not math.isfinite(value) else f"{value:g}, beyond float32's range (the rewards' dtype)"
+        failure = f"returned {what} for the completion {bad!r}"
     return Scored([0.0 if bad else v for v, bad in zip(values, errors)], errors, failure)
 
 

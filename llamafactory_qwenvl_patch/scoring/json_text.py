@@ -35,8 +35,8 @@ class TooDeepError(JSONTextError):
 
 class NumberTooLongError(JSONTextError):
     def __init__(self, text: str) -> None:
-        super().__init__(f"a number written with {len(text)} characters ({text[:12]}...) is longer than the "
-                         f"{MAX_NUMBER_CHARS} any coordinate or field can need")
+        super().__init__(f"a number written with {len(text)} characters ({text[:12]}...) is too large: longer "
+                         f"than the {MAX_NUMBER_CHARS} any coordinate or field can need")
 
 
 class Number:
