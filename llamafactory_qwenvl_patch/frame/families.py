@@ -53,8 +53,10 @@ register(Family("qwen3_5", 32, "rel1000", ("qwen3_5",), ("qwen3_5", "qwen3_6"), 
 def family_of_model_type(model_type: str | None) -> str | None:
     """The family of an HF ``model_type``; the longest matching prefix wins (``qwen2_5_vl`` before ``qwen2_vl``,
     ``qwen3_vl`` for ``qwen3_vl_moe``)."""
+    if not isinstance(model_type, str):  # a hostile config.json: a list, a number
+        return None
     matches = [(len(prefix), f.name) for f in FAMILIES.values() for prefix in f.model_types
-               if (model_type or "").startswith(prefix)]
+               if model_type.startswith(prefix)]
     return max(matches)[1] if matches else None
 
 

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
+from llamafactory_qwenvl_patch.model_files.folder import NotPortableError
 
 
 def nested_only(model_type: str | None) -> bool:
@@ -38,14 +39,39 @@ def legacy_rope(rope_parameters: dict[str, Any]) -> tuple[float | None, dict[str
     return theta, rope
 
 
+class LayoutError(NotPortableError):
+    """A config.json whose layout cannot be rewritten faithfully (the message names the key); an export keeps such
+    a folder as transformers wrote it, with a warning."""
+
+
+# top-level keys that win over text_config's on flattening: transformers 5.x saves and ties the weights by them
+TOP_LEVEL_WINS = ("tie_word_embeddings",)
+
+
+def check_text_config(config: dict[str, Any]) -> None:
+    """LayoutError for a ``text_config`` that is there but not an object (neither layout, and no reader takes it)."""
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise LayoutError(f"config.json: text_config is {json.dumps(text)[:60]}, not an object: there is nothing "
+                          "to flatten, and no transformers would read it")
+
+
 def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The flat layout of a nested config and the list of changes made."""
+    """The flat layout of a nested config and the list of changes made. text_config's values win over stale
+    top-level copies (the model is built from text_config), except ``TOP_LEVEL_WINS``; a text_config or
+    rope_parameters that is not an object is a LayoutError rather than a config flattened without it."""
+    check_text_config(config)
+    text = config.get("text_config")
     out = {k: v for k, v in config.items() if k != "text_config"}
     changes = []
-    text = dict(config.get("text_config") or {})
+    text = dict(text or {})
     text.pop("model_type", None)
     for key in ("architectures", "transformers_version"):
         text.pop(key, None)
+    if "rope_parameters" in text and not isinstance(text["rope_parameters"], dict):
+        raise LayoutError(f"config.json: text_config.rope_parameters is {json.dumps(text['rope_parameters'])[:60]}, "
+                          "not an object: the rope settings (theta, M-RoPE sections) cannot be carried over; fix it "
+                          "from the base model's config")
     rope = text.pop("rope_parameters", None)
     if isinstance(rope, dict):
         theta, rope = legacy_rope(rope)
@@ -56,7 +82,11 @@ def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         changes.append(f"rope_parameters -> rope_scaling ({json.dumps(rope)})")
     for key, value in text.items():
         if key in out and out[key] != value and key != "dtype":
-            changes.append(f"kept top-level {key}={out[key]!r} over text_config.{key}={value!r}")
+            if key in TOP_LEVEL_WINS:
+                changes.append(f"kept top-level {key}={out[key]!r} over text_config.{key}={value!r}")
+                continue
+            changes.append(f"text_config.{key}={value!r} replaces the top level's {key}={out[key]!r}")
+            out[key] = value
         out.setdefault(key, value)
     dtype = out.pop("dtype", None)
     if dtype is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
 from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
-from llamafactory_qwenvl_patch.model_files.config_layout import flatten, layout, nested_only
+from llamafactory_qwenvl_patch.model_files.config_layout import check_text_config, flatten, layout, nested_only
 from llamafactory_qwenvl_patch.model_files.folder import FileEdit, ModelFolder, NotPortableError
 from llamafactory_qwenvl_patch.model_files.portable import portable_edits, write_edits
 from llamafactory_qwenvl_patch.model_files.readers import READERS, all_reader_problems, reader_problems
@@ -24,10 +24,10 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
     what each reader cannot load (``readers``)."""
     import transformers
 
-    path = model_dir / "config.json"
-    if not path.is_file():
+    folder = ModelFolder.load(model_dir)  # every JSON file read once, as an object, or an error naming it
+    config = folder.get("config.json")
+    if config is None:
         raise ValueError(f"{model_dir} has no config.json")
-    config = json.loads(path.read_text())
     problems = []
     model_type = config.get("model_type")
     if family_of_model_type(model_type) is None:
@@ -36,6 +36,8 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
     # sub-config types are not looked up in CONFIG_MAPPING: 4.57 has no ``qwen2_5_vl_vision`` there yet loads it
     sub_types = {key: config[key]["model_type"] for key in ("text_config", "vision_config")
                  if isinstance(config.get(key), dict) and config[key].get("model_type")}
+    problems += [f"config.json: {key} is {json.dumps(config[key])[:60]}, not an object"
+                 for key in ("text_config", "vision_config") if key in config and not isinstance(config[key], dict)]
     bounds = read_processor_bounds(model_dir)
     if yaml_bounds is not None and bounds is not None and tuple(bounds) != tuple(yaml_bounds):
         problems.append(f"processor bounds {bounds[0]}..{bounds[1]} differ from the training YAML's "
@@ -52,14 +54,17 @@ def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -
         "processor_bounds": list(bounds) if bounds else None,
         "yaml_bounds": list(yaml_bounds) if yaml_bounds else None,
         "readable_by_transformers_le_4_51": layout(config) == "flat" or nested_only(model_type),
-        "readers": all_reader_problems(ModelFolder.load(model_dir)),
+        "readers": all_reader_problems(folder),
         "problems": problems,
     }
 
 
 def rewrite_flat(model_dir: Path) -> dict[str, Any]:
     """Rewrite config.json in the flat layout, keeping a timestamped backup; no-op if already flat."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = ModelFolder.load(model_dir).get("config.json")
+    if config is None:
+        raise ValueError(f"{model_dir} has no config.json")
+    check_text_config(config)
     if nested_only(config.get("model_type")):
         raise ValueError(f"{config['model_type']} configs are nested in every transformers that supports them; "
                          "there is no flat layout to write")
