@@ -105,3 +105,13 @@ def test_predict_and_draw_refuse_before_writing(tmp_path, converted, capsys):
             "inside an input of this run")
     refused(capsys, ["draw", converted["dataset"], "-o", out, "--sample", "0"], "is a symbolic link")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["../../x", "a,b", ".hidden", "tab\there", " padded"])
+def test_convert_refuses_a_dataset_name_lf_cannot_use(tmp_path, converted, capsys, name):
+    """Issue 33, class 10: `convert --dataset-name ../../x` registered the name as given; LF splits `dataset:` at
+    commas, and a name is not a path. Refused before anything is written."""
+    before = snapshot(tmp_path)
+    refused(capsys, ["convert", converted["input"], "-o", converted["data"] / "other.jsonl", "--input-coords", "abs",
+                     *FLAGS, "--dataset-name", name], "--dataset-name", repr(name))
+    assert snapshot(tmp_path) == before

@@ -95,13 +95,15 @@ def test_sampling_repeats_with_its_seed_and_differs_from_greedy(tiny_model, tmp_
     assert len(set(first)) > 1 and set(first) != set(greedy)
 
 
-def test_a_negative_or_non_finite_temperature_is_refused(tiny_model, tmp_path):
-    for bad in (-0.5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+def test_a_negative_non_finite_or_vanishing_temperature_is_refused(tiny_model, tmp_path):
+    """1e-300 used to load the model and die in torch's sampling (the scaled logits overflow float32)."""
+    for bad in (-0.5, float("nan"), float("inf"), 1e-300, 1e-4):
+        with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 0.001"):
             Predictor(tiny_model, temperature=bad)
-    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", "-1"], None,
-                     tmp_path)
-    assert result.returncode == 2 and "--temperature takes a number >= 0" in result.stderr
+    for bad in ("-1", "1e-300"):
+        result = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", bad],
+                         None, tmp_path)
+        assert result.returncode == 2 and "--temperature takes a number 0 or >= 0.001" in result.stderr
     greedy_seed = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--seed", "3"], None,
                           tmp_path)  # a seed that would change nothing is refused, not silently ignored
     assert greedy_seed.returncode == 2 and "--seed only acts with --temperature > 0" in greedy_seed.stderr

@@ -17,6 +17,7 @@ from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from llamafactory_qwenvl_patch.model_files.readers import READERS
 from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
+from qwenvl_prep.predict import MIN_TEMPERATURE
 from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
 from qwenvl_prep.workers import one_line_warnings
 
@@ -65,16 +66,19 @@ def _absent(text: str) -> int:
     return int(text)
 
 
-def _finite(flag: str, zero_allowed: bool, note: str = "") -> Callable[[str], float]:
-    """An argparse type: a finite number > 0, or >= 0 with ``zero_allowed`` (nan and inf are mistakes, not values)."""
-    bound = ">= 0" if zero_allowed else "> 0"
+def _finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (at least ``least`` when given), or also 0 with ``zero_allowed`` (nan
+    and inf are mistakes, not values)."""
+    bound = f">= {least:g}" if least else "> 0"
+    bound = f"0 or {bound}" if zero_allowed and least else (">= 0" if zero_allowed else bound)
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0)):
+        positive = value >= least if least else value > 0
+        if not (math.isfinite(value) and (positive or (zero_allowed and value == 0))):
             raise argparse.ArgumentTypeError(f"{flag} takes a number {bound}{note}, got {text!r}")
         return value
 
@@ -492,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=_count(1), default=128)
     pred.add_argument("--batch-size", type=_count(1), default=8, help="images per generate call (left-padded)")
-    pred.add_argument("--temperature", type=_finite("--temperature", True, " (0 = greedy)"), default=0.0,
+    pred.add_argument("--temperature", type=_finite("--temperature", True, " (0 = greedy)", least=MIN_TEMPERATURE),
+                      default=0.0,
                       help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
                       "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
                       "not only whether its best answer is one")

@@ -441,6 +441,7 @@ def _check_outputs(opts: ConvertOptions) -> None:
     if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
         raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
     name = opts.dataset_name or opts.output.stem
+    check_dataset_name(name)
     check_output(opts.output, "output", inputs=[opts.input], own_entry=name)
     check_output(errors, "--errors", inputs=[opts.input])
     entry = read_dataset_info(opts.output.parent).get(name)
@@ -448,6 +449,17 @@ def _check_outputs(opts: ConvertOptions) -> None:
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
         raise ConvertError(f"{registry} already has a dataset named {name!r} (file {file_name!r}); pass "
                            "--overwrite to replace it, or add another with both another -o and --dataset-name")
+
+
+def check_dataset_name(name: str) -> None:
+    """ConvertError for a name LF cannot use as a ``dataset:`` entry: LF splits ``dataset: a,b`` at commas, and a
+    name that looks like a path (``../../x``), starts with a dot or holds control characters is a mistake."""
+    bad = (not name or name != name.strip() or name.startswith(".") or any(c in name for c in ",/\\")
+           or any(not c.isprintable() for c in name))
+    if bad:
+        raise ConvertError(f"dataset name {name!r} cannot be a dataset_info.json entry LF reads: use letters, digits, "
+                           "spaces and . _ + - (no commas: LF splits `dataset:` at them; no slashes: a name is not a "
+                           "path); set it with --dataset-name")
 
 
 class Abort(Exception):

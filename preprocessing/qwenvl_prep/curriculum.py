@@ -9,7 +9,6 @@ the previous stage's output (the LoRA adapter, or the full weights).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import yaml
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.convert import Abort, ConvertOptions, run_convert
+from qwenvl_prep.convert import Abort, ConvertOptions, check_dataset_name, run_convert
 from qwenvl_prep.outputs import Outputs
 from qwenvl_prep.run_spec import load_yaml, spec_from_yaml
 
@@ -79,9 +78,7 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
     if opts.out.exists() and not opts.out.is_dir():
         raise CurriculumError(f"-o {opts.out} is a file; the curriculum needs a folder (its stage YAMLs and data/)")
     name = opts.dataset_name or opts.input.stem
-    if re.search(r"[/\\\0,]", name) or name.startswith(".") or not name.strip():
-        raise CurriculumError(f"--dataset-name {name!r} must be a plain name (no path separators, commas or leading "
-                              "'.'): it becomes file names inside -o and dataset names in the stage YAMLs")
+    check_dataset_name(name)  # it becomes file names inside -o and dataset names in the stage YAMLs
     base = load_yaml(opts.base_yaml)
     if base.get("eval_dataset") and opts.eval_input is None:
         raise CurriculumError(f"{opts.base_yaml} sets eval_dataset, whose labels are in one frame only: pass "

@@ -34,13 +34,18 @@ def adapter_base(model_dir: Path) -> Path | None:
     return Path(base)
 
 
+MIN_TEMPERATURE = 1e-3
+
+
 class Predictor:
     """Loads a model folder once; ``__call__`` answers one image and returns boxes in original pixels."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int = 0) -> None:
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if not (math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (lower ones "
+                             f"sample the greedy answer in effect, and near 1e-35 the scaled logits overflow float32), "
+                             f"got {temperature}")
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
