@@ -255,3 +255,22 @@ def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys):
     assert code == 1 and "Traceback" not in captured.err
     rows = [json.loads(line) for line in (tmp_path / "out" / "b.jsonl.errors.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and "cannot be read from here on" in rows[0]["error"]
+
+
+@pytest.mark.parametrize("bbox", [[1e308, 2, 1e308, 4], [1e308, 2, 3, 4], [1, 2, 3, 1e9]])
+def test_a_huge_screenspot_bbox_is_named_as_such(tmp_path, bbox):
+    """Issue 33, class 10: a bbox of 1e308 was reported as "'meta' is not JSON-serialisable" (x + w overflowed to
+    inf) or as having no area (1e308 + 3 == 1e308)."""
+    from PIL import Image
+
+    from qwenvl_prep.cli import main
+
+    Image.new("RGB", (1920, 1080)).save(tmp_path / "s.png")
+    src = tmp_path / "ss.json"
+    src.write_text(json.dumps([{"img_filename": "s.png", "bbox": bbox, "instruction": "click the button",
+                                "data_type": "text", "data_source": "web"}]))
+    out = tmp_path / "out" / "t.json"
+    assert main(["convert", str(src), "-o", str(out), "--min-pixels", "200704", "--max-pixels", "1003520", "-q",
+                 "--workers", "1"]) == 1
+    [row] = [json.loads(line) for line in out.with_name("t.json.errors.jsonl").read_text().splitlines()]
+    assert "beyond 1e+06 px" in row["error"] and row["record"] == 0, row

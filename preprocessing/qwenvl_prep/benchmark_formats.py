@@ -34,6 +34,9 @@ DEFAULT_TARGET = {"screenspot": "point", "screenspot-pro": "point", "refcoco-par
 _TEXT_KEYS = ("img_filename", "bbox", "instruction", "img_size")  # carried elsewhere, not copied into meta
 
 
+MAX_PIXEL_COORD = 1e6  # original pixels: no screenshot is a million pixels on a side (1e308 overflowed x + w)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -43,6 +46,8 @@ def _corners(bbox: Any, layout: str) -> list[float]:
     with a positive extent."""
     if not (isinstance(bbox, list) and len(bbox) == 4 and all(map(_number, bbox))):
         raise RecordError(f"'bbox' {bbox!r} is not 4 numbers")
+    if max(abs(v) for v in bbox) > MAX_PIXEL_COORD:
+        raise RecordError(f"'bbox' {bbox!r} has a value beyond {MAX_PIXEL_COORD:g} px, larger than any screenshot")
     x1, y1, a, b = bbox
     x2, y2 = (x1 + a, y1 + b) if layout == "xywh" else (a, b)
     if x2 <= x1 or y2 <= y1:
