@@ -222,3 +222,15 @@ def skip_without(family: str) -> None:
     installed = tuple(int(part) for part in transformers.__version__.split(".")[:2])
     if installed < tuple(int(part) for part in since.split(".")):
         pytest.skip(f"transformers {transformers.__version__} has no {family} (it came in {since})")
+
+
+def png_header_bomb(width: int = 60000, height: int = 60000) -> bytes:
+    """A PNG whose header claims 3.6 gigapixels (PIL refuses to open it: a decompression bomb)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
+        b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")

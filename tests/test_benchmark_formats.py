@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from helpers import save_image
+from helpers import png_header_bomb, save_image
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from qwenvl_prep.cli import main
 
@@ -274,3 +274,15 @@ def test_a_huge_screenspot_bbox_is_named_as_such(tmp_path, bbox):
                  "--workers", "1"]) == 1
     [row] = [json.loads(line) for line in out.with_name("t.json.errors.jsonl").read_text().splitlines()]
     assert "beyond 1e+06 px" in row["error"] and row["record"] == 0, row
+
+
+def test_a_decompression_bomb_in_a_parquet_row_is_that_rows_error(tmp_path):
+    """Issue 33, class 3: a header bomb in a RefCOCO row gave PIL's DecompressionBombError traceback."""
+    table = pa.table({"image": [{"bytes": png_header_bomb(), "path": None},
+                                {"bytes": _png(64, 48, (1, 2, 3)), "path": None}],
+                      "answer": [["a"], ["b"]], "bbox": [[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 20.0, 20.0]]})
+    source = tmp_path / "bomb.parquet"
+    pq.write_table(table, source)
+    code, rows, errors = _convert(tmp_path, source)
+    assert code == 0 and len(rows) == 1 and len(errors) == 1
+    assert "decompression bomb" in errors[0]["error"] and errors[0]["record"] == 0, errors

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from helpers import (
-    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt,
+    BIN, ServerProcess, free_port, grounding_record, png_header_bomb, read_log, run_cli, save_image, train_config,
+    write_sharegpt,
 )
 from PIL import Image
 
@@ -143,6 +144,11 @@ def test_refused_image_is_a_client_error(servers):
         assert "aspect ratio" in refusal(data_url(6000, 20), stream)
         assert "cannot be read" in refusal("data:image/png;base64," + base64.b64encode(b"not a png").decode(),
                                            stream)
+        # issue 33, class 10: LF tried a webp data URL as a web address ("Only HTTP/HTTPS URLs are allowed")
+        assert "image/webp data URL" in refusal("data:image/webp;base64,UklGRg==", stream)
+        # issue 33, class 3: a decompression bomb was an HTTP 500
+        assert "cannot be read" in refusal("data:image/png;base64," + base64.b64encode(png_header_bomb()).decode(),
+                                           stream)
     assert servers["pinned"].ask(data_url(640, 480)).choices[0].message.content
 
 
@@ -213,3 +219,14 @@ def test_to_original_and_image_checks(tmp_path):
         check_images(frame, [Image.new("RGB", (6000, 20))])
     with pytest.raises(ImageError, match="not a readable image"):
         check_images(frame, [b"not an image"])
+
+
+def test_unread_data_urls_are_named_by_their_type():
+    from llamafactory_qwenvl_patch.integration.lf_patch import _unread_data_urls
+
+    def request(*urls):
+        items = [SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)) for url in urls]
+        return SimpleNamespace(messages=[SimpleNamespace(content=[*items, SimpleNamespace(type="text", text="hi")])])
+
+    assert _unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
+    assert _unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA")) == ["image/webp", "typeless"]

@@ -496,6 +496,24 @@ def patch_chat_model(chat_module: ModuleType) -> None:
     chat_model_cls.astream_chat = astream_chat_pinned
 
 
+LF_DATA_URL_TYPES = ("png", "jpg", "jpeg", "gif", "bmp")  # api/chat.py's base64 pattern in LF 0.9.5
+
+
+def _unread_data_urls(request: Any) -> list[str]:
+    """The media types of image data URLs that LF's API would not decode (``data:image/webp``: LF then tries it as
+    a web address and answers "Only HTTP/HTTPS URLs are allowed")."""
+    found = []
+    for message in getattr(request, "messages", None) or []:
+        content = getattr(message, "content", None)
+        for item in content if isinstance(content, list) else []:
+            url = getattr(getattr(item, "image_url", None), "url", None)
+            if getattr(item, "type", None) == "image_url" and isinstance(url, str) and url.startswith("data:"):
+                kind = url[5:].split(";", 1)[0].split(",", 1)[0]
+                if not (kind.startswith("image/") and kind[6:] in LF_DATA_URL_TYPES):
+                    found.append(kind or "typeless")
+    return found
+
+
 def patch_api_chat(api_chat: ModuleType) -> None:
     """The OpenAI-style API: a request whose image is unreadable or refused by the pinned policy is a 400 with the
     reason, checked before the response starts (so streaming requests get it too); the server stays up."""
@@ -507,17 +525,24 @@ def patch_api_chat(api_chat: ModuleType) -> None:
         if frame is None:
             return
         from fastapi import HTTPException, status
+        from PIL.Image import DecompressionBombError
         from PIL import UnidentifiedImageError
 
         from llamafactory_qwenvl_patch.image_io.images import ImageError
         from llamafactory_qwenvl_patch.integration.serving import check_images
 
+        unread = _unread_data_urls(request)
+        if unread:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"an image sent as a {unread[0]} data URL: LLaMA-Factory's API reads data URLs "
+                                       f"of {', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web "
+                                       "address); send it as PNG or JPEG")
         try:
             images = api_chat._process_request(request)[3]
             check_images(frame, images)
         except ImageError as exc:
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
-        except (UnidentifiedImageError, ValueError, OSError) as exc:
+        except (UnidentifiedImageError, ValueError, OSError, DecompressionBombError) as exc:
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
                                 detail=f"image in the request cannot be read: {exc}") from None
 

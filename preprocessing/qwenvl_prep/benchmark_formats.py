@@ -123,6 +123,8 @@ def _image_file(data: Any, folder: Path) -> str:
 
     try:
         kind = (Image.open(io.BytesIO(data)).format or "").lower()
+    except Image.DecompressionBombError as error:
+        raise RecordError(f"'image' is refused as a decompression bomb ({error})") from None
     except (UnidentifiedImageError, OSError) as error:
         raise RecordError(f"'image' bytes are not a readable image ({error})") from None
     suffix = {"jpeg": ".jpg", "png": ".png", "webp": ".webp", "bmp": ".bmp", "gif": ".gif"}.get(kind)
