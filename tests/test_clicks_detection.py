@@ -242,3 +242,70 @@ def test_monitors_in_a_non_square_model_frame():
     add_monitors(other, ["[]", "[]"], meta, 2, "model")
     tally.merge(other)
     assert tally.to_dict()["empty_answer_rate"] == 0.5 and tally.answers == 4
+
+
+def _reference_matches(truth, predicted, threshold):
+    """The matching as it was computed box by box (before the IoU matrix): the reference of the vectorised one."""
+    from scipy.optimize import linear_sum_assignment
+
+    from llamafactory_qwenvl_patch.scoring.detection import label_key
+    from llamafactory_qwenvl_patch.scoring.metrics import iou
+
+    if not truth or not predicted:
+        return []
+    weights = [[(1.0 + iou(t.box, p.box)) if iou(t.box, p.box) >= threshold and (
+        t.label is None or label_key(t.label) == label_key(p.label)) else 0.0 for p in predicted] for t in truth]
+    rows, cols = linear_sum_assignment(weights, maximize=True)
+    return [(int(r), int(c), weights[r][c] - 1.0) for r, c in zip(rows, cols) if weights[r][c] > 0]
+
+
+_COORD = st.integers(-5, 60).map(float)
+_BOXES = st.lists(st.tuples(_COORD, _COORD, _COORD, _COORD), max_size=12)
+_LABELS = st.sampled_from([None, "cat", "Cat ", "dog", ""])
+
+
+@settings(max_examples=150, deadline=None)
+@given(_BOXES, _BOXES, st.lists(_LABELS, min_size=12, max_size=12), st.lists(_LABELS, min_size=12, max_size=12),
+       st.sampled_from([0.5, 0.75, 0.95]))
+def test_the_iou_matrix_and_vectorised_matching_equal_the_box_by_box_ones(truth, predicted, truth_labels,
+                                                                         predicted_labels, threshold):
+    """Issue 33, class 9: the IoU matrix is computed in numpy; every entry equals ``iou`` exactly (degenerate and
+    inverted boxes included) and the matches equal the box-by-box computation's."""
+    from llamafactory_qwenvl_patch.scoring.detection import Detection, match_detections
+    from llamafactory_qwenvl_patch.scoring.metrics import iou, iou_matrix
+
+    matrix = iou_matrix(truth, predicted)
+    assert matrix.shape == (len(truth), len(predicted))
+    assert all(matrix[i, j] == iou(t, p) for i, t in enumerate(truth) for j, p in enumerate(predicted))
+    true = [Detection(box, label) for box, label in zip(truth, truth_labels)]
+    guesses = [Detection(box, label) for box, label in zip(predicted, predicted_labels)]
+    ours, reference = match_detections(true, guesses, threshold), _reference_matches(true, guesses, threshold)
+    assert [pair[:2] for pair in ours] == [pair[:2] for pair in reference]
+    # the IoU itself now, where it was (1 + IoU) - 1 (off by one rounding step)
+    assert all(abs(a[2] - b[2]) <= 1e-12 and a[2] == iou(true[a[0]].box, guesses[a[1]].box)
+               for a, b in zip(ours, reference))
+
+
+def test_duplicate_pairs_by_blocks_equal_the_pairwise_count():
+    import random
+
+    from llamafactory_qwenvl_patch.scoring import detection
+    from llamafactory_qwenvl_patch.scoring.metrics import iou
+
+    rng = random.Random(0)
+    boxes = []
+    for _ in range(300):
+        x, y = rng.uniform(0, 900), rng.uniform(0, 900)
+        boxes.append(detection.Detection((x, y, x + 50, y + 40), rng.choice(["a", "b", None])))
+        if rng.random() < 0.3:  # a near copy: a duplicate pair
+            boxes.append(detection.Detection((x + 1, y, x + 51, y + 40), boxes[-1].label))
+    expected = sum(detection.label_key(a.label) == detection.label_key(b.label) and iou(a.box, b.box) >= 0.9
+                   for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert expected > 50
+    saved = detection.DUPLICATE_BLOCK
+    try:
+        detection.DUPLICATE_BLOCK = 7  # many blocks, uneven last one
+        assert detection._duplicate_pairs(boxes) == expected
+    finally:
+        detection.DUPLICATE_BLOCK = saved
+    assert detection._duplicate_pairs(boxes) == expected

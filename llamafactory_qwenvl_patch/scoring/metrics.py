@@ -26,6 +26,25 @@ def iou(a: Box, b: Box) -> float:
     return inter / union if union > 0 else 0.0
 
 
+def iou_matrix(a: Sequence[Box], b: Sequence[Box]) -> Any:
+    """The IoU of every box of ``a`` with every box of ``b`` (a ``len(a) x len(b)`` float64 array), with ``iou``'s
+    arithmetic in numpy: one record of 400 true and 3,000 predicted boxes took minutes box by box."""
+    import numpy as np
+
+    first = np.asarray(a, dtype=np.float64).reshape(-1, 4)
+    second = np.asarray(b, dtype=np.float64).reshape(-1, 4)
+    ix = np.maximum(0.0, np.minimum(first[:, None, 2], second[None, :, 2]) - np.maximum(first[:, None, 0],
+                                                                                     second[None, :, 0]))
+    iy = np.maximum(0.0, np.minimum(first[:, None, 3], second[None, :, 3]) - np.maximum(first[:, None, 1],
+                                                                                     second[None, :, 1]))
+    inter = ix * iy
+    area_a = np.maximum(0.0, first[:, 2] - first[:, 0]) * np.maximum(0.0, first[:, 3] - first[:, 1])
+    area_b = np.maximum(0.0, second[:, 2] - second[:, 0]) * np.maximum(0.0, second[:, 3] - second[:, 1])
+    union = area_a[:, None] + area_b[None, :] - inter
+    safe = np.where(union > 0, union, 1.0)
+    return np.where(union > 0, inter / safe, 0.0)
+
+
 def match_boxes(truth: Sequence[Box], predicted: Sequence[Box]) -> list[tuple[int, int, float]]:
     """One-to-one matching that maximises total IoU (Hungarian); returns (truth index, prediction index, IoU)
     for matched pairs with IoU > 0. Independent of the order of either list."""
@@ -33,9 +52,9 @@ def match_boxes(truth: Sequence[Box], predicted: Sequence[Box]) -> list[tuple[in
         return []
     from scipy.optimize import linear_sum_assignment
 
-    scores = [[iou(t, p) for p in predicted] for t in truth]
+    scores = iou_matrix(truth, predicted)
     rows, cols = linear_sum_assignment(scores, maximize=True)
-    return [(int(r), int(c), scores[r][c]) for r, c in zip(rows, cols) if scores[r][c] > 0]
+    return [(int(r), int(c), float(scores[r, c])) for r, c in zip(rows, cols) if scores[r, c] > 0]
 
 
 def centre_offset(a: Box, b: Box) -> float:
