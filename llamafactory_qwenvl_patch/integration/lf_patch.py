@@ -440,9 +440,11 @@ def _portable_export(folder: str) -> None:
                              f"may not read: {exc}. `qwenvl-prep fix-config {folder}` lists what each reader needs.")
         return
     from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.model_files.readers import READERS, has_family
 
-    since = resolve_family(folder).since_transformers
-    readers = "and vLLM 0.11 " if since.startswith("4.") else ""
+    family = resolve_family(folder)
+    since = family.since_transformers
+    readers = f"and {READERS['vllm']} " if has_family("vllm", family.name) else ""
     logger.info_rank0(f"{folder}: written in the portable layout (transformers {since} to 5.x {readers}read it in "
                       f"the training frame); rewrote {', '.join(written['files']) or 'nothing'}")
 

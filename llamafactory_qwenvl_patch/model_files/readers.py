@@ -33,13 +33,18 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
 
+def has_family(reader: str, family: str) -> bool:
+    """Whether ``reader`` (a key of READERS) has the family's model types at all."""
+    return _version(READER_TRANSFORMERS[reader]) >= _version(FAMILIES[family].since_transformers)
+
+
 def _config_problems(config: dict[str, Any], reader: str) -> list[str]:
     family = family_of_model_type(config.get("model_type"))
     if family is None:
         return [f"{CONFIG}: model_type {config.get('model_type')!r} is not a Qwen-VL type"]
-    since = FAMILIES[family].since_transformers
-    if _version(READER_TRANSFORMERS[reader]) < _version(since):
-        return [f"{CONFIG}: model_type {config['model_type']!r} exists only from transformers {since} on"]
+    if not has_family(reader, family):
+        return [f"{CONFIG}: model_type {config['model_type']!r} exists only from transformers "
+                f"{FAMILIES[family].since_transformers} on"]
     if layout(config) == "flat":
         return []
     text = config["text_config"]

@@ -240,7 +240,7 @@ class CocoReader:
             elif not _box_ok(ann.get("bbox")):
                 index.broken.setdefault(image_id, f"annotation {ann_id} has bbox {_show(ann.get('bbox'))}, not "
                                                   "[x, y, w, h]")
-            elif ann.get("iscrowd", 0) not in (0, 1) or isinstance(ann.get("iscrowd"), (str, float)):
+            elif not (isinstance(ann.get("iscrowd", 0), int) and ann.get("iscrowd", 0) in (0, 1)):  # bools too
                 index.broken.setdefault(image_id, f"annotation {ann_id} has iscrowd {_show(ann.get('iscrowd'))}, "
                                                   "not 0 or 1")
             else:
