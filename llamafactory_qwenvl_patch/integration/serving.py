@@ -67,9 +67,10 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
 
 
 def check_backend_reads(model_args: Any) -> None:
-    """A pinned run on ``infer_backend: vllm``: the folder must be one vLLM 0.11 loads in the training frame, else
-    one error naming each file and key and the repair command, instead of vLLM's traceback at start-up (or a
-    silently other frame). LF formats prompts with its own template, so the folder's chat template is not needed."""
+    """A pinned run on ``infer_backend: vllm``: the folder must be one the installed vLLM loads in the training
+    frame, else one error naming each file and key and the repair command, instead of vLLM's traceback at start-up
+    (or a silently other frame). LF formats prompts with its own template, so the folder's chat template is not
+    needed."""
     backend = getattr(model_args, "infer_backend", None)
     if not model_args.qwenvl_patch or str(getattr(backend, "value", backend)) != "vllm":
         return
@@ -77,18 +78,19 @@ def check_backend_reads(model_args: Any) -> None:
 
     from llamafactory_qwenvl_patch.frame.families import family_of_model
     from llamafactory_qwenvl_patch.model_files.folder import ModelFolder, NotPortableError
-    from llamafactory_qwenvl_patch.model_files.readers import reader_problems
+    from llamafactory_qwenvl_patch.model_files.readers import READERS, reader_problems, vllm_reader
 
     folder = model_args.model_name_or_path
     if family_of_model(folder) is None:
         return
+    reader = vllm_reader(None)
     try:
-        problems = reader_problems(ModelFolder.load(Path(folder)), "vllm", chat=False)
+        problems = reader_problems(ModelFolder.load(Path(folder)), reader, chat=False)
     except NotPortableError as exc:
         problems = [str(exc)]
     if problems:
         raise NotServableError(
-            f"{folder} would not load in vLLM 0.11 as the training frame needs:\n  " + "\n  ".join(problems)
+            f"{folder} would not load in {READERS[reader]} as the training frame needs:\n  " + "\n  ".join(problems)
             + f"\nRepair it with `qwenvl-prep fix-config {folder} --target vllm` (backups kept), or re-export it "
             "with `qwenvl_patch: true`, which writes the portable layout.")
 

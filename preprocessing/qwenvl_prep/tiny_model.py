@@ -122,7 +122,7 @@ def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, moe:
     4), with 2 key and 4 value heads so that the linear layers' head repeat runs; attention heads of 32 (vLLM's CPU
     attention refuses 16), half of each rotated (the real models rotate a quarter of 256)."""
     head_dim = 32
-    text = dict(text, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    text = dict(text, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                 linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.5,
                 layer_types=["linear_attention"] * (text["num_hidden_layers"] - 1) + ["full_attention"])
     rotated = head_dim // 2
