@@ -160,3 +160,50 @@ def test_completeness_rules(tmp_path):
     log.write_text("".join(json.dumps({"current_steps": s}) + "\n" for s in range(1, 6)) + '{"current_st')
     assert trim_jsonl(log, lambda row: row["current_steps"] <= 3) == 3
     assert [json.loads(line)["current_steps"] for line in log.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_checkpoint_changed_since_its_marker_is_refused_by_name(tmp_path):
+    """Issue 33, class 8: flipped bytes in the adapter keep its size, and a resumed run carried them on (a weight went
+    from 0.12 to 2392). The marker records each file's sha256; the checkpoint a run resumes from is hashed again and
+    a changed file is refused by name, whether LF picked the checkpoint or the YAML named it."""
+    from types import SimpleNamespace
+
+    from llamafactory_qwenvl_patch.grpo.resume import MARKER, ChangedCheckpointError, last_complete, mark_complete
+    from llamafactory_qwenvl_patch.grpo.workflow import _resume_point
+
+    run = tmp_path / "run"
+    for step in (2, 4):
+        folder = run / f"checkpoint-{step}"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+        (folder / "sub" / "optimizer.pt").write_bytes(b"state" * 10)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        mark_complete(folder, step)
+    latest = run / "checkpoint-4"
+    logger = SimpleNamespace(warning_rank0=lambda message: None)
+    assert _resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), False,
+                         logger) == str(latest)  # intact: resumed, verified
+    data = bytearray((latest / "adapter_model.safetensors").read_bytes())
+    data[1000] ^= 0x40  # one flipped bit, same size
+    (latest / "adapter_model.safetensors").write_bytes(bytes(data))
+    assert last_complete(run)[0] == str(latest)  # complete by its sizes: only the checksum tells
+    for explicit in (False, True):
+        args = SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run))
+        with pytest.raises(ChangedCheckpointError, match=r"checkpoint-4/adapter_model\.safetensors changed since"):
+            _resume_point(args, explicit, logger)
+    data[1000] ^= 0x40
+    (latest / "adapter_model.safetensors").write_bytes(bytes(data))  # the original bytes back
+    (latest / "sub" / "optimizer.pt").write_bytes(b"STATE" * 10)  # a file in a sub-folder is listed too
+    with pytest.raises(ChangedCheckpointError, match=r"sub/optimizer\.pt"):
+        _resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), True, logger)
+    old = run / "checkpoint-2"  # a marker written before checksums (sizes only) is still honoured, unverified
+    marker = json.loads((old / MARKER).read_text())
+    marker["files"] = {name: entry["size"] for name, entry in marker["files"].items()}
+    (old / MARKER).write_text(json.dumps(marker))
+    (old / "trainer_state.json").write_text(json.dumps({"global_step": 3}))  # same size, not caught: no checksum
+    assert _resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True,
+                         logger) == str(old)
+    for files in (["adapter_model.safetensors"], {"../../x": {"size": 1, "sha256": "0"}}, {"a": {"size": "1"}}):
+        (old / MARKER).write_text(json.dumps({"global_step": 2, "files": files}))  # a marker that lies or is garbage
+        with pytest.raises(ValueError, match="no complete-marker"):
+            _resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True, logger)

@@ -8,10 +8,13 @@ Three things a plain Trainer checkpoint does not give GRPO:
   counters, so the resumed run optimises the same rollout again instead of sampling a new one (which would drop the
   stale log-probs, and so the clipping, and shift every later rollout). Saved per rank; plain tensors, lists and
   numbers only (``torch.load(weights_only=True)`` reads it).
-- **A checkpoint a kill cut short.** A marker listing every file of the checkpoint with its size is written last
-  (after the processor and every rank's files); a checkpoint without a valid marker is incomplete and is never resumed
-  from. Folders written before the marker existed are judged by their files (a readable ``trainer_state.json`` of
-  their step and no empty file) while no checkpoint of the run has a marker.
+- **A checkpoint a kill cut short, or one changed since.** A marker listing every file of the checkpoint with its
+  size and sha256 is written last (after the processor and every rank's files); a checkpoint without a valid marker,
+  or with a file of another size, is incomplete and is never resumed from. The checkpoint a run resumes from is
+  hashed again first: a file changed since its marker (flipped bytes keep the size) is refused by name, since
+  neither LF nor transformers checks what it loads. Folders written before the marker existed are judged by their
+  files (a readable ``trainer_state.json`` of their step and no empty file) while no checkpoint of the run has a
+  marker.
 - **Logs written after the checkpoint.** The rows a killed run logged after its last checkpoint are dropped when the
   run resumes, so each step appears once (``trim_jsonl``).
 """
@@ -19,6 +22,7 @@ Three things a plain Trainer checkpoint does not give GRPO:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -34,6 +38,11 @@ MARKER = "qwenvl_checkpoint_complete.json"
 STATE_FILE = "grpo_state_rank{rank}.pt"
 _CLASSES = {cls.__name__: cls for cls in (MicroBatch, PrefixLayout)}
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHUNK = 1 << 20
+
+
+class ChangedCheckpointError(ValueError):
+    """A complete checkpoint whose file no longer holds what was written: resuming would carry it on silently."""
 
 
 # --- the trainer's state between two optimiser steps ---------------------------------------------------------------
@@ -83,11 +92,19 @@ def load_state(folder: str | os.PathLike, rank: int, device: torch.device) -> di
 
 # --- complete checkpoints ----------------------------------------------------------------------------------------
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def mark_complete(folder: str | os.PathLike, step: int) -> None:
-    """Write the marker last: every file of the checkpoint with its size."""
+    """Write the marker last: every file of the checkpoint with its size and sha256."""
     folder = Path(folder)
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name != MARKER}
+    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
     tmp = folder / f".{MARKER}.tmp"
     tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1))
     os.replace(tmp, folder / MARKER)
@@ -103,12 +120,10 @@ def incomplete(folder: str | os.PathLike, marked_run: bool = True) -> str | None
     writes markers (else only its files are judged, for checkpoints written before markers existed)."""
     folder = Path(folder)
     if marked_run:
-        try:
-            marker = json.loads((folder / MARKER).read_text())
-            files = dict(marker["files"])
-        except (OSError, ValueError, KeyError, TypeError):
+        files = _marked_files(folder)
+        if files is None:
             return f"no complete-marker {MARKER} (written last)"
-        for name, size in files.items():
+        for name, (size, _) in files.items():
             path = folder / name
             if not path.is_file() or path.stat().st_size != size:
                 return f"{name} is missing or has another size than when it was written"
@@ -121,6 +136,36 @@ def incomplete(folder: str | os.PathLike, marked_run: bool = True) -> str | None
         return f"trainer_state.json is for step {state.get('global_step')}"
     empty = [p.name for p in folder.rglob("*") if p.is_file() and p.stat().st_size == 0]
     return f"{empty[0]} is empty" if empty else None
+
+
+def _marked_files(folder: Path) -> dict[str, tuple[int, str | None]] | None:
+    """The marker's files as name -> (size, sha256 or None: a marker written before checksums); None when the marker
+    is missing or unreadable."""
+    try:
+        files = json.loads((folder / MARKER).read_text())["files"]
+        listed = {}
+        for name, entry in dict(files).items():
+            entry = entry if isinstance(entry, dict) else {"size": entry}
+            size, digest = entry["size"], entry.get("sha256")
+            if not isinstance(size, int) or not (digest is None or isinstance(digest, str)) or ".." in Path(name).parts:
+                return None
+            listed[str(name)] = (size, digest)
+        return listed
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def verify(folder: str | os.PathLike) -> None:
+    """Hash a complete checkpoint's files against its marker before a run resumes from it; a mismatch raises
+    ``ChangedCheckpointError`` naming the file. A checkpoint without a marker, or with one written before
+    checksums, has nothing to verify."""
+    folder = Path(folder)
+    for name, (_, digest) in (_marked_files(folder) or {}).items():
+        if digest is not None and sha256(folder / name) != digest:
+            raise ChangedCheckpointError(
+                f"{folder / name} changed since the checkpoint was written (same size, other sha256 than its "
+                f"{MARKER} records): refusing to resume from it. Restore the file, or remove {folder} to resume from "
+                "an earlier checkpoint")
 
 
 def _checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -141,7 +186,7 @@ def checkpoint_problem(folder: str | os.PathLike) -> str | None:
 
 def last_complete(output_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str, str]]]:
     """(the highest-numbered complete checkpoint of a run or None, [(checkpoint, why it is skipped)] for every
-    higher-numbered one)."""
+    higher-numbered one). Not verified: ``verify`` the one a run resumes from."""
     folders = _checkpoints(output_dir)
     marked_run = any((p / MARKER).is_file() for p in folders)
     skipped = []

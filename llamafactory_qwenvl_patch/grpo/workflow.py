@@ -131,8 +131,9 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
 def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
     """The checkpoint to resume from. LF's automatic resume takes the highest-numbered ``checkpoint-N`` folder, even
     one a kill cut short (every relaunch then crashed): those are skipped with a warning naming each, for the last
-    complete one (or step 0). A checkpoint named in ``resume_from_checkpoint`` that is incomplete is an error."""
-    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete
+    complete one (or step 0). A checkpoint named in ``resume_from_checkpoint`` that is incomplete is an error. The
+    checkpoint chosen is verified against its marker's checksums; a changed file is an error naming it."""
+    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete, verify
 
     chosen = training_args.resume_from_checkpoint
     if not isinstance(chosen, str):
@@ -141,6 +142,7 @@ def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
         reason = checkpoint_problem(chosen)
         if reason is not None:
             raise ValueError(f"resume_from_checkpoint {chosen} cannot be resumed from: {reason}")
+        verify(chosen)
         return chosen
     best, skipped = last_complete(training_args.output_dir)
     for folder, reason in skipped:
@@ -148,6 +150,8 @@ def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
                              "never resumed from")
     if skipped:
         logger.warning_rank0(f"resuming from {best}" if best else "no complete checkpoint: training from step 0")
+    if best is not None:
+        verify(best)
     return best
 
 
