@@ -286,3 +286,71 @@ def test_a_decompression_bomb_in_a_parquet_row_is_that_rows_error(tmp_path):
     code, rows, errors = _convert(tmp_path, source)
     assert code == 0 and len(rows) == 1 and len(errors) == 1
     assert "decompression bomb" in errors[0]["error"] and errors[0]["record"] == 0, errors
+
+
+def _parquet(path, images: list[bytes], bad_last: bool = False):
+    boxes = [[1.0, 1.0, 20.0, 20.0]] * len(images)
+    if bad_last:
+        boxes[-1] = [1.0, 1.0, -5.0, 2.0]  # a box without area: that row is refused
+    pq.write_table(pa.table({"image": [{"bytes": b, "path": None} for b in images],
+                             "answer": [["a"]] * len(images), "bbox": boxes}), path)
+    return path
+
+
+def test_a_refused_parquet_convert_leaves_no_images(tmp_path, capsys):
+    """Issue 33, class 4: RefCOCO's ``<stem>_images`` folder was filled before the records were judged and never
+    cleaned: a refused convert (one bad row, no --skip-bad) left images behind. Now the images this run added go with
+    the output it did not write, and an earlier run's images stay."""
+    out = tmp_path / "out" / "data.jsonl"
+    flags = ["--min-pixels", "3136", "--max-pixels", "200704", "--workers", "1", "-q"]
+    first = _png(64, 48, (1, 2, 3))
+    assert main(["convert", str(_parquet(tmp_path / "ok.parquet", [first])), "-o", str(out), *flags]) == 0
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "out" / "data_images").iterdir()}
+    others = [_png(64 + i, 48, (9, 9, i)) for i in range(3)]
+    source = _parquet(tmp_path / "bad.parquet", [first, *others], bad_last=True)
+    assert main(["convert", str(source), "-o", str(out), "--overwrite", *flags]) == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out" / "data_images").iterdir()} == kept
+    fresh = tmp_path / "fresh" / "data.jsonl"
+    assert main(["convert", str(source), "-o", str(fresh), *flags]) == 1
+    assert sorted(p.name for p in fresh.parent.iterdir()) == ["data.jsonl.errors.jsonl"]  # no image, no folder
+    capsys.readouterr()
+
+
+def test_an_images_folder_that_is_a_link_is_refused(tmp_path, capsys):
+    """Issue 33, class 4: a ``<stem>_images`` symlink had the images land in its target."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "data_images").symlink_to(elsewhere)
+    source = _parquet(tmp_path / "ok.parquet", [_png(64, 48, (1, 2, 3))])
+    code = main(["convert", str(source), "-o", str(tmp_path / "out" / "data.jsonl"), "--min-pixels", "3136",
+                 "--max-pixels", "200704", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "data_images" in err and "symbolic link" in err and "Traceback" not in err
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "out" / "data.jsonl").exists()
+
+
+def test_sigterm_during_a_parquet_convert_leaves_no_images(tmp_path):
+    """Issue 33, class 4: a SIGTERM mid-run left the images written so far."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rows = [_png(200 + i % 97, 150 + i // 97, (i % 250, 3, 4)) for i in range(3000)]
+    source = _parquet(tmp_path / "big.parquet", rows)
+    out = tmp_path / "out" / "data.jsonl"
+    process = subprocess.Popen([sys.executable, "-m", "qwenvl_prep.cli", "convert", str(source), "-o", str(out),
+                                "--min-pixels", "3136", "--max-pixels", "200704", "-q"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = out.parent / "data_images"
+    deadline = time.monotonic() + 120
+    while (not folder.is_dir() or len(list(folder.iterdir())) < 20) and process.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "convert finished before it could be interrupted; give it more rows"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not folder.exists() and list(out.parent.iterdir()) == []

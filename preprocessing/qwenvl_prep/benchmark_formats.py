@@ -7,7 +7,8 @@
   "ui_type", "group", "application", "platform", "id", ...}``.
 - RefCOCO / RefCOCO+ / RefCOCOg in lmms-eval's parquet layout: ``{"question_id", "image": {"bytes", "path"},
   "answer": [referring expressions], "bbox": [x, y, width, height], "file_name", ...}``; the image bytes are written
-  once each (named by their hash) beside the output, because LLaMA-Factory reads images from paths.
+  once each (named by their hash) beside the output, because LLaMA-Factory reads images from paths. A run that
+  writes no output (refused, stopped) removes the images it added (``ImageStore``).
 
 Coordinates stay in original pixels here; convert maps the answer into the model's frame like any other format.
 """
@@ -18,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -115,33 +117,64 @@ def iter_screenspot(path: Path, fmt: str, target: str, prompt: str) -> Iterator[
             yield RecordError(f"entry is not valid JSON ({error})")
 
 
-def _image_file(data: Any, folder: Path) -> str:
-    """Write an image's bytes once, named by their hash (rows of one image share it); returns the path."""
-    if not isinstance(data, (bytes, bytearray)) or not data:
-        raise RecordError("'image' has no bytes")
-    from PIL import Image, UnidentifiedImageError
+class ImageStore:
+    """The folder of images a parquet's rows carry, written once each (named by their hash). Remembers the files
+    this run added, so that a run that writes no output (refused, stopped by a signal) removes them with ``discard``
+    and leaves the folder as it found it. Thread-safe: a pool's feeder thread writes while the main thread may
+    discard; nothing is written after a discard."""
 
-    try:
-        kind = (Image.open(io.BytesIO(data)).format or "").lower()
-    except Image.DecompressionBombError as error:
-        raise RecordError(f"'image' is refused as a decompression bomb ({error})") from None
-    except (UnidentifiedImageError, OSError) as error:
-        raise RecordError(f"'image' bytes are not a readable image ({error})") from None
-    suffix = {"jpeg": ".jpg", "png": ".png", "webp": ".webp", "bmp": ".bmp", "gif": ".gif"}.get(kind)
-    if suffix is None:
-        raise RecordError(f"'image' is a {kind or 'unknown'} file; expected JPEG, PNG, WebP, BMP or GIF")
-    path = folder / (hashlib.sha256(data).hexdigest()[:24] + suffix)
-    if not path.is_file() or path.stat().st_size != len(data):
-        folder.mkdir(parents=True, exist_ok=True)
-        with atomic_writer(path, "wb") as out:
-            out.write(data)
-    return str(path)
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._added: list[Path] = []
+        self._made_folder = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def write(self, data: Any) -> str:
+        """Write an image's bytes unless an identical file is there; returns the path."""
+        if not isinstance(data, (bytes, bytearray)) or not data:
+            raise RecordError("'image' has no bytes")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            kind = (Image.open(io.BytesIO(data)).format or "").lower()
+        except Image.DecompressionBombError as error:
+            raise RecordError(f"'image' is refused as a decompression bomb ({error})") from None
+        except (UnidentifiedImageError, OSError) as error:
+            raise RecordError(f"'image' bytes are not a readable image ({error})") from None
+        suffix = {"jpeg": ".jpg", "png": ".png", "webp": ".webp", "bmp": ".bmp", "gif": ".gif"}.get(kind)
+        if suffix is None:
+            raise RecordError(f"'image' is a {kind or 'unknown'} file; expected JPEG, PNG, WebP, BMP or GIF")
+        path = self.folder / (hashlib.sha256(data).hexdigest()[:24] + suffix)
+        with self._lock:
+            if self._closed:
+                raise RecordError("the run was stopped before this row's image was written")
+            if not path.is_file() or path.stat().st_size != len(data):
+                if not self.folder.is_dir():
+                    self.folder.mkdir(parents=True)
+                    self._made_folder = True
+                existed = path.exists()
+                with atomic_writer(path, "wb") as out:
+                    out.write(data)
+                if not existed:
+                    self._added.append(path)
+        return str(path)
+
+    def discard(self) -> None:
+        """Remove what this run added (the folder too, if the run made it and it is empty); write nothing after."""
+        with self._lock:
+            self._closed = True
+            for path in self._added:
+                path.unlink(missing_ok=True)
+            self._added.clear()
+            if self._made_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
+                self.folder.rmdir()
 
 
 REFCOCO_COLUMNS = ("image", "answer", "bbox")
 
 
-def iter_refcoco_parquet(path: Path, target: str, prompt: str, image_folder: Path, expressions: str = "all"
+def iter_refcoco_parquet(path: Path, target: str, prompt: str, images: ImageStore, expressions: str = "all"
                          ) -> Iterator[dict | RecordError]:
     """One record per referring expression (``expressions="all"``, every RefCOCO test sample) or per row
     (``"first"``); streamed in batches so that memory holds a few dozen images, not the file."""
@@ -160,11 +193,11 @@ def iter_refcoco_parquet(path: Path, target: str, prompt: str, image_folder: Pat
             yield row
             return
         try:
-            image = row["image"]
-            image = _image_file(image.get("bytes") if isinstance(image, dict) else image, image_folder)
             box = _corners(row["bbox"], "xywh")
             answers = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
             meta = _scalars({k: v for k, v in row.items() if k not in ("image", "answer", "segmentation")})
+            image = row["image"]
+            image = images.write(image.get("bytes") if isinstance(image, dict) else image)  # the row judged first
             for expression in answers[:1] if expressions == "first" else answers:
                 yield _record(image, expression, box, target, prompt, meta)
         except RecordError as error:

@@ -32,7 +32,7 @@ from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset
 from qwenvl_prep import __version__
 from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
 from qwenvl_prep.benchmark_formats import (
-    DEFAULT_TARGET, PROMPTS, check_prompt, iter_refcoco_parquet, iter_screenspot,
+    DEFAULT_TARGET, PROMPTS, ImageStore, check_prompt, iter_refcoco_parquet, iter_screenspot,
 )
 from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
@@ -291,16 +291,25 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
     return Source(INPUT_COORDS[opts.input_coords])
 
 
-def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None) -> Iterable:
+def _image_store(opts: ConvertOptions) -> ImageStore:
+    """Where the images of a parquet's rows go: ``<output stem>_images`` beside the output, a real folder."""
+    folder = opts.output.parent / f"{opts.output.stem}_images"
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ConvertError(f"{folder} (where the parquet's images are written) is "
+                           f"{'a symbolic link' if folder.is_symlink() else 'not a folder'}; qwenvl-prep does not "
+                           "write through links it did not create: remove it or choose another -o")
+    return ImageStore(folder)
+
+
+def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None, images: ImageStore | None) -> Iterable:
     """The input's raw records, in file order."""
     if coco is not None:
         return coco
     if fmt in DEFAULT_TARGET:
         target = opts.answer_target or DEFAULT_TARGET[fmt]
         prompt = opts.prompt or PROMPTS[target]
-        if fmt == "refcoco-parquet":
-            folder = opts.output.parent / f"{opts.output.stem}_images"
-            return iter_refcoco_parquet(opts.input, target, prompt, folder, opts.refcoco_expressions)
+        if images is not None:
+            return iter_refcoco_parquet(opts.input, target, prompt, images, opts.refcoco_expressions)
         return iter_screenspot(opts.input, fmt, target, prompt)
     return iter_raw(opts.input)
 
@@ -369,12 +378,16 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
     job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
               str(opts.input), "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
-    stream = _stream(opts, fmt, coco)
+    images = _image_store(opts) if fmt == "refcoco-parquet" else None
+    stream = _stream(opts, fmt, coco, images)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
     extra: dict[str, Any] = {}
     stopped: Exception | None = None
     with ExitStack() as stack:  # the error report is streamed and committed even when the output is discarded
+        if images is not None:  # no output written (refused, a signal, an error): the images this run added go too
+            stack.callback(lambda: None if written else images.discard())
+        written = False
         try:
             with atomic_writer(opts.output) as out:
                 first = _write_records(opts, job, stream, out, stats, stack, errors_path)
@@ -385,6 +398,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
                 if first:  # raised inside the writer: an existing output stays as it was
                     raise ConvertError(f"{opts.input} gave no records to write ({stats['records']} read, "
                                        f"{stats['dropped']} bad): nothing was written or registered")
+            written = True
         except (Abort, ConvertError) as exc:
             stopped = exc
     if stopped is not None:
