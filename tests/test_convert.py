@@ -206,16 +206,17 @@ def test_idempotent_on_its_own_output(tmp_path, wide, capsys):
 
 
 def test_shards_partition_and_workers_agree(tmp_path, wide, capsys):
-    records = [sharegpt("wide.jpg", f'[{{"bbox_2d": [{i}, 0, {i + 10}, 10]}}]') for i in range(600)]
+    """Three chunks of records, so that ``--workers 2`` runs a pool (one chunk runs in the process)."""
+    records = [sharegpt("wide.jpg", f'[{{"bbox_2d": [{i % 1990}, 0, {i % 1990 + 10}, 10]}}]') for i in range(2600)]
     src = write_lines(tmp_path / "in.jsonl", records)
     flags = ["--input-coords", "abs", "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q"]
     assert run(capsys, "convert", src, "-o", tmp_path / "all.jsonl", "--workers", "2", *flags)[0] == 0
     assert run(capsys, "convert", src, "-o", tmp_path / "s0.jsonl", "--shard", "0/2", "--workers", "1", *flags)[0] == 0
     assert run(capsys, "convert", src, "-o", tmp_path / "s1.jsonl", "--shard", "1/2", "--workers", "1", *flags)[0] == 0
     every = answers(tmp_path / "all.jsonl")
-    assert len(every) == 600
+    assert len(every) == 2600
     assert answers(tmp_path / "s0.jsonl") == every[0::2] and answers(tmp_path / "s1.jsonl") == every[1::2]
-    assert parse_items(every[599])[0].coords[0] == math.floor(599 * 1260 / 2000 + 0.5)
+    assert parse_items(every[2599])[0].coords[0] == math.floor(609 * 1260 / 2000 + 0.5)
 
 
 def test_from_yaml_drives_the_policy(tmp_path, wide, capsys):

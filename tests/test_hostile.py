@@ -735,3 +735,62 @@ def test_small_things(tmp_path, capsys):
     predictions.write_bytes(b"\xef\xbb\xbf" + json.dumps({"predict": label, "label": label}).encode() + b"\n")
     assert main(["eval", str(out), "--predictions", str(predictions), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["overall"]["acc@0.5"] == 1.0
+
+
+def test_a_single_chunk_starts_no_pool(tmp_path, monkeypatch, capsys):
+    """Issue 33, class 11: a one-record convert with the default pool hung, once in about 20 runs under load, in
+    ``Pool.terminate``. A single chunk cannot be shared out, so it converts in the process: no pool to stop."""
+    from qwenvl_prep import convert
+
+    def no_pool():
+        raise AssertionError("a pool was started for one chunk")
+
+    monkeypatch.setattr(convert, "_pool_context", no_pool)
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    code, _ = run_convert(tmp_path, [RECORD] * 3, "--input-coords", "abs", "--workers", "4")
+    assert code == 0 and len(json.loads((tmp_path / "data" / "train.json").read_text())) == 3
+
+
+@pytest.mark.slow
+def test_the_pool_always_stops(tmp_path):
+    """Issue 33, class 11, the stress the issue asks for: 40 converts of three chunks on 2 workers under load (two
+    at a time), each either left to finish or sent SIGTERM at a random moment; every one ends within a minute,
+    with rc 0 and its output or stopped by the signal and no half-written file."""
+    import random
+    import signal
+    import time
+
+    save_image(tmp_path / "ok.jpg", 640, 480)
+    src = tmp_path / "in.jsonl"
+    src.write_text((json.dumps(RECORD) + "\n") * 3000)
+    rng = random.Random(0)
+    outcomes = []
+    for pair in range(20):
+        running = []
+        for slot in range(2):
+            out = tmp_path / f"run{pair}-{slot}"
+            process = subprocess.Popen([str(BIN / "qwenvl-prep"), "convert", str(src), "-o", str(out / "t.json"),
+                                        "--input-coords", "abs", "-q", "--workers", "2", "--min-pixels",
+                                        str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running.append((process, out, rng.random() < 0.75, rng.uniform(0.2, 2.5)))
+        start = time.monotonic()
+        for process, out, kill, delay in sorted(running, key=lambda item: item[3]):
+            if kill:
+                time.sleep(max(0.0, start + delay - time.monotonic()))
+                process.send_signal(signal.SIGTERM)
+        for process, out, kill, _ in running:
+            try:
+                _, err = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise AssertionError(f"convert {out} did not end within 60 s (signalled: {kill})") from None
+            stopped = (128 + signal.SIGTERM, -signal.SIGTERM)  # -15: the signal came before the CLI's handler
+            assert process.returncode in ((0, *stopped) if kill else (0,)), err[-2000:]
+            assert "Traceback" not in err, err[-2000:]
+            files = sorted(p.name for p in out.iterdir() if p.name != ".dataset_info.json.lock") if out.exists() else []
+            assert not any(name.endswith(".tmp") for name in files), files  # nothing half-written
+            if process.returncode == 0:
+                assert files == ["dataset_info.json", "t.json"] and len(json.loads((out / "t.json").read_text())) == 3000
+            outcomes.append(process.returncode)
+    assert 0 in outcomes and 128 + signal.SIGTERM in outcomes  # both paths taken, the pool's unwinding among them

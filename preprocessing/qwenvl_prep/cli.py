@@ -13,13 +13,19 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
-from llamafactory_qwenvl_patch.model_files.readers import READERS
-from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS
-from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
-from qwenvl_prep.predict import MIN_TEMPERATURE
-from qwenvl_prep.tiny_model import SIZES as TINY_SIZES
-from qwenvl_prep.workers import one_line_warnings
+# Pillow imports numpy, whose OpenBLAS starts a thread per core at import: the CLI would no longer be single-threaded
+# and convert's pool would use forkserver instead of fork (slower to start, and a worker still starting when a run is
+# stopped printed a FileNotFoundError traceback). qwenvl-prep's numpy work is elementwise: one BLAS thread loses
+# nothing. Set before the imports below.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES  # noqa: E402
+from llamafactory_qwenvl_patch.model_files.readers import READERS  # noqa: E402
+from qwenvl_prep.benchmark_formats import DEFAULT_TARGET, PROMPTS  # noqa: E402
+from qwenvl_prep.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT  # noqa: E402
+from qwenvl_prep.predict import MIN_TEMPERATURE  # noqa: E402
+from qwenvl_prep.tiny_model import SIZES as TINY_SIZES  # noqa: E402
+from qwenvl_prep.workers import one_line_warnings  # noqa: E402
 
 FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
 

@@ -327,15 +327,23 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
 
 
 def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Result]:
+    """Converted records in input order: in this process when there are no workers or a single chunk (a pool could
+    not share one out), else in a pool that is closed and joined once every result is in. ``Pool.terminate``, which
+    ``with Pool`` calls on leaving, takes the task queue's read lock for good while idle workers may still wait for
+    it (issue 33, class 11: a one-record convert hung there once in about 20 runs); it is left for errors and
+    signals."""
     chunks = _chunks(_records(opts, stream), CHUNK)
-    if opts.workers <= 1:
+    head = list(itertools.islice(chunks, 2))
+    if opts.workers <= 1 or len(head) < 2:
         _set_job(job)
-        for chunk in chunks:
+        for chunk in itertools.chain(head, chunks):
             yield from _convert_chunk(chunk)
         return
     with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job, os.getpid())) as pool:
-        for results in pool.imap(_convert_chunk, chunks):
+        for results in pool.imap(_convert_chunk, itertools.chain(head, chunks)):
             yield from results
+        pool.close()
+        pool.join()
 
 
 def _os_threads() -> int:
