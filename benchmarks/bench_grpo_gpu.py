@@ -11,6 +11,12 @@ Ours are ``llamafactory-cli train`` with ``stage: grpo``, LoRA, bf16, gradient c
 data, seed and keys, differing only in ``grpo_rollout_backend`` and ``grpo_shared_prefix``. Reported per run:
 seconds per optimiser step (after the first) and the peak ``torch.cuda.max_memory_allocated`` (logged by the
 trainer as ``memory/max_allocated_gib``; for trl read after training); and the ratios to the shared prefix.
+
+``--tensor-parallel 1 2`` (issue 32) runs the vLLM backend alone under ZeRO-3 on as many GPUs as the largest size
+(``torchrun``), once per tensor-parallel size, and adds the weight sync's seconds and the memory it adds at its peak
+per rank (``vllm/sync_seconds``, ``vllm/sync_added_gib``: one gathered block beyond the shards)::
+
+    .venv/bin/python benchmarks/bench_grpo_gpu.py OUT --tensor-parallel 1 2
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ def write_data(folder: Path, count: int = 64) -> None:
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
 
 
-def run(out: Path, model: Path, backend: str, shared: bool, args: argparse.Namespace) -> dict:
+def run(out: Path, model: Path, backend: str, shared: bool, args: argparse.Namespace, tp: int | None = None) -> dict:
     config = {
         "model_name_or_path": str(model), "template": "qwen2_vl", "qwenvl_patch": True,
         "image_min_pixels": 256 * 28 * 28, "image_max_pixels": 1280 * 28 * 28, "stage": "grpo", "do_train": True,
@@ -88,11 +94,17 @@ def run(out: Path, model: Path, backend: str, shared: bool, args: argparse.Names
         "grpo_shared_prefix": shared, "flash_attn": "sdpa",
     }
     name = f"{backend}-{'shared' if shared else 'repeated'}"
+    env = {**os.environ, "DISABLE_VERSION_CHECK": "1"}
+    if tp is not None:  # ZeRO-3 over as many ranks as the largest size; one engine per ``tp`` ranks
+        name = f"vllm-zero3-tp{tp}"
+        config.update(grpo_vllm_tensor_parallel_size=tp, per_device_train_batch_size=1,
+                      deepspeed=str(Path(__file__).resolve().parents[1] / "configs" / "ds_z3.json"))
+        env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(max(args.tensor_parallel)))
     config["output_dir"] = str(out / name)
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = Path(sys.executable).parent / "llamafactory-cli"
-    subprocess.run([str(cli), "train", str(path)], check=True, env={**os.environ, "DISABLE_VERSION_CHECK": "1"})
+    subprocess.run([str(cli), "train", str(path)], check=True, env=env)
     rows = [json.loads(line) for line in (out / name / "trainer_log.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
 
@@ -101,8 +113,12 @@ def run(out: Path, model: Path, backend: str, shared: bool, args: argparse.Names
         return h * 3600 + m * 60 + s
 
     per_step = (seconds(steps[-1]) - seconds(steps[0])) / max(len(steps) - 1, 1)
-    return {"seconds_per_step": round(per_step, 1),
-            "peak_gib": max(row.get("memory/max_allocated_gib", 0.0) for row in steps)}
+    result = {"seconds_per_step": round(per_step, 1),
+              "peak_gib": max(row.get("memory/max_allocated_gib", 0.0) for row in steps)}
+    for key in ("vllm/sync_seconds", "vllm/sync_added_gib"):
+        if any(key in row for row in steps):
+            result[key] = round(max(row.get(key, 0.0) for row in steps), 3)
+    return result
 
 
 def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -156,12 +172,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--tensor-parallel", type=int, nargs="+", metavar="N",
+                        help="only the vLLM backend under ZeRO-3, at each of these tensor-parallel sizes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "qwen2_5_vl_7b_random"
     if not (model / "config.json").exists():
         build_checkpoint(model)
     write_data(args.out / "data")
+    if args.tensor_parallel:
+        results = {f"tp{tp}": run(args.out, model, "vllm", True, args, tp=tp) for tp in args.tensor_parallel}
+        print(json.dumps({"results": results}, indent=2))
+        return
     results = {f"{backend}-{'shared' if shared else 'repeated'}": run(args.out, model, backend, shared, args)
                for backend in ("hf", "vllm") for shared in (True, False)}
     results["trl"] = run_trl(args.out, model, args)

@@ -259,6 +259,7 @@ def test_llamafactory_cli_grpo_on_vllm_matches_hf(small_model, grpo_data, finetu
     assert len(vllm_steps) == len(hf_steps) == 3
     for row in vllm_steps:
         assert row["vllm/logp_diff/mean"] < 1e-3 and 0.5 < row["vllm/is_weight/mean"] <= 2.0
+        assert row["vllm/sync_seconds"] > 0  # one sync per optimiser step, timed
     means = [[row["rewards/length/mean"] for row in steps] for steps in (vllm_steps, hf_steps)]
     stds = [[row["rewards/length/std"] for row in steps] for steps in (vllm_steps, hf_steps)]
     n = 2 * 2 * 4 * 3  # completions per backend: batch x GA x G x steps

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import defaultdict
 from contextlib import nullcontext
 from functools import partial
@@ -144,6 +145,7 @@ class GRPOTrainer(Trainer):
         self.rollout_sampler: RolloutSampler | None = None
         self.vllm = vllm_engine
         self._vllm_step = -1  # the global step whose weights the engine holds
+        self._cuda_peak = 0  # the CUDA peak before the last weight sync reset it
         self._gather_checked = False  # HF rollouts under ZeRO-3: the whole-model gather checked against the GPU
         self._first_pass = True
         self.add_callback(_SamplerEpoch(self))
@@ -248,13 +250,28 @@ class GRPOTrainer(Trainer):
         if self.vllm is None:
             return self._generate(model, batch, self.greedy_config if greedy else self.generation_config), None
         if self._vllm_step != self.state.global_step:
-            self.vllm.load_weights(self.accelerator.unwrap_model(model), zero3=self._zero3())
+            self._sync_weights(model)
             self._vllm_step = self.state.global_step
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
         out = self.vllm.generate(prompts, [m.images or [] for m in meta], [m.index for m in meta],
                                  self.tokenizer.pad_token_id, greedy=greedy)
         device = batch["input_ids"].device
         return out.ids.to(device), out.logps.to(device)
+
+    def _sync_weights(self, model: Any) -> None:
+        """Push the current weights into the engine; logs the sync's seconds and, on CUDA, the memory it added at its
+        peak above what was allocated before it (``vllm/sync_added_gib``: one block beyond the shards under
+        ZeRO-3)."""
+        cuda = torch.cuda.is_available()
+        if cuda:
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated())
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self.vllm.load_weights(self.accelerator.unwrap_model(model), zero3=self._zero3())
+        self._metrics["vllm/sync_seconds"].append(time.perf_counter() - start)
+        if cuda:
+            self._metrics["vllm/sync_added_gib"].append((torch.cuda.max_memory_allocated() - before) / 2**30)
 
     def _zero3(self) -> bool:
         plugin = self.accelerator.state.deepspeed_plugin
@@ -646,7 +663,7 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
         if "loss" in logs and torch.cuda.is_available():
-            logs["memory/max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            logs["memory/max_allocated_gib"] = round(max(self._cuda_peak, torch.cuda.max_memory_allocated()) / 2**30, 3)
         if "loss" in logs and self._metrics:
             logs.update(self._reduced_metrics())
             logs.update(self._monitor_metrics())
