@@ -15,8 +15,9 @@ tests/test_vllm_rollout.py):
 - the current ``engine_weights(model, zero3)``: block after block, each gathered on its own.
 
 Peak = the highest resident set size a sampler thread saw during the sync (every 0.2 ms), less the size before it,
-per rank (the larger rank's is reported); time = the sync's wall time. Three syncs per case, the last two reported
-(the first warms allocator caches).
+per rank (the larger rank's is reported), with glibc's mmap threshold fixed at 128 KiB so that a freed tensor leaves
+the resident set at once; time = the sync's wall time. Three syncs per case, the last two reported (the first warms
+caches).
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_case(code_root: Path, hidden: int, layers: int, zero3: bool) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1"}
+    # every allocation above 128 KiB its own mapping, returned on free: glibc's default raises that threshold after
+    # the first large free and then keeps freed tensors resident, so RSS would add up past syncs instead of peaking
+    env = {**os.environ, "PYTHONPATH": str(code_root), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(Path(__file__).resolve()), "--worker", "--hidden", str(hidden), "--layers", str(layers)]
     if not zero3:
