@@ -35,14 +35,14 @@ def test_deepspeed_json(path):
 
 
 def test_readme_key_table_shows_the_defaults():
-    """The README's `stage: grpo` YAML block gives each grpo_* key its default, except where its comment says the
+    """The GRPO page's `stage: grpo` YAML block (docs/grpo.md) gives each grpo_* key its default, except where its comment says the
     value is an example (issue 22, item 15: `grpo_log_completions` was true there and false in the code)."""
     import dataclasses
 
     from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
     from llamafactory.hparams import FinetuningArguments
 
-    readme = (CONFIGS.parent / "README.md").read_text()
+    readme = (CONFIGS.parent / "docs" / "grpo.md").read_text()
     block = readme.split("```yaml\nstage: grpo\nfinetuning_type: lora\n", 1)[1].split("```", 1)[0]
     shown = {}
     for line in block.splitlines():

@@ -1,5 +1,5 @@
-"""The README's worked example ("Your own COCO dataset, start to finish") run block by block, so it cannot drift from
-the code: every fenced block between the README's worked-example markers, in order. A block whose first line is
+"""The worked example (docs/worked-example.md, "Your own COCO dataset, start to finish") run block by block, so it
+cannot drift from the code: every fenced block between its worked-example markers, in order. A block whose first line is
 ``# NAME.yaml`` or ``# NAME.py`` is written to that file; a bash block is run; the one that starts
 ``llamafactory-cli api`` runs in the background until the end. What the test changes is listed here and nothing
 else: the model (a tiny random-weight Qwen2.5-VL instead of the hub id), the port (a free one), and in the training
@@ -22,7 +22,7 @@ import yaml
 from helpers import BIN
 from PIL import Image, ImageDraw
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "worked-example.md"
 START, END = "<!-- worked-example: start -->", "<!-- worked-example: end -->"
 HUB_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 PORT = "8000"
@@ -35,7 +35,7 @@ COLOURS = {3: (200, 40, 40), 17: (40, 200, 40), 18: (40, 40, 200)}
 def example_blocks() -> list[tuple[str, str]]:
     """(language, text) of each fenced block of the worked example, in order."""
     text = README.read_text()
-    assert text.count(START) == 1 and text.count(END) == 1, "the README's worked-example markers moved"
+    assert text.count(START) == 1 and text.count(END) == 1, "the worked example's markers moved"
     section = text[text.index(START):text.index(END)]
     return re.findall(r"^```(\w*)[^\n]*\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE)
 

@@ -258,7 +258,7 @@ def load_reward(spec: str) -> tuple[str, RewardFunc]:
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # a larger reward overflows the float32 reward tensor to inf
-SLOW_REWARD_S = 60.0  # a reward call slower than this is named once (no timeout: see the README)
+SLOW_REWARD_S = 60.0  # a reward call slower than this is named once (no timeout: see docs/grpo.md)
 _WARNED_SLOW: set[str] = set()
 
 

@@ -109,7 +109,7 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
                          "image_max_pixels): vLLM must resize exactly as training does")
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("grpo_rollout_backend: vllm needs vLLM 0.28: install it with `scripts/add_vllm.sh VENV` "
-                         "(see README, 'GRPO rollouts on vLLM')")
+                         "(see docs/grpo-vllm-scale.md)")
     from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
 

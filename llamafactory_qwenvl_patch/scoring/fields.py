@@ -2,7 +2,7 @@
 
 Pure functions shared by the ``fields`` reward, the blank-image control and ``qwenvl-prep eval``.
 
-Credit rules (README, "Field extraction"): every leaf of the reference (nested objects are walked, lists of line
+Credit rules (docs/fields.md): every leaf of the reference (nested objects are walked, lists of line
 items are matched one-to-one to the answer's list so that order does not matter) earns ``FOUND`` when the answer
 has it filled and ``EQUAL`` more when its value equals the reference's after normalisation; an answer that is exactly
 one JSON value of the reference's type (bare or in one code fence) earns ``FORMAT``. Numbers compare by value and

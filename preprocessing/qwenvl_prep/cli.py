@@ -553,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=_seed, default=0,
                       help="another seed draws another run (other images and initial weights; for fields also other "
                       "shuffles and samples), to see that learning is not one lucky draw (default %(default)s: the "
-                      "README's numbers)")
+                      "numbers in docs/getting-started.md)")
     demo.add_argument("--controls", type=int,
                       help="gui: controls per screenshot, the instruction naming one (default 1: the model finds the "
                       "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")

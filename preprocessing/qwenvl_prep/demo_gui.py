@@ -134,7 +134,7 @@ def draw_screen(size: tuple[int, int], rng: random.Random, controls: int = 1) ->
     taken: list[tuple[int, int, int, int]] = []  # element boxes with their labels below
     gap = short // 40
     scale = (width * height) ** 0.5  # element sizes follow the screen's area, so every shape gets alike targets
-    # randint(n, n) is n, but it draws from rng: kept so that every screen, and the README's numbers, stay the same
+    # randint(n, n) is n, but it draws from rng: kept so that every screen, and the numbers in docs/gui-detection.md, stay the same
     for label in rng.sample(list(LABELS), rng.randint(controls, controls)):
         kind = rng.choice(("text", "icon"))
         if kind == "text":
