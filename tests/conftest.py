@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The oldest transformers that reads Qwen2.5-VL (no torch: configs, tokenizers, slow image processors), with what its
 # processors and chat templates import.
 OLD_TRANSFORMERS = ["transformers==4.49.0", "pillow==11.3.0", "Jinja2==3.1.6"]
-SIDE_ENV = Path(__file__).resolve().parents[1] / ".venv-tf449"  # gitignored; built once, reused by later runs
+ROOT = Path(__file__).resolve().parents[1]
+SIDE_ENV = ROOT / ".venv-tf449"  # gitignored; built once, reused by later runs
+TF457_ENV = ROOT / ".venv-tf457"  # the second tested set (constraints-tf457.txt), built by the README's test command
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +59,18 @@ def _build_side_env(python: Path, probe: str) -> None:
             os.replace(build, SIDE_ENV)
         finally:
             shutil.rmtree(build, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def transformers_457() -> Path:
+    """The python of the second tested set (transformers 4.57, torch 2.8: its processors need torch), the last 4.x
+    reader. The README's test command builds it before the main suite; skipped where it is absent."""
+    python = TF457_ENV / "bin" / "python"
+    found = subprocess.run([str(python), "-c", "import transformers; print(transformers.__version__)"],
+                           capture_output=True, text=True) if python.exists() else None
+    if found is None or not found.stdout.startswith("4.57."):
+        pytest.skip(f"needs {TF457_ENV} with transformers 4.57 (the README's test command builds it first)")
+    return python
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
 from qwenvl_prep.cli import main
@@ -235,7 +236,7 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
     """The export of the main tested set (transformers 5.x) needs no repair: transformers 4.49 and 5.x both load
     config, tokenizer, processor and chat template from it, tokenize exactly as training did (non-NFC text and
     special tokens included), and resize every image size to the policy's grid. (Qwen3-VL, which has no
-    transformers before 4.57: tests/test_vllm_serve.py.)"""
+    transformers before 4.57: the 4.57 test below.)"""
     pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
     folder = export(tiny_model, tmp_path, "qwen2_vl")
     code, report, _ = fix_config(capsys, folder)
@@ -252,3 +253,22 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
     before = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     after = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     assert torch.equal(before(input_ids=ids).logits, after(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, template", [("qwen2_5_vl", "qwen2_vl"), ("qwen3_vl", "qwen3_vl_nothink")])
+def test_pinned_export_reads_the_same_in_transformers_4_57(tmp_path, transformers_457, capsys, family, template):
+    """transformers 4.57.6, the last 4.x (the second tested set's environment, ``.venv-tf457``), loads the pinned
+    export of each family as 5.x does: config (rope, weight tying, architectures), tokenizer, processor, chat
+    template, and the policy's grid for every image size. (The vLLM set that read exports with 4.57 is retired.)"""
+    pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
+    from qwenvl_prep.tiny_model import build_tiny_model
+
+    source = build_tiny_model(tmp_path / "base", family)
+    folder = export(source, tmp_path, template)
+    code, report, _ = fix_config(capsys, folder)
+    assert code == 0 and report["readers"]["transformers-4.57"] == []
+    truth, new = read_with(sys.executable, source, folder)
+    truth["grids"] = policy_grids(FAMILIES[family].factor)
+    assert new == truth
+    assert read_with(transformers_457, folder) == [truth]
