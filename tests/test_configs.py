@@ -95,6 +95,28 @@ def test_grpo_keys_are_read_as_their_type_and_range(key, value, message):
 
     with pytest.raises(ValueError, match=message):
         extend_finetuning_arguments(FinetuningArguments)(**{"stage": "grpo", "reward_funcs": "iou", key: value})
+    with pytest.raises(ValueError, match=message):  # as LF reads a YAML: its parser rewrites the fields' types
+        lf_parsed({"stage": "grpo", "reward_funcs": "iou", key: value})
+
+
+def lf_parsed(values: dict):
+    """FinetuningArguments as LF's own parser builds them from a YAML's dict (``HfArgumentParser.parse_dict`` over
+    the patched class), which turns ``float | None`` fields into ``float`` in place."""
+    from llamafactory.hparams import parser
+    from transformers import HfArgumentParser
+
+    cls = next(c for c in parser._TRAIN_ARGS if c.__name__ == "FinetuningArguments")
+    return HfArgumentParser([cls]).parse_dict(values, allow_extra_keys=True)[0]
+
+
+def test_typed_reading_survives_lfs_parser():
+    """LF's parser resolved every field's type in place (``str`` for ``"str"``, ``float`` for ``"float | None"``);
+    the strict reading read those as unknown and let every value through, so `grpo_shared_prefix: true` failed in
+    .lower() and `grpo_num_generations: "4"` reached the trainer."""
+    args = lf_parsed({"stage": "grpo", "reward_funcs": "iou", "grpo_shared_prefix": True,
+                      "grpo_blank_image_penalty": 4, "grpo_epsilon_high": None})
+    assert args.grpo_shared_prefix == "true" and args.grpo_blank_image_penalty == 4.0
+    assert args.grpo_epsilon_high == args.grpo_epsilon
 
 
 def test_inverted_clip_range_and_non_finite_weights_are_refused():

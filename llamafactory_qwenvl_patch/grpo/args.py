@@ -66,7 +66,7 @@ def _typed(name: str, declared: str, value: object) -> object:
         hint = " (one comma-separated string, e.g. `iou,format`)" if isinstance(value, (list, tuple)) else ""
         raise ValueError(f"{name} must be a string, got {value!r}{hint}")
     else:
-        return value
+        raise TypeError(f"{name}: no strict reading for its declared type {declared!r}")
     if name in RANGES:
         low, high, low_in, high_in = RANGES[name]
         if not ((number >= low if low_in else number > low) and (number <= high if high_in else number < high)):
@@ -75,11 +75,14 @@ def _typed(name: str, declared: str, value: object) -> object:
     return number
 
 
-def _read_keys_as_typed(args: object) -> None:
-    """Every ``grpo_*``, ``no_cheat_*`` and ``reward_*`` key read as its declared type and range (``_typed``)."""
-    for spec in fields(args):
-        if spec.name.startswith(("grpo_", "no_cheat_", "reward_")):
-            setattr(args, spec.name, _typed(spec.name, str(spec.type), getattr(args, spec.name)))
+def _read_keys_as_typed(args: object, declared: dict[str, str]) -> None:
+    """Every ``grpo_*``, ``no_cheat_*`` and ``reward_*`` key the plugin declares read as its declared type and range
+    (``_typed``). ``declared``: the class's own annotations as written (``"float | None"``); a field's ``type`` is no
+    witness, since ``HfArgumentParser`` (LF's parser) rewrites it in place when it is built (``float | None`` becomes
+    ``float``)."""
+    for name, annotation in declared.items():
+        if name.startswith(("grpo_", "no_cheat_", "reward_")):
+            setattr(args, name, _typed(name, annotation, getattr(args, name)))
 
 
 def extend_finetuning_arguments(base: type) -> type:
@@ -179,7 +182,7 @@ def extend_finetuning_arguments(base: type) -> type:
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            _read_keys_as_typed(self)
+            _read_keys_as_typed(self, DECLARED)
             if self.grpo_epsilon_high is None:
                 self.grpo_epsilon_high = self.grpo_epsilon
             if self.grpo_epsilon_high < self.grpo_epsilon:
@@ -208,4 +211,5 @@ def extend_finetuning_arguments(base: type) -> type:
             return CheatRules(self.no_cheat_min_length_ratio, self.no_cheat_max_repetition, self.no_cheat_max_copy,
                               self.no_cheat_ngram)
 
+    DECLARED = dict(FinetuningArguments.__annotations__)  # as written: strings, under postponed annotations
     return FinetuningArguments
