@@ -80,8 +80,8 @@ def run_convert(src: Path, out: Path, workers: int) -> tuple[float, float]:
 def in_process_rate(src: Path, out: Path, workers: int) -> float:
     """records/s of ``run_convert`` after imports: reading, converting and writing, without interpreter start-up."""
     from llamafactory_qwenvl_patch.frame.policy import load_backend
-    from qwenvl_prep.convert import ConvertOptions, run_convert
-    from qwenvl_prep.run_spec import spec_from_flags
+    from qwenvl_prep.pipeline.convert import ConvertOptions, run_convert
+    from qwenvl_prep.lf.run_spec import spec_from_flags
 
     load_backend()
 

@@ -252,7 +252,7 @@ def run_worker(spec: dict) -> dict[str, float]:
 
 
 def main_speed(args: argparse.Namespace) -> None:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     spec = SHAPES[args.shape]
     generations = [int(g) for g in (args.generations or spec["generations"]).split(",")]
@@ -384,7 +384,7 @@ def summary(curve: list[float]) -> dict:
 
 
 def main_learn(args: argparse.Namespace) -> None:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,7 +45,7 @@ def build_checkpoint(out: Path) -> Path:
     import torch
     import transformers
 
-    from qwenvl_prep.tiny_model import QWEN_SPECIAL_TOKENS, build_tokenizer
+    from qwenvl_prep.demos.tiny_model import QWEN_SPECIAL_TOKENS, build_tokenizer
 
     tokenizer = build_tokenizer()
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}

@@ -31,7 +31,7 @@ from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
 from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from qwenvl_prep.tiny_model import build_tiny_model
+from qwenvl_prep.demos.tiny_model import build_tiny_model
 
 SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768)]
 

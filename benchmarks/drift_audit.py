@@ -12,7 +12,7 @@ import json
 import random
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from qwenvl_prep.drift import stock_llamafactory_size
+from qwenvl_prep.lf.drift import stock_llamafactory_size
 
 GROUPS = {
     "coco_like": [(640, 480), (640, 427), (500, 375), (427, 640), (640, 640), (612, 612), (480, 640), (640, 360)],

@@ -75,7 +75,7 @@ def transformers_457() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl")
 
@@ -83,28 +83,28 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> Path:
     """Qwen2.5-VL ``--size small``: attention heads of 32, which vLLM's CPU attention takes (it refuses 16)."""
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen2_5_vl", "qwen2_5_vl", size="small")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_qwen3(tmp_path_factory) -> Path:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_qwen2(tmp_path_factory) -> Path:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_vl", "qwen2_vl")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_qwen3_5(tmp_path_factory) -> Path:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     helpers.skip_without("qwen3_5")
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", "qwen3_5")
@@ -112,7 +112,7 @@ def tiny_model_qwen3_5(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_qwen3_5_moe(tmp_path_factory) -> Path:
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     helpers.skip_without("qwen3_5")
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5_moe", "qwen3_5", moe=True)

@@ -203,8 +203,8 @@ def test_eval_detection_precision_recall_map_and_monitors(tmp_path, capsys):
 
 
 def test_draw_shows_the_click_target_and_the_click(tmp_path):
-    from qwenvl_prep.dataset import resolve_dataset, iter_samples
-    from qwenvl_prep.draw import GT_COLOR, PRED_COLOR, render
+    from qwenvl_prep.formats.converted import resolve_dataset, iter_samples
+    from qwenvl_prep.pipeline.draw import GT_COLOR, PRED_COLOR, render
 
     _screens(tmp_path)
     source = tmp_path / "screenspot.json"

@@ -9,7 +9,7 @@ import pytest
 from helpers import save_image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from qwenvl_prep.drift import stock_llamafactory_size
+from qwenvl_prep.lf.drift import stock_llamafactory_size
 from qwenvl_prep.cli import main
 
 MIN, MAX = 256 * 28 * 28, 1024 * 28 * 28

@@ -236,7 +236,7 @@ def test_from_yaml_drives_the_policy(tmp_path, wide, capsys):
 @given(w=st.integers(1, 3000), h=st.integers(1, 3000), orientation=st.sampled_from([None, 1, 3, 6, 8]),
        progressive=st.booleans(), icc=st.booleans())
 def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientation, progressive, icc):
-    from qwenvl_prep.imageinfo import _JPEG_SCAN_BYTES, _jpeg_info
+    from qwenvl_prep.plumbing.imageinfo import _JPEG_SCAN_BYTES, _jpeg_info
 
     path = tmp_path_factory.mktemp("jpeg") / "x.jpg"
     image = Image.new("RGB", (w, h), (10, 20, 30))
@@ -256,7 +256,7 @@ def test_jpeg_header_fast_path_agrees_with_pil(tmp_path_factory, w, h, orientati
         assert fast is not None, "the fast path gave up on a plain JPEG"
     if fast is not None:
         assert (fast.width, fast.height, fast.orientation) == expected
-    from qwenvl_prep.imageinfo import read_info
+    from qwenvl_prep.plumbing.imageinfo import read_info
 
     info = read_info(path)
     assert (info.width, info.height, info.orientation) == expected

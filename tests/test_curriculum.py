@@ -58,7 +58,7 @@ def test_each_stage_has_its_frame_and_resumes_the_previous(curriculum):
 
 
 def test_the_stamp_guard_accepts_each_stage_only_in_its_own_frame(curriculum, tiny_model):
-    from llamafactory_qwenvl_patch.integration.lf_patch import StampMismatchError, check_dataset_stamps
+    from llamafactory_qwenvl_patch.integration.data_patch import StampMismatchError, check_dataset_stamps
 
     root, _ = curriculum
     model_args = SimpleNamespace(model_name_or_path=str(tiny_model))

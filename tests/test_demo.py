@@ -8,8 +8,8 @@ import pytest
 from helpers import run_cli
 from PIL import Image
 
-from qwenvl_prep.demo import MAX_PIXELS, MIN_PIXELS
-from qwenvl_prep.demo_fields import (FIELDS, PAGE_SIZES, blank_copies, confident_rate, most_common_answer,
+from qwenvl_prep.demos.grounding import MAX_PIXELS, MIN_PIXELS
+from qwenvl_prep.demos.fields import (FIELDS, PAGE_SIZES, blank_copies, confident_rate, most_common_answer,
                                       render_invoice, synthesise_invoices)
 
 
@@ -154,7 +154,7 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
 
     import cv2
 
-    from qwenvl_prep.demo_gui import LABELS, SCREENS, draw_screen, screenspot_entries, synthesise_screens, write_screenspot
+    from qwenvl_prep.demos.gui import LABELS, SCREENS, draw_screen, screenspot_entries, synthesise_screens, write_screenspot
 
     def on_element(image, box, label):
         x1, y1, x2, y2 = box
@@ -209,7 +209,7 @@ def test_demo_refuses_bad_arguments_before_doing_anything(tmp_path, capsys, args
 def test_other_control_rate_counts_clicks_on_controls_the_instruction_did_not_name():
     """Clicks on the named control, on the other one, on neither and none: only those on the other count, in both
     conventions (0-1000 and model pixels of a frame whose sides differ, so swapped sides would miss)."""
-    from qwenvl_prep.demo_gui import Element, Shot, other_control_rate
+    from qwenvl_prep.demos.gui import Element, Shot, other_control_rate
 
     shot = Shot("s.jpg", "desktop", (1920, 1080), (Element("Save", "text", (0, 0, 100, 50)),
                                                    Element("Home", "icon", (1800, 900, 1900, 1000))))
@@ -245,7 +245,7 @@ def test_gui_demo_smoke_run_with_two_controls(tmp_path):
     assert "other control" in result.stderr and (out / "exported" / "qwenvl_policy.json").exists()
     import cv2
 
-    from qwenvl_prep.demo_gui import LABELS
+    from qwenvl_prep.demos.gui import LABELS
 
     image = cv2.imread(str(out / "raw" / json.loads((out / "raw" / "eval.json").read_text())[0]["img_filename"]))
 

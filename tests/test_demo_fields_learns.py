@@ -8,8 +8,8 @@ import math
 import pytest
 from helpers import run_cli
 
-from qwenvl_prep.demo_fields import FIELDS, STAGES
-from qwenvl_prep.run_spec import load_yaml
+from qwenvl_prep.demos.fields import FIELDS, STAGES
+from qwenvl_prep.lf.run_spec import load_yaml
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ def test_default_gui_demo_learns_to_click(tmp_path):
     SFT then GRPO with click rewards, and on held-out screenshots a click accuracy at least 3x the same run's
     mean-click baseline and at least MIN_CLICK_ACC (the baseline is near 0, so 3x alone proves little), with every
     platform and element type scored."""
-    from qwenvl_prep.demo_gui import HELD_OUT, SCREENS
+    from qwenvl_prep.demos.gui import HELD_OUT, SCREENS
 
     out = tmp_path / "gui"
     result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "gui"], None, tmp_path, timeout=1500)

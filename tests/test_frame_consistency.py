@@ -10,7 +10,7 @@ import torch
 from helpers import grounding_record, lf_sft_dataset, save_image, write_sharegpt
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from qwenvl_prep.drift import stock_llamafactory_size
+from qwenvl_prep.lf.drift import stock_llamafactory_size
 
 pytestmark = pytest.mark.slow  # LF's dataset pipeline and model, about two minutes
 

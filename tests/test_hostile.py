@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image, open_image
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 from llamafactory_qwenvl_patch.integration.preflight import check_image
-from qwenvl_prep.imageinfo import read_info
+from qwenvl_prep.plumbing.imageinfo import read_info
 
 POLICY = ResizePolicy(64 * 28 * 28, 256 * 28 * 28)
 
@@ -92,7 +92,7 @@ def test_thin_image_under_small_bounds_is_a_policy_error(tmp_path):
 def test_concurrent_registrations_keep_every_entry(tmp_path):
     """Parallel shard converts into one folder each merge their entry into dataset_info.json: none may be lost
     (read-modify-rename without a lock dropped entries)."""
-    from qwenvl_prep.convert import merge_dataset_info
+    from qwenvl_prep.pipeline.dataset_info import merge_dataset_info
 
     def register(worker: int) -> None:
         for i in range(25):
@@ -269,8 +269,8 @@ def test_registry_entries_links_and_modes_are_respected(tmp_path, capsys):
 
 def test_draw_never_writes_outside_its_folder(tmp_path):
     from llamafactory_qwenvl_patch.frame.stamp import Stamp
-    from qwenvl_prep.dataset import DatasetRef
-    from qwenvl_prep.draw import draw
+    from qwenvl_prep.formats.converted import DatasetRef
+    from qwenvl_prep.pipeline.draw import draw
 
     save_image(tmp_path / "ok.jpg", 640, 480)
     data = tmp_path / "d.json"
@@ -316,7 +316,7 @@ def test_smaller_record_problems_are_named_error_rows(tmp_path):
 
 
 def test_alpaca_history_must_be_pairs(tmp_path):
-    from qwenvl_prep.readers import RecordError, to_record
+    from qwenvl_prep.formats.records import RecordError, to_record
 
     bad = to_record({"instruction": "Q", "output": "A", "history": ["just one string"]}, "alpaca")
     assert isinstance(bad, RecordError) and "[prompt, answer] string pairs" in str(bad)
@@ -379,7 +379,7 @@ def test_exif_anywhere_before_the_scan_agrees_with_pil(tmp_path_factory, w, h, o
     the frame header or the tables, several EXIF segments (the first wins), or XMP (handed to PIL)."""
     from PIL import Image
 
-    from qwenvl_prep.imageinfo import _jpeg_info, read_info
+    from qwenvl_prep.plumbing.imageinfo import _jpeg_info, read_info
 
     buffer = tmp_path_factory.mktemp("exif") / "x.jpg"
     Image.new("RGB", (w, h), (10, 20, 30)).save(buffer, quality=50)
@@ -585,7 +585,7 @@ def test_malformed_exif_huge_integers_and_broken_stamps_are_named(tmp_path, caps
     from PIL import Image
 
     from qwenvl_prep.cli import main
-    from qwenvl_prep.imageinfo import read_info
+    from qwenvl_prep.plumbing.imageinfo import read_info
 
     path = tmp_path / "exif.jpg"
     Image.new("RGB", (64, 48)).save(path)
@@ -740,7 +740,7 @@ def test_small_things(tmp_path, capsys):
 def test_a_single_chunk_starts_no_pool(tmp_path, monkeypatch, capsys):
     """Issue 33, class 11: a one-record convert with the default pool hung, once in about 20 runs under load, in
     ``Pool.terminate``. A single chunk cannot be shared out, so it converts in the process: no pool to stop."""
-    from qwenvl_prep import convert
+    from qwenvl_prep.pipeline import convert
 
     def no_pool():
         raise AssertionError("a pool was started for one chunk")

@@ -273,7 +273,7 @@ def test_json_arrays_are_split_into_their_records_as_written(items, indent, chun
     keys): whatever the strings hold (quotes, brackets, escapes) and wherever a read ends."""
     import io
 
-    from qwenvl_prep import json_array
+    from qwenvl_prep.formats import json_array
 
     text = json.dumps(items, indent=indent, ensure_ascii=False)
     original, json_array.CHUNK = json_array.CHUNK, chunk

@@ -1,8 +1,18 @@
-"""The package's import directions, as each sub-package's ``__init__`` states them: the frame core imports nothing
-else from the package; image I/O, scoring and the model-folder files import only the frame core; the GRPO stage imports those three;
-LLaMA-Factory integration is imported only by the import hook and the GRPO stage's LF glue (its workflow and the
-meta column carried through LF's dataset code); the ``qwenvl-prep`` tool never imports it (it runs without LF's
-internals). Every import counts, also those inside functions."""
+"""Both packages' import directions, as each sub-package's ``__init__`` states them. Every import counts, also those
+inside functions.
+
+The plugin: the frame core imports nothing else from the package; image I/O, scoring and the model-folder files
+import only the frame core; the GRPO stage imports those three; LLaMA-Factory integration is imported only by the
+import hook and the GRPO stage's LF glue (its workflow and the meta column carried through LF's dataset code); the
+``qwenvl-prep`` tool never imports it (it runs without LF's internals).
+
+``qwenvl-prep``: plumbing imports nothing else of the tool; what stock LF does (``lf``) imports only plumbing;
+dataset formats import plumbing and ``lf``; the work behind the commands (``pipeline``) and the demos import those
+three and never each other (a demo runs the pipeline as a user does, through the CLI in a subprocess); commands
+import any of them and each other; nothing imports the CLI, which imports only the commands and plumbing. The
+tool's top level holds only the CLI: a new format goes in ``formats/``, a new subcommand in ``commands/``.
+
+No product module is over 500 lines."""
 
 from __future__ import annotations
 
@@ -23,6 +33,14 @@ ALLOWED = {
     "integration": CORE | {"image_io", "scoring", "model_files", "grpo", "integration"},
 }
 INTEGRATION_USERS = {f"{PKG}._hook", f"{PKG}.grpo.workflow", f"{PKG}.grpo.record_meta"}
+PREP = "qwenvl_prep"
+PREP_ROOT = ROOT / "preprocessing" / PREP
+PREP_BELOW = {"plumbing": set(), "lf": {"plumbing"}, "formats": {"plumbing", "lf"},
+              "pipeline": {"plumbing", "lf", "formats"}, "demos": {"plumbing", "lf", "formats"},
+              "commands": {"plumbing", "lf", "formats", "pipeline", "demos"}}
+PREP_ALLOWED = {name: below | {name} for name, below in PREP_BELOW.items()}
+PREP_ALLOWED["cli"] = {"commands", "plumbing"}
+MAX_LINES = 500
 
 
 def module_name(path: Path) -> str:
@@ -51,6 +69,14 @@ def area(module: str) -> str | None:
     return parts[1]
 
 
+def prep_area(module: str) -> str | None:
+    """The part of qwenvl-prep a module belongs to: a sub-package, ``cli``, or None for the root (its version)."""
+    parts = module.split(".")
+    if parts[0] != PREP or len(parts) < 2 or not (parts[1] == "cli" or (PREP_ROOT / parts[1]).is_dir()):
+        return None
+    return parts[1]
+
+
 MODULES = {module_name(p): imports(p) for p in [*(ROOT / PKG).rglob("*.py"), *(ROOT / "preprocessing").rglob("*.py")]}
 
 
@@ -74,9 +100,33 @@ def test_import_directions(module):
 
 
 def test_every_sub_package_says_what_it_may_import():
-    for name in ALLOWED:
-        doc = ast.get_docstring(ast.parse((ROOT / PKG / name / "__init__.py").read_text())) or ""
-        assert "May import" in doc, name
+    for folder in [*(ROOT / PKG / name for name in ALLOWED), *(PREP_ROOT / name for name in PREP_BELOW)]:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        assert "May import" in doc, folder
+
+
+def test_qwenvl_prep_shows_its_parts():
+    """Its top level is the CLI and the sub-packages, each with a rule; nothing else to guess a place from."""
+    assert {p.name for p in PREP_ROOT.iterdir() if (p / "__init__.py").exists()} == set(PREP_BELOW)
+    assert {p.name for p in PREP_ROOT.glob("*.py")} == {"__init__.py", "cli.py"}
+    assert f"{PREP}.commands.COMMANDS" in MODULES[f"{PREP}.cli"]  # the rules below see the tool's imports
+    assert f"{PREP}.pipeline.convert.ConvertOptions" in MODULES[f"{PREP}.commands.convert"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if prep_area(m)))
+def test_qwenvl_prep_import_directions(module):
+    source = prep_area(module)
+    for target in sorted(MODULES[module]):
+        into = prep_area(target)
+        if into is None or target.startswith(f"{PKG}."):
+            continue
+        assert into in PREP_ALLOWED[source], f"{module} ({source}) imports {target} ({into})"
+
+
+def test_no_module_must_be_scrolled():
+    long = {str(p.relative_to(ROOT)): n for p in [*(ROOT / PKG).rglob("*.py"), *PREP_ROOT.rglob("*.py")]
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def resolved(target: str) -> str | None:
@@ -89,7 +139,7 @@ def resolved(target: str) -> str | None:
 def test_no_import_cycles():
     """Among the package's and qwenvl-prep's modules (the two demos used to import each other)."""
     graph = {m: {t for t in map(resolved, targets) if t and t != m} for m, targets in MODULES.items()}
-    assert "qwenvl_prep.demo_steps" in graph["qwenvl_prep.demo_fields"]  # qwenvl-prep's own imports are seen
+    assert "qwenvl_prep.demos.steps" in graph["qwenvl_prep.demos.fields"]  # qwenvl-prep's own imports are seen
     graph[PKG] = set()  # the root holds __version__ for everyone; its apply() reaches the hook only when called
     state: dict[str, int] = {}
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import lf_sft_dataset, save_image
 
-from llamafactory_qwenvl_patch.integration.lf_patch import StampMismatchError
+from llamafactory_qwenvl_patch.integration.data_patch import StampMismatchError
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 

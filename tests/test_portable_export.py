@@ -262,7 +262,7 @@ def test_pinned_export_reads_the_same_in_transformers_4_57(tmp_path, transformer
     export of each family as 5.x does: config (rope, weight tying, architectures), tokenizer, processor, chat
     template, and the policy's grid for every image size. (The vLLM set that read exports with 4.57 is retired.)"""
     pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     source = build_tiny_model(tmp_path / "base", family)
     folder = export(source, tmp_path, template)

@@ -9,7 +9,7 @@ from helpers import run_cli, save_image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
-from qwenvl_prep.predict import Predictor
+from qwenvl_prep.pipeline.predict import Predictor
 
 
 def test_batched_answers_equal_single_ones(tiny_model, tmp_path):

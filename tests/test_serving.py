@@ -20,7 +20,7 @@ from PIL import Image
 
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from qwenvl_prep.drift import stock_llamafactory_size
+from qwenvl_prep.lf.drift import stock_llamafactory_size
 from llamafactory_qwenvl_patch.integration.serving import (
     FrameConflictError, ServingFrame, check_images, resolve_frame, to_original,
 )
@@ -222,7 +222,7 @@ def test_to_original_and_image_checks(tmp_path):
 
 
 def test_unread_data_urls_are_named_by_their_type():
-    from llamafactory_qwenvl_patch.integration.lf_patch import _unread_data_urls
+    from llamafactory_qwenvl_patch.integration.chat_patch import _unread_data_urls
 
     def request(*urls):
         items = [SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)) for url in urls]

@@ -9,7 +9,7 @@ from helpers import skip_without
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from qwenvl_prep.tiny_model import ROPE_THETA, build_tiny_model, build_tokenizer
+from qwenvl_prep.demos.tiny_model import ROPE_THETA, build_tiny_model, build_tokenizer
 
 
 def test_every_digit_is_its_own_token():

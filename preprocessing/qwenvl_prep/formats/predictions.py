@@ -11,7 +11,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Iterator
 
-from qwenvl_prep.dataset import DatasetRef, Sample, iter_jsonl, iter_samples
+from qwenvl_prep.formats.converted import DatasetRef, Sample, iter_jsonl, iter_samples
 
 
 class AlignmentError(ValueError):

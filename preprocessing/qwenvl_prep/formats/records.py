@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llamafactory_qwenvl_patch.scoring import json_text
-from qwenvl_prep.json_array import ArraySyntaxError, iter_array_items, top_level_keys
-from qwenvl_prep.lf_rules import not_carried
+from qwenvl_prep.formats.json_array import ArraySyntaxError, iter_array_items, top_level_keys
+from qwenvl_prep.lf.dataset_rules import not_carried
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
             "observation": "observation", "function_call": "function_call"}
@@ -151,7 +151,7 @@ def _images(record: dict) -> list[str]:
 def _with_image_tags(messages: list[dict], count: int) -> list[dict]:
     """The conversation with the tags it lacks (one per image, counted over every user turn) put before the last
     question, where a plain or alpaca record's image belongs. Extra or misplaced tags are left for
-    ``lf_rules.record_problem`` to report."""
+    ``dataset_rules.record_problem`` to report."""
     missing = count - sum(m["content"].count("<image>") for m in messages if m["role"] == "user")
     if missing > 0:
         last = max(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -215,7 +215,7 @@ _NORMALIZE = {"sharegpt": _sharegpt, "alpaca": _alpaca, "jsonl": _plain}
 
 def to_record(raw: Any, fmt: str, remap: Callable[[dict], dict] | None = None) -> dict | RecordError:
     """A canonical record from one raw input value; a malformed one becomes its RecordError. ``remap`` renames a
-    raw record's keys first (``lf_rules.entry_reader``: a dataset read as its registry entry tells LF to)."""
+    raw record's keys first (``dataset_rules.entry_reader``: a dataset read as its registry entry tells LF to)."""
     if isinstance(raw, RecordError):
         return raw
     value = _value(raw)

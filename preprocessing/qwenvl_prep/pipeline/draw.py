@@ -15,10 +15,10 @@ from llamafactory_qwenvl_patch.scoring.clicks import truth_box
 from llamafactory_qwenvl_patch.image_io.images import decode, model_input_image, open_image
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
-from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.alignment import aligned
-from qwenvl_prep.dataset import DatasetRef, Sample, iter_samples
-from qwenvl_prep.outputs import Outputs
+from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.formats.predictions import aligned
+from qwenvl_prep.formats.converted import DatasetRef, Sample, iter_samples
+from qwenvl_prep.plumbing.outputs import Outputs
 
 GT_COLOR = (60, 200, 60)  # BGR green
 PRED_COLOR = (40, 40, 230)  # BGR red

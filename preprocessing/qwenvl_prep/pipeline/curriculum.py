@@ -16,10 +16,11 @@ from typing import Any
 import yaml
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.convert import Abort, ConvertOptions, check_dataset_name, run_convert
-from qwenvl_prep.outputs import Outputs
-from qwenvl_prep.run_spec import load_yaml, spec_from_yaml
+from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.pipeline.convert import Abort, ConvertOptions, run_convert
+from qwenvl_prep.pipeline.dataset_info import check_dataset_name
+from qwenvl_prep.plumbing.outputs import Outputs
+from qwenvl_prep.lf.run_spec import load_yaml, spec_from_yaml
 
 
 class CurriculumError(ValueError):

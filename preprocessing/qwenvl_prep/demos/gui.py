@@ -24,8 +24,8 @@ import numpy as np
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.scoring.clicks import click_hit, click_point
-from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import (ONE_THREAD, convert_and_check, export_full, full_training, grpo_stage, losses,
+from qwenvl_prep.formats.converted import load_jsonl
+from qwenvl_prep.demos.steps import (ONE_THREAD, convert_and_check, export_full, full_training, grpo_stage, losses,
                                     new_run_folder, predict, run_step, sft_stage, small_model, write_jsonl,
                                     write_yaml)
 

@@ -26,11 +26,11 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from llamafactory_qwenvl_patch.image_io.images import blank_like
 from llamafactory_qwenvl_patch.scoring.fields import confident
-from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import (ONE_THREAD, export_full, losses, new_run_folder, run_step, steps_for,
+from qwenvl_prep.formats.converted import load_jsonl
+from qwenvl_prep.demos.steps import (ONE_THREAD, export_full, losses, new_run_folder, run_step, steps_for,
                                     write_jsonl, write_yaml)
-from qwenvl_prep.demo_steps import predict as predict_step
-from qwenvl_prep.run_spec import load_yaml
+from qwenvl_prep.demos.steps import predict as predict_step
+from qwenvl_prep.lf.run_spec import load_yaml
 
 # A4 pages scanned at 50, 72 and 100 dpi: one aspect ratio, so every page resizes to the same model frame of a stage
 # (84x112, then 140x196): a 1M-parameter model finds text within minutes at fixed grid sizes (the grounding demo

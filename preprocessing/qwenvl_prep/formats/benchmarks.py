@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.scoring.clicks import TRUTH_BOX_KEY
-from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.readers import RecordError, iter_raw
+from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.formats.records import RecordError, iter_raw
 
 TARGETS = ("point", "box")
 PROMPTS = {

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_items
 from llamafactory_qwenvl_patch.frame.stamp import Stamp, StampError, read_dataset_info, stamp_of
-from qwenvl_prep.lf_rules import entry_reader, record_problem
-from qwenvl_prep.readers import RecordError, iter_records
+from qwenvl_prep.lf.dataset_rules import entry_reader, record_problem
+from qwenvl_prep.formats.records import RecordError, iter_records
+from qwenvl_prep.plumbing.outputs import Outputs, UnsafeOutput
 
 
 @dataclass(frozen=True)
@@ -115,3 +117,22 @@ def iter_jsonl(path: str | Path) -> Iterator[Any]:
 
 def load_jsonl(path: str | Path) -> list[dict]:
     return list(iter_jsonl(path))
+
+
+def guard_dataset_outputs(ref: DatasetRef, inputs: list[str | os.PathLike],
+                          outputs: dict[str, str | os.PathLike | None]) -> None:
+    """Check the outputs (flag -> path, None when not given) of a command that reads a dataset (``DatasetRef``),
+    its images and ``inputs``; the images are streamed from the dataset, so memory stays flat."""
+    given = {flag: path for flag, path in outputs.items() if path is not None}
+    if not given:
+        return
+    guard = Outputs([ref.path, *inputs], [ref.media_dir])
+    for flag, path in given.items():
+        guard.check(path, flag)
+    targets = {Path(path).resolve(): flag for flag, path in given.items()}
+    for sample in iter_samples(ref):
+        for image in sample.images:
+            flag = targets.get(Path(image).resolve())
+            if flag is not None:
+                raise UnsafeOutput(f"{flag} {given[flag]} is an image of dataset record {sample.index}; inputs are "
+                                   "never overwritten")

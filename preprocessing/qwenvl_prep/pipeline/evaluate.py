@@ -15,10 +15,10 @@ from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_g
 from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
-from qwenvl_prep.atomic import atomic_writer
-from qwenvl_prep.alignment import AlignmentError, aligned
-from qwenvl_prep.dataset import DatasetRef
-from qwenvl_prep.imageinfo import read_info
+from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.formats.predictions import AlignmentError, aligned
+from qwenvl_prep.formats.converted import DatasetRef
+from qwenvl_prep.plumbing.imageinfo import read_info
 
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
 

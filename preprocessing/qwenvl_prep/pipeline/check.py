@@ -17,12 +17,12 @@ from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy, check_box, check_point
 from llamafactory_qwenvl_patch.scoring.answers import Item
 from llamafactory_qwenvl_patch.frame.stamp import Stamp, differences
-from qwenvl_prep.dataset import DatasetRef, iter_samples
-from qwenvl_prep.drift import DriftAudit, processor_bounds
-from qwenvl_prep.imageinfo import read_info
-from qwenvl_prep.lf_rules import EntryError, entry_reader
-from qwenvl_prep.run_spec import RunSpec, template_problem
-from qwenvl_prep.workers import init_worker
+from qwenvl_prep.formats.converted import DatasetRef, iter_samples
+from qwenvl_prep.lf.drift import DriftAudit, processor_bounds
+from qwenvl_prep.plumbing.imageinfo import read_info
+from qwenvl_prep.lf.dataset_rules import EntryError, entry_reader
+from qwenvl_prep.lf.run_spec import RunSpec, template_problem
+from qwenvl_prep.plumbing.workers import init_worker
 
 MAX_LISTED = 20
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from qwenvl_prep import demo_gui
-from qwenvl_prep.dataset import load_jsonl
-from qwenvl_prep.demo_steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
+from qwenvl_prep.demos import gui
+from qwenvl_prep.formats.converted import load_jsonl
+from qwenvl_prep.demos.steps import (convert_and_check, export_full, full_training, grpo_stage, losses,
                                     new_run_folder, predict, run_step, sft_stage, small_model, steps_for,
                                     write_jsonl, write_yaml)
 
@@ -92,7 +92,7 @@ HELD_OUT, HELD_OUT_SMOKE = 100, 8
 def run_demo(out: Path, minutes: float | None = None, family: str | None = None, task: str = "grounding",
              steps: int | None = None, seed: int = 0, controls: int | None = None) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
-    the click one (``demo_gui``), or with ``task="fields"`` the field-extraction one (``demo_fields``). ``minutes``
+    the click one (``demos.gui``), or with ``task="fields"`` the field-extraction one (``demos.fields``). ``minutes``
     (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws another
     run (other images and another initial model); ``family`` defaults to the task's own (``DEFAULT_FAMILY``);
     ``controls`` per screenshot is the gui demo's (default 1)."""
@@ -101,25 +101,24 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
     if controls is not None and task != "gui":
         raise ValueError("--controls applies to the gui demo (--task gui)")
     controls = 1 if controls is None else controls
-    if not 1 <= controls <= demo_gui.MAX_CONTROLS:
-        raise ValueError(f"--controls must be 1 to {demo_gui.MAX_CONTROLS}, got {controls}")
+    if not 1 <= controls <= gui.MAX_CONTROLS:
+        raise ValueError(f"--controls must be 1 to {gui.MAX_CONTROLS}, got {controls}")
     if task == "fields":
         if family not in (None, "qwen2_5_vl"):
             raise ValueError("--family applies to the grounding and gui demos; the fields demo uses Qwen2.5-VL")
-        from qwenvl_prep.demo_fields import run_fields_demo
+        from qwenvl_prep.demos.fields import run_fields_demo
 
         return run_fields_demo(out, minutes, steps, seed)
     if task not in ("grounding", "gui"):
         raise ValueError(f"demo task must be grounding, gui or fields, got {task!r}")
     if family is None:
-        family = demo_gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
+        family = gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
     if family not in FAMILIES or not FAMILIES[family].tiny:
         raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
                          f"got {family!r}")
     if task == "gui":
-        return demo_gui.run_gui_demo(out, steps or steps_for(minutes or demo_gui.DEFAULT_MINUTES,
-                                                             demo_gui.SFT_STEPS_PER_MINUTE), family, seed,
-                                     controls)
+        return gui.run_gui_demo(out, steps or steps_for(minutes or gui.DEFAULT_MINUTES, gui.SFT_STEPS_PER_MINUTE),
+                                family, seed, controls)
     steps = steps or steps_for(minutes or DEFAULT_MINUTES, SFT_STEPS_PER_MINUTE)
     out, logs = new_run_folder(out)
     data, raw = out / "data", out / "raw"

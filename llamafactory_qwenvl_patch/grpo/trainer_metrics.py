@@ -1,0 +1,115 @@
+"""What ``GRPOTrainer`` reports: greedy evaluation, the completions log and the step's metrics reduced over
+ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from llamafactory_qwenvl_patch.grpo.collate import blank_copy
+from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
+from llamafactory_qwenvl_patch.grpo.rewards import confident_answer
+from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
+
+COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
+COMPLETIONS = "completions.jsonl"
+
+
+class MetricsMixin:
+    # --- evaluation ----------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy answers to the eval prompts: each reward's mean and, for grounding data, Acc@0.5, mean IoU and
+        parse failures in original-image pixels (the metrics of ``qwenvl-prep eval``)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        from accelerate.utils import gather_object
+
+        model = self.model_wrapped
+        rows = []
+        for inputs in self.get_eval_dataloader(dataset):
+            features = inputs["grpo_features"]
+            if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
+                features = features + [blank_copy(f) for f in features if f.get("images")]
+            batch, meta = self._collate(features)
+            texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
+            rows += list(zip(meta, texts))
+        # drop even_batches padding: one row per (record, blank or not)
+        unique = {(sample.index, sample.blank): (sample, text) for sample, text in gather_object(rows)}
+        meta = [sample for sample, _ in unique.values() if not sample.blank]
+        texts = [text for sample, text in unique.values() if not sample.blank]
+        metrics = eval_metrics(meta, texts, self.reward_funcs, self.resize_policy, self.coords, metric_key_prefix)
+        blank = [confident_answer(text, sample.reference) for sample, text in unique.values() if sample.blank]
+        if blank:
+            metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # --- metrics -------------------------------------------------------------------------------------------------
+
+    def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta]) -> None:
+        from accelerate.utils import gather_object
+
+        G = self.num_generations
+        rows = [{"step": self.state.global_step, "index": meta[i // G].index, "prompt": meta[i // G].prompt,
+                 "reference": meta[i // G].reference, "completion": text, "reward": reward,
+                 "blank": meta[i // G].blank}
+                for i, (text, reward) in enumerate(zip(texts, rewards))]
+        rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(os.path.join(self.args.output_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def _reduced_metrics(self) -> dict[str, float]:
+        """Every metric collected since the last log over all ranks: counters summed, the rest averaged over every
+        value any rank collected. Ranks may hold different names (a rank whose rollouts had no reference boxes has
+        no monitors), so the names are gathered first and each rank sends a sum and a count per name."""
+        names = sorted(self._metrics)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted(set().union(*gather_object([names])))
+        values = [self._metrics.get(name, []) for name in names]
+        totals = torch.tensor([[float(sum(v)), float(len(v))] for v in values], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        out = {}
+        for name, (total, count) in zip(names, totals.tolist()):
+            if name.endswith(COUNTERS):
+                out[name] = round(total, 6)
+            elif count:
+                out[name] = round(total / count, 6)
+        return out
+
+    def _monitor_metrics(self) -> dict[str, float]:
+        """The detection monitors since the last log, from every rank's counts merged (exact rates)."""
+        tally, self._monitors = self._monitors, MonitorTally()
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            merged = MonitorTally()
+            for part in gather_object([tally]):
+                merged.merge(part)
+            tally = merged
+        return {f"monitor/{key}": round(value, 6) for key, value in tally.to_dict().items() if value is not None}
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
+        if "loss" in logs and torch.cuda.is_available():
+            logs["memory/max_allocated_gib"] = round(max(self._cuda_peak, torch.cuda.max_memory_allocated()) / 2**30, 3)
+        if "loss" in logs and self._metrics:
+            logs.update(self._reduced_metrics())
+            logs.update(self._monitor_metrics())
+            self._metrics.clear()
+        super().log(logs, *args, **kwargs)

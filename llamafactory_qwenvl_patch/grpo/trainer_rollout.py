@@ -1,0 +1,319 @@
+"""The rollout half of ``GRPOTrainer``: batch the prompts, sample G completions each (HF ``generate`` or vLLM), score
+them and turn one generation batch into the ``MicroBatch`` of every micro-step that optimises it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import GenerationConfig
+from transformers.trainer_utils import seed_worker
+
+from llamafactory_qwenvl_patch.frame.mrope import token_types
+from llamafactory_qwenvl_patch.grpo import shared_prefix
+from llamafactory_qwenvl_patch.grpo.collate import blank_copy
+from llamafactory_qwenvl_patch.grpo.gather_budget import zero3_budget
+from llamafactory_qwenvl_patch.grpo.loss import advantages, micro_batch_counts, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
+from llamafactory_qwenvl_patch.grpo.rewards import Scored, confident_answer, reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rollout import (
+    MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
+    add_monitors, repeat_visual, rollout_metrics,
+)
+from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
+from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+
+GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+FLAT_PATIENCE = 3  # rollouts in a row whose every group scored alike before the run warns that it learns nothing
+logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
+
+
+class RolloutMixin:
+    # --- data ----------------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Batches of ``per_device_train_batch_size x grpo_steps_per_generation`` prompts, each repeated for every
+        micro-step that optimises it (see ``RolloutSampler``)."""
+        if self.train_dataset is None:
+            raise ValueError("stage: grpo needs a training dataset")
+        per_rank = self._train_batch_size * self.steps_per_generation
+        sampler = RolloutSampler(len(self.train_dataset), per_rank, self.args.world_size,
+                                 self.steps_per_generation * self.num_iterations, seed=self.args.seed)
+        self.rollout_sampler = sampler
+        loader = DataLoader(
+            self.train_dataset, batch_size=per_rank, sampler=sampler, collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            worker_init_fn=partial(seed_worker, num_workers=self.args.dataloader_num_workers,
+                                   rank=self.args.process_index),
+        )
+        return self.accelerator.prepare(loader)
+
+    def _collate(self, features: list[dict[str, Any]]) -> tuple[dict[str, Any], list[SampleMeta]]:
+        batch, meta = self.data_collator.collate(features, self.drop_ids)
+        if self.vllm is not None:  # the exact images the loss sees, for vLLM
+            for sample, feature in zip(meta, features):
+                sample.images = [model_input_image(src, self.resize_policy) for src in feature.get("images") or []]
+        if "pixel_values_videos" in batch:
+            raise ValueError("stage: grpo supports still images and text; this batch has videos")
+        batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
+        if "pixel_values" in batch:
+            per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+            for sample, hw in zip(meta, first_image_sizes(batch["image_grid_thw"], per_sample, self.grid_frame)):
+                sample.model_hw = hw
+        return batch, meta
+
+    # --- rollout -------------------------------------------------------------------------------------------------
+
+    def _check_gather_budget(self, model: Any) -> None:
+        """Once, before the first HF rollout under ZeRO-3 on a GPU: can every rank hold the whole model?"""
+        self._gather_checked = True
+        if not (self._zero3() and torch.cuda.is_available()):
+            return
+        budget = zero3_budget(self.accelerator.unwrap_model(model), self.accelerator.device)
+        verdict = budget.verdict()
+        if verdict is None:
+            return
+        level, message = verdict
+        if level == "error":
+            raise RuntimeError(f"stage: grpo: {message}")
+        logging.getLogger("llamafactory.qwenvl_patch.grpo").warning(f"stage: grpo: {message}")
+
+    def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+        from trl.models import unwrap_model_for_generation
+
+        if not self._gather_checked:
+            self._check_gather_budget(model)
+        gen_inputs = dict(batch)
+        if self.pass_token_types:
+            gen_inputs["mm_token_type_ids"] = token_types(batch["input_ids"], self.model.config)
+        with torch.no_grad(), unwrap_model_for_generation(
+            model, self.accelerator, gather_deepspeed3_params=True
+        ) as unwrapped:
+            was_training = unwrapped.training
+            unwrapped.eval()
+            try:
+                with generation_config_of(unwrapped, config):
+                    if self.shared_prefix:
+                        return sample_shared_prefix(unwrapped, gen_inputs, config)
+                    return unwrapped.generate(**gen_inputs, generation_config=config)[:, batch["input_ids"].shape[1]:]
+            finally:
+                unwrapped.train(was_training)
+
+    def _sample(self, model: Any, batch: dict[str, torch.Tensor], meta: list[SampleMeta], greedy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(completion ids, the sampler's log-probs or None): HF ``generate`` or the vLLM engine."""
+        if self.vllm is None:
+            return self._generate(model, batch, self.greedy_config if greedy else self.generation_config), None
+        if self._vllm_step != self.state.global_step:
+            self._sync_weights(model)
+            self._vllm_step = self.state.global_step
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        out = self.vllm.generate(prompts, [m.images or [] for m in meta], [m.index for m in meta],
+                                 self.tokenizer.pad_token_id, greedy=greedy)
+        device = batch["input_ids"].device
+        return out.ids.to(device), out.logps.to(device)
+
+    def _sync_weights(self, model: Any) -> None:
+        """Push the current weights into the engine; logs the sync's seconds and, on CUDA, the memory it added at its
+        peak above what was allocated before it (``vllm/sync_added_gib``: one block beyond the shards under
+        ZeRO-3)."""
+        cuda = torch.cuda.is_available()
+        if cuda:
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated())
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self.vllm.load_weights(self.accelerator.unwrap_model(model), zero3=self._zero3())
+        self._metrics["vllm/sync_seconds"].append(time.perf_counter() - start)
+        if cuda:
+            self._metrics["vllm/sync_added_gib"].append((torch.cuda.max_memory_allocated() - before) / 2**30)
+
+    def _zero3(self) -> bool:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return plugin is not None and plugin.zero_stage == 3
+
+    def _completions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], int]:
+        """(ids, attention mask, stopped, texts, rows cut): cut at the stop token and before any vision placeholder
+        (suppressed in sampling; this is the safety net if one appears anyway). A cut row did not stop."""
+        mask, stopped = completion_mask(ids, self.stop_token_ids)
+        ids, mask, cut = cut_at_tokens(ids, mask, self.suppressed, self.tokenizer.pad_token_id)
+        lengths = mask.sum(dim=1).tolist()
+        texts = [decode_kept(self.tokenizer, row[:n], self.drop_ids) for row, n in zip(ids.tolist(), lengths)]
+        return ids, mask, stopped & ~cut, texts, int(cut.sum())
+
+    def _forward_inputs(self, batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
+                        ) -> dict[str, Any]:
+        """Prompt + completion inputs of the training passes: one packed row per prompt with its images once
+        (shared prefix), or each prompt and its images repeated for every completion."""
+        G = self.num_generations
+        has_images = "pixel_values" in batch
+        if self.shared_prefix:
+            inputs, layout = shared_prefix.pack_group(batch["input_ids"], batch["attention_mask"], ids, mask, G)
+            inputs[shared_prefix.KWARG] = layout
+            if has_images:
+                inputs["pixel_values"], inputs["image_grid_thw"] = batch["pixel_values"], batch["image_grid_thw"]
+        else:
+            inputs = {
+                "input_ids": torch.cat([batch["input_ids"].repeat_interleave(G, 0), ids], dim=1),
+                "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
+            }
+            if has_images:
+                per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+                inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(
+                    batch["pixel_values"], batch["image_grid_thw"], per_sample, G)
+        if self.pass_token_types:
+            inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
+        return inputs
+
+    def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
+        columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords)
+        total = torch.zeros(len(texts))
+        results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+        self._report_reward_failures(results)
+        for reward, scored in zip(self.reward_funcs, results):
+            clean = torch.tensor(scored.values)
+            self._metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
+            self._metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
+            self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(scored.errors)))
+            total += reward.weight * clean
+        return total
+
+    def _report_reward_failures(self, results: list[Scored]) -> None:
+        """Each reward's first failure is logged with its traceback; a reward that fails on every completion of a
+        rollout (on any rank: every rank stops together) stops the run unless ``grpo_stop_on_reward_failure:
+        false``: its signal is gone, and training would go on blind."""
+        here = [bool(r.errors) and all(r.errors) for r in results]
+        anywhere = here
+        if self.accelerator.num_processes > 1:
+            flags = torch.tensor(here, dtype=torch.int, device=self.accelerator.device)
+            anywhere = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
+        for reward, scored, mine, stop in zip(self.reward_funcs, results, here, anywhere):
+            if stop and self.fa.grpo_stop_on_reward_failure:
+                where = scored.failure if mine else "on another rank"
+                raise RuntimeError(f"reward {reward.name!r} failed on every completion of this rollout, {where}\n"
+                                   "Fix the reward (or set grpo_stop_on_reward_failure: false to score such "
+                                   "completions 0 and go on).")
+            if scored.failure is not None and reward.name not in self._reported_rewards:
+                self._reported_rewards.add(reward.name)
+                logger.warning(f"reward {reward.name!r} failed on {sum(scored.errors)} of {len(scored.errors)} "
+                               f"completions (they score 0, counted in rewards/{reward.name}/errors; shown once), "
+                               f"{scored.failure}")
+
+    def _with_blanks(self, features: list[dict[str, Any]], part: int) -> list[dict[str, Any]]:
+        """``features`` plus, for each prompt with images drawn with probability ``grpo_blank_image_ratio``, a copy
+        whose images are blank (``blank_like``). The draw is seeded by (seed, rank, micro-step, part), so a resumed
+        run draws the same prompts."""
+        ratio = self.fa.grpo_blank_image_ratio
+        if ratio <= 0:
+            return features
+        seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
+        draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
+        blanks = [blank_copy(feature) for feature, draw in zip(features, draws)
+                  if feature.get("images") and draw < ratio]
+        return features + blanks
+
+    def _check_blank_frame(self, batch: dict[str, torch.Tensor], meta: list[SampleMeta]) -> None:
+        """A blank copy must have exactly its original's image grid: same resize, same image tokens."""
+        if not any(m.blank for m in meta):
+            return
+        per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+        grids = dict(zip(range(len(meta)), batch["image_grid_thw"].split(per_sample)))
+        originals = {m.index: grids[i] for i, m in enumerate(meta) if not m.blank}
+        for i, m in enumerate(meta):
+            if m.blank and not torch.equal(grids[i], originals[m.index]):
+                raise RuntimeError(f"the blank copy of dataset record {m.index} has image grid "
+                                   f"{grids[i].tolist()}, the image {originals[m.index].tolist()}: it would not be "
+                                   "the same frame; please report this")
+
+    def _blank_rewards(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
+        """-penalty for a confident answer on a blank image (``confident_answer``), 0 for an abstention."""
+        G, penalty = self.num_generations, self.fa.grpo_blank_image_penalty
+        confident = [confident_answer(text, meta[i // G].reference) for i, text in enumerate(texts)]
+        if texts:
+            self._metrics["blank/confident_rate"].append(sum(confident) / len(confident))
+        return torch.tensor([-penalty if c else 0.0 for c in confident], dtype=torch.float32)
+
+    def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
+        G, spg = self.num_generations, self.steps_per_generation
+        per_micro = len(features) // spg
+        model.train()
+        parts = []
+        for j in range(spg):
+            batch, meta = self._collate(self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j))
+            if "image_grid_thw" in batch:
+                self._check_blank_frame(batch, meta)
+            sampled, sampling_logps = self._sample(model, batch, meta)
+            ids, attention, stopped, texts, cut = self._completions(sampled)
+            self._metrics["vision_tokens_cut"].append(float(cut))
+            inputs = self._forward_inputs(batch, ids, attention)
+            with torch.no_grad(), self._shared_attention():
+                old = self._token_logps(model, inputs, ids) if self.off_policy else None
+                ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
+            parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
+                              old=old, ref=ref, sampling=sampling_logps))
+        meta = [m for part in parts for m in part["meta"]]
+        texts = [t for part in parts for t in part["texts"]]
+        device = parts[0]["ids"].device
+        blank = torch.tensor([m.blank for m in meta for _ in range(G)], device=device)
+        real_meta = [m for m in meta if not m.blank]
+        real_texts = [t for t, b in zip(texts, blank.tolist()) if not b]
+        rewards = self._score(real_texts, real_meta).to(device)
+        batch_std = None
+        if self.fa.grpo_scale_rewards == "batch" and self.accelerator.num_processes > 1:
+            batch_std = float(self.accelerator.gather(rewards).std())
+        adv = torch.zeros(len(texts), device=device)
+        adv[~blank] = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
+        every_reward = adv.clone()
+        every_reward[~blank] = rewards
+        if blank.any():  # baseline 0, not group-relative: a model that answers every blank image gets a signal
+            adv[blank] = every_reward[blank] = self._blank_rewards(
+                [t for t, b in zip(texts, blank.tolist()) if b], [m for m in meta if m.blank]).to(device)
+        keep = torch.ones(len(texts), dtype=torch.bool, device=device)
+        if self.fa.grpo_skip_zero_std_groups:
+            flat = zero_std_groups(rewards, G)
+            keep[~blank] &= ~flat
+            self._metrics["groups_skipped"].append(float(flat.sum()) / G)
+        stopped = torch.cat([part["stopped"] for part in parts])
+        if self.fa.grpo_mask_truncated:
+            keep &= stopped
+        bounds = torch.tensor([0] + [len(part["meta"]) * G for part in parts]).cumsum(0).tolist()
+        masks = [part["attention"] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
+        counts = micro_batch_counts(masks).to(device)
+        counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
+        norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
+        lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
+        stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
+        add_monitors(self._monitors, real_texts, real_meta, G, self.coords)
+        for key, value in stats.items():
+            self._metrics[key].append(value)
+        self._warn_if_flat(stats, real_texts, real_meta)
+        if self.fa.grpo_log_completions:
+            self._log_completions(texts, every_reward.tolist(), meta)
+        return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
+                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
+                for j, part in enumerate(parts)]
+
+    def _warn_if_flat(self, stats: dict[str, float], texts: list[str], meta: list[SampleMeta]) -> None:
+        """Say so when GRPO cannot learn: in every group all completions got the same reward, so every advantage
+        (and the policy loss) is 0, for ``FLAT_PATIENCE`` rollouts in a row. Once per streak."""
+        flat = bool(texts) and stats["frac_reward_zero_std"] == 1.0
+        self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
+        if self._flat_rollouts != FLAT_PATIENCE:
+            return
+        grounded = sum(bool(try_parse_items(m.reference)) for m in meta) * self.num_generations
+        failures = f"{stats['parse_failures']:.0f} of {grounded} completions did not parse as boxes; " if grounded \
+            else ""
+        logger.warning(
+            f"GRPO is not learning: for {FLAT_PATIENCE} rollouts in a row every group's completions got the same "
+            f"reward (last: mean {stats['reward']:.3g}), so every advantage is 0. {failures}"
+            f"{stats['truncated_ratio']:.0%} hit max_new_tokens. A completion: {texts[0][:300]!r}. Likely causes: "
+            "the model cannot produce the answer format yet (train SFT longer, check the template), max_new_tokens "
+            "cuts the answers, the rewards do not tell these completions apart, or temperature is too low.")

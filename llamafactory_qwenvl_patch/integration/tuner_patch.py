@@ -1,0 +1,84 @@
+"""Patches ``llamafactory.train.tuner``, where LF picks a stage's workflow and runs ``export_model``: ``stage: grpo``
+runs the plugin's workflow, and a pinned export is rewritten in the portable layout so older transformers and vLLM
+read it in the training frame."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.model_patch import _EXPORTED
+from llamafactory_qwenvl_patch.integration.patching import _replace
+
+
+def _stage_of(args: Any) -> str | None:
+    if isinstance(args, dict):
+        return args.get("stage")
+    if isinstance(args, (list, tuple)):
+        for i, arg in enumerate(args):
+            if arg == "--stage" and i + 1 < len(args):
+                return args[i + 1]
+            if isinstance(arg, str) and arg.startswith("--stage="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def patch_tuner(tuner: ModuleType) -> None:
+    """Route ``stage: grpo`` to our workflow (``run_exp`` and the Ray worker look the function up at call time), and
+    make a pinned export portable."""
+    lf_compat.require(tuner, ["_training_function", "export_model"])
+
+    def make(training_function: Callable) -> Callable:
+        def wrapper(config: dict[str, Any]) -> None:
+            if _stage_of(config.get("args")) != "grpo":
+                return training_function(config)
+            from llamafactory_qwenvl_patch.grpo.workflow import grpo_training_function
+
+            return grpo_training_function(config)
+
+        return wrapper
+
+    _replace(tuner, "_training_function", make)
+    _replace(tuner, "export_model", _make_export)
+
+
+def _make_export(export_model: Callable) -> Callable:
+    """``llamafactory-cli export`` of a pinned run: once LF has written the folder, put it in the portable layout
+    (transformers 4.49 to 5.x and vLLM 0.11 read it, in the training frame). Unpinned exports stay stock."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        exported: list[str] = []
+        token = _EXPORTED.set(exported)
+        try:
+            result = export_model(*args, **kwargs)
+        finally:
+            _EXPORTED.reset(token)
+        for folder in dict.fromkeys(exported):
+            _portable_export(folder)
+        return result
+
+    return wrapper
+
+
+def _portable_export(folder: str) -> None:
+    from llamafactory.extras import logging as lf_logging
+
+    from llamafactory_qwenvl_patch.model_files.folder import NotPortableError
+    from llamafactory_qwenvl_patch.model_files.portable import make_portable
+
+    logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
+    try:
+        written = make_portable(folder)
+    except NotPortableError as exc:
+        logger.warning_rank0(f"{folder} is exported as this transformers wrote it, which older transformers and vLLM "
+                             f"may not read: {exc}. `qwenvl-prep fix-config {folder}` lists what each reader needs.")
+        return
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.model_files.readers import READERS, has_family
+
+    family = resolve_family(folder)
+    since = family.since_transformers
+    readers = "".join(f"and {READERS[r]} " for r in ("vllm-0.11", "vllm-0.28") if has_family(r, family.name))
+    logger.info_rank0(f"{folder}: written in the portable layout (transformers {since} to 5.x {readers}read it in "
+                      f"the training frame); rewrote {', '.join(written['files']) or 'nothing'}")

@@ -1,0 +1,106 @@
+"""Argument types and flags that several subcommands share: the resize-policy flags and how they become a run's
+frame, and argparse types that refuse nan, negative counts and seeds numpy cannot take before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import TYPE_CHECKING, Callable
+
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+
+if TYPE_CHECKING:
+    from llamafactory_qwenvl_patch.frame.stamp import Stamp
+    from qwenvl_prep.formats.converted import DatasetRef
+    from qwenvl_prep.lf.run_spec import RunSpec
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """The run's policy: from the LF training YAML, or from explicit flags."""
+    from qwenvl_prep.lf.run_spec import spec_from_flags, spec_from_yaml
+
+    if args.from_yaml:
+        spec = spec_from_yaml(args.from_yaml, family=args.family)
+        if not spec.patched:
+            print(f"warning: {args.from_yaml} does not set `qwenvl_patch: true`; stock LLaMA-Factory resizes "
+                  "differently and will not train in this frame", file=sys.stderr)
+        return spec
+    if args.min_pixels is None or args.max_pixels is None:
+        raise ValueError("give --from-yaml TRAIN.yaml, or both --min-pixels and --max-pixels")
+    return spec_from_flags(args.min_pixels, args.max_pixels, args.family or DEFAULT)
+
+
+def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (at least ``least`` when given), or also 0 with ``zero_allowed`` (nan
+    and inf are mistakes, not values)."""
+    bound = f">= {least:g}" if least else "> 0"
+    bound = f"0 or {bound}" if zero_allowed and least else (">= 0" if zero_allowed else bound)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        positive = value >= least if least else value > 0
+        if not (math.isfinite(value) and (positive or (zero_allowed and value == 0))):
+            raise argparse.ArgumentTypeError(f"{flag} takes a number {bound}{note}, got {text!r}")
+        return value
+
+    return parse
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed numpy and torch both accept (0 to 2**32 - 1), refused here rather than in a
+    training subprocess's log."""
+    value = count(0)(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"a seed must be below 2**32, got {value}")
+    return value
+
+
+def count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least`` (a negative --workers or --sample is a mistake, not a default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+def print_summary(summary: dict, code: int) -> int:
+    """The command's JSON summary on stdout; its exit code passed through."""
+    print(json.dumps(summary, indent=2))
+    return code
+
+
+def stamped_dataset(args: argparse.Namespace) -> tuple[DatasetRef, Stamp]:
+    """The dataset and the frame of its coordinates: its stamp, or the policy flags for an unstamped file."""
+    from qwenvl_prep.formats.converted import resolve_dataset
+
+    ref = resolve_dataset(args.dataset, args.dataset_dir)
+    if ref.stamp is not None:
+        return ref, ref.stamp
+    if not args.from_yaml and args.min_pixels is None:
+        raise ValueError(f"{ref.path} is unstamped: give --from-yaml or --min-pixels/--max-pixels/--family")
+    return ref, spec_from_args(args).stamp
+
+
+def add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    """The frame flags of every command that reads or writes coordinates: a training YAML, or explicit bounds."""
+    group = parser.add_argument_group("resize policy (the run's frame)")
+    group.add_argument("--from-yaml", metavar="TRAIN.yaml", help="read image_min_pixels, image_max_pixels, template "
+                       "and the model family from the LLaMA-Factory training YAML (recommended)")
+    group.add_argument("--min-pixels", type=int, help="pinned image_min_pixels (without --from-yaml)")
+    group.add_argument("--max-pixels", type=int, help="pinned image_max_pixels (without --from-yaml)")
+    group.add_argument("--family", choices=list(FAMILIES),
+                       help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL, Qwen3-VL and "
+                       "Qwen3.5 on relative 0-1000 (default: from the YAML's model config or template, else "
+                       "qwen2_5_vl)")

@@ -1,0 +1,92 @@
+"""``qwenvl-prep predict``: answers of a model folder in its pinned frame, mapped back to original pixels."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
+from qwenvl_prep.commands.options import count, finite, seed
+
+
+def run(args: argparse.Namespace) -> int:
+    """Answer every image (in batches), write JSON lines atomically, draw them when asked."""
+    from qwenvl_prep.plumbing.atomic import atomic_writer
+    from qwenvl_prep.formats.converted import resolve_dataset
+    from qwenvl_prep.plumbing.outputs import Outputs
+    from qwenvl_prep.pipeline.predict import Predictor
+
+    if args.seed is not None and args.temperature == 0:
+        raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
+    registries = []
+    if args.dataset:
+        ref = resolve_dataset(str(args.dataset))
+        from qwenvl_prep.formats.converted import iter_samples
+
+        jobs = [(s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+        registries = [ref.media_dir]
+    elif args.images and args.prompt:
+        jobs = [(image, args.prompt, None) for image in args.images]
+    else:
+        raise ValueError("give --dataset FILE, or images with --prompt")
+    guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []), *(image for image, _, _ in jobs)],
+                    registries)
+    if args.output:
+        guard.check(args.output, "-o")
+    drawings = []
+    if args.draw:
+        from qwenvl_prep.pipeline.draw import prediction_paths
+
+        drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
+    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
+    from tqdm import tqdm
+
+    rows = []
+    with tqdm(total=len(jobs), desc="predict", unit=" img", disable=None) as bar:
+        for first in range(0, len(jobs), args.batch_size):
+            chunk = jobs[first:first + args.batch_size]
+            for row, (_, _, label) in zip(predictor.batch([(image, prompt) for image, prompt, _ in chunk]), chunk):
+                if label is not None:
+                    row["label"] = label
+                rows.append(row)
+            bar.update(len(chunk))
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if args.output:
+        with atomic_writer(args.output) as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if args.draw:
+        from qwenvl_prep.pipeline.draw import draw_predictions
+
+        draw_predictions(rows, drawings)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The subcommand's arguments, with ``run`` as its handler."""
+    pred = sub.add_parser(
+        "predict",
+        help="generate with transformers and map boxes back to original pixels (JSON lines)",
+        description="Resize each image with the model folder's pinned policy (the training frame), generate, parse "
+        "bbox_2d / point_2d / <|box_start|> answers and map them back to original-image pixels.",
+    )
+    pred.add_argument("model_dir", type=Path,
+                      help="exported model folder, a full checkpoint, or a LoRA adapter folder of llamafactory-cli "
+                      "train (its local base is loaded and the adapter merged in memory; the adapter's frame wins)")
+    pred.add_argument("images", nargs="*", help="image files (with --prompt)")
+    pred.add_argument("--prompt", help="prompt for every image")
+    pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
+    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
+    pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
+    pred.add_argument("--max-new-tokens", type=count(1), default=128)
+    pred.add_argument("--batch-size", type=count(1), default=8, help="images per generate call (left-padded)")
+    pred.add_argument("--temperature", type=finite("--temperature", True, " (0 = greedy)", least=MIN_TEMPERATURE),
+                      default=0.0,
+                      help="0 (default): greedy, the model's one best answer; > 0: sample at this temperature (no "
+                      "top-k / top-p), e.g. 1.0 as GRPO's rollouts do, to measure how often the model gives an answer, "
+                      "not only whether its best answer is one")
+    pred.add_argument("--seed", type=seed, help="seed of the sampling (only with --temperature > 0; default 0)")
+    pred.set_defaults(func=run)
