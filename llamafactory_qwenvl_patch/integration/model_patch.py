@@ -10,6 +10,7 @@ from types import MethodType, ModuleType
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds, write_policy_record
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.patching import _replace
@@ -43,6 +44,15 @@ def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
     processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)
     _log_active(policy)
     return policy
+
+
+def video_policy_of(model_args: Any, policy: ResizePolicy) -> VideoPolicy:
+    """The run's video policy from LF's own video keys, with the family's clock and the image policy's factor."""
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+
+    family = resolve_family(model_args.model_name_or_path, getattr(model_args, "template", None), policy.factor)
+    return VideoPolicy(int(model_args.video_min_pixels), int(model_args.video_max_pixels), policy.factor,
+                       float(model_args.video_fps), int(model_args.video_maxlen), family.video_clock)
 
 
 def _log_active(policy: ResizePolicy) -> None:
@@ -141,6 +151,9 @@ def patch_model_loader(loader: ModuleType) -> None:
                 policy = pin_processor(module.get("processor"), model_args)
                 _note_new_frame(model_args, policy)
                 module["tokenizer"].qwenvl_policy = policy
+                video = video_policy_of(model_args, policy)
+                module["processor"].qwenvl_video_policy = module["tokenizer"].qwenvl_video_policy = video
+                module["tokenizer"].qwenvl_frame_list_fps = float(model_args.qwenvl_frame_list_fps or video.fps)
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
             else:
                 _warn_unpinned(model_args)

@@ -30,6 +30,11 @@ def patch_parser(parser: ModuleType) -> None:
                 "Inference on a folder with qwenvl_policy.json uses its bounds unless this is set to false."
             },
         )
+        qwenvl_frame_list_fps: float | None = field(
+            default=None,
+            metadata={"help": "The rate (frames per second) at which videos given as frame lists (a list of images) "
+                      "were taken; default video_fps, which LF assumes for every frame list."},
+        )
         qwenvl_answer_coords: str = field(
             default="model",
             metadata={"help": "Coordinates in chat/API answers: `model` (what the model says) or `original` (mapped "

@@ -1,4 +1,5 @@
-"""LLaMA-Factory multimodal plugins whose still images follow the pinned resize policy.
+"""LLaMA-Factory multimodal plugins whose still images follow the pinned resize policy and whose videos follow the
+pinned video policy (``video_plugin``).
 
 Subclasses, never class patches: patching ``Qwen2VLPlugin`` itself would leak into GLM4V, Omni and Qwen3 plugins and
 keep stale ``datasets`` cache fingerprints. The bounds are dataclass fields, so they are part of the fingerprint.
@@ -9,16 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from llamafactory_qwenvl_patch.integration import lf_compat
-from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.video_plugin import PinnedVideos, PinnedVideoStamps
 
 _mm_plugin = lf_compat.require_module("llamafactory.data.mm_plugin", ["Qwen2VLPlugin", "Qwen3VLPlugin"])
 
 
 @dataclass
 class _PinnedStills:
-    """Mixin: still images go through ``fetch_image`` with pinned bounds; video frames keep LF's stock path."""
+    """Mixin: still images go through ``fetch_image`` with pinned bounds (video frames: ``video_plugin``)."""
 
     qwenvl_min_pixels: int = 0
     qwenvl_max_pixels: int = 0
@@ -29,27 +32,25 @@ class _PinnedStills:
         return ResizePolicy(self.qwenvl_min_pixels, self.qwenvl_max_pixels, self.qwenvl_factor)
 
     def _regularize_images(self, images: list[Any], **kwargs: Any) -> dict[str, Any]:
-        if "video_fps" in kwargs:  # frames of a video: LF counts their tokens with its own formula
-            return super()._regularize_images(images, **kwargs)
         policy = self.policy
         return {"images": [model_input_image(image, policy) for image in images]}
 
 
 @dataclass
-class PinnedQwen2VLPlugin(_PinnedStills, _mm_plugin.Qwen2VLPlugin):
+class PinnedQwen2VLPlugin(_PinnedStills, PinnedVideos, _mm_plugin.Qwen2VLPlugin):
     """Qwen2-VL / Qwen2.5-VL (factor 28)."""
 
 
 @dataclass
-class PinnedQwen3VLPlugin(_PinnedStills, _mm_plugin.Qwen3VLPlugin):
-    """Qwen3-VL (factor 32)."""
+class PinnedQwen3VLPlugin(_PinnedStills, PinnedVideoStamps, _mm_plugin.Qwen3VLPlugin):
+    """Qwen3-VL and Qwen3.5 (factor 32)."""
 
 
 _PINNED = {_mm_plugin.Qwen2VLPlugin: PinnedQwen2VLPlugin, _mm_plugin.Qwen3VLPlugin: PinnedQwen3VLPlugin}
 
 
-def pinned_plugin(plugin: Any, policy: ResizePolicy) -> Any:
-    """A new plugin instance equal to ``plugin`` but with pinned still-image bounds."""
+def pinned_plugin(plugin: Any, policy: ResizePolicy, video: VideoPolicy, frame_list_fps: float) -> Any:
+    """A new plugin instance equal to ``plugin`` but with pinned still-image bounds and video policy."""
     base = type(plugin)
     if isinstance(plugin, _PinnedStills):
         base = next(cls for cls in base.__mro__[1:] if cls in _PINNED)
@@ -60,6 +61,9 @@ def pinned_plugin(plugin: Any, policy: ResizePolicy) -> Any:
         )
     state = {f.name: getattr(plugin, f.name) for f in fields(plugin) if f.init}
     state.update(
-        qwenvl_min_pixels=policy.min_pixels, qwenvl_max_pixels=policy.max_pixels, qwenvl_factor=policy.factor
+        qwenvl_min_pixels=policy.min_pixels, qwenvl_max_pixels=policy.max_pixels, qwenvl_factor=policy.factor,
+        qwenvl_video_min_pixels=video.min_pixels, qwenvl_video_max_pixels=video.max_pixels,
+        qwenvl_video_fps=video.fps, qwenvl_video_maxlen=video.max_frames, qwenvl_video_clock=video.clock,
+        qwenvl_frame_list_fps=frame_list_fps,
     )
     return _PINNED[base](**state)

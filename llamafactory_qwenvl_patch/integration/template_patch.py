@@ -1,5 +1,5 @@
 """Patches ``llamafactory.data.template``: a pinned run's template gets the pinned multimodal plugin, so LF's own
-preprocessing resizes still images under the run's bounds."""
+preprocessing resizes still images under the run's bounds and samples videos under its video policy."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def patch_template(template_module: ModuleType) -> None:
             from llamafactory_qwenvl_patch.integration.plugin import pinned_plugin
 
             pinned = copy(template)
-            pinned.mm_plugin = pinned_plugin(template.mm_plugin, policy)
+            pinned.mm_plugin = pinned_plugin(template.mm_plugin, policy, tokenizer.qwenvl_video_policy,
+                                             tokenizer.qwenvl_frame_list_fps)
             return pinned
 
         return wrapper

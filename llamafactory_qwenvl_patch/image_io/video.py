@@ -1,0 +1,173 @@
+"""Reading a clip as the video policy samples it: every frame's real presentation time (from the packets, not the
+header: webm and mkv report no frame count or duration, and a header's rate is wrong for variable-rate clips), then
+only the sampled frames decoded and each resized exactly like a still image in the policy's frame.
+
+A clip is a video file or a frame list (pre-extracted frames, a list of image paths, taken at a stated rate).
+Errors name the clip and say what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from PIL import Image
+
+from llamafactory_qwenvl_patch.frame.policy import PolicyError
+from llamafactory_qwenvl_patch.frame.video import VideoError, VideoPlan, VideoPolicy, clip_duration, frame_list_times
+from llamafactory_qwenvl_patch.image_io.images import (
+    ImageError, check_pixels, describe, model_input_image, open_image, require_regular_file,
+)
+
+
+class VideoFileError(ImageError):
+    """A clip that cannot be read (missing, not a regular file, undecodable, no video stream, no frames)."""
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What the policy needs to know of a clip before decoding any pixels."""
+
+    name: str
+    height: int
+    width: int
+    times: tuple[float, ...]  # each frame's presentation time in seconds from the first, sorted
+    duration: float
+    frames: tuple[Any, ...] = ()  # a frame list's images (empty for a video file)
+
+    def plan(self, policy: VideoPolicy) -> VideoPlan:
+        try:
+            policy.frame_size(self.height, self.width)
+            return policy.plan(self.times, self.duration)
+        except PolicyError as exc:
+            raise VideoError(f"video {self.name}: {exc}") from None
+
+
+def is_frame_list(video: Any) -> bool:
+    """LF's own test (``_check_video_is_nested_images``): a video given as a list or tuple of images."""
+    return isinstance(video, (list, tuple))
+
+
+def probe(video: Any, frame_list_fps: float) -> Clip:
+    """A clip's size and frame times: from the packets of a video file (no decoding), or from a frame list's image
+    headers at ``frame_list_fps``."""
+    if is_frame_list(video):
+        return _probe_frame_list(video, frame_list_fps)
+    return _probe_file(video)
+
+
+def _open_container(video: Any, name: str) -> Any:
+    import av
+
+    if isinstance(video, (str, os.PathLike)):
+        try:
+            require_regular_file(video)
+        except ImageError as exc:
+            raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
+    try:
+        return av.open(video if not isinstance(video, os.PathLike) else os.fspath(video), "r")
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise VideoFileError(f"video {name}: cannot open ({exc})") from None
+
+
+def _video_stream(container: Any, name: str) -> Any:
+    stream = next((s for s in container.streams if s.type == "video"), None)
+    if stream is None:
+        raise VideoFileError(f"video {name}: has no video stream")
+    return stream
+
+
+def _probe_file(video: Any) -> Clip:
+    import av
+
+    name = describe(video)
+    container = _open_container(video, name)
+    try:
+        stream = _video_stream(container, name)
+        pts = []
+        try:
+            for packet in container.demux(stream):
+                if packet.pts is not None and packet.size:
+                    pts.append(packet.pts)
+        except (av.FFmpegError, OSError) as exc:
+            raise VideoFileError(f"video {name}: cannot read its packets ({exc}); the file is truncated or "
+                                 "corrupt") from None
+        width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+        base = float(stream.time_base) if stream.time_base else 0.0
+    finally:
+        container.close()
+    if not pts or base <= 0:
+        raise VideoFileError(f"video {name}: has no frames")
+    if width <= 0 or height <= 0:
+        raise VideoFileError(f"video {name}: its stream has no frame size ({width}x{height})")
+    check_pixels(width, height, f"video {name}")
+    pts.sort()
+    times = tuple((p - pts[0]) * base for p in pts)
+    return Clip(name, height, width, times, clip_duration(times))
+
+
+def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
+    name = f"frame list ({len(frames)} frames, first {describe(frames[0]) if frames else 'none'})"
+    if not frames:
+        raise VideoFileError("video frame list is empty")
+    sizes = []
+    for index, frame in enumerate(frames):
+        try:
+            image = open_image(frame)
+            sizes.append((image.height, image.width))
+            if image is not frame:  # opened here (header only): an image the caller passed stays open
+                image.close()
+        except ImageError as exc:
+            raise VideoFileError(f"{name}: frame {index}: {exc}") from None
+        if sizes[-1] != sizes[0]:
+            raise VideoFileError(f"{name}: frame {index} is {sizes[-1][1]}x{sizes[-1][0]}, frame 0 is "
+                                 f"{sizes[0][1]}x{sizes[0][0]}; a clip's frames share one size")
+    try:
+        times = tuple(frame_list_times(len(frames), fps))
+    except VideoError as exc:
+        raise VideoFileError(f"{name}: {exc}") from None
+    return Clip(name, sizes[0][0], sizes[0][1], times, len(frames) / fps, tuple(frames))
+
+
+def read_clip(video: Any, policy: VideoPolicy, frame_list_fps: float) -> tuple[list[Image.Image], VideoPlan]:
+    """The sampled frames of a clip, each the RGB image the encoder sees (the policy's frame), and the plan."""
+    clip = probe(video, frame_list_fps)
+    plan = clip.plan(policy)
+    frame_policy = policy.frame_policy
+    if clip.frames:
+        chosen = {index: clip.frames[index] for index in set(plan.indices)}
+    else:
+        chosen = _decode(video, clip, set(plan.indices))
+    resized = {}
+    for index, frame in chosen.items():
+        try:
+            resized[index] = model_input_image(frame, frame_policy)
+        except ImageError as exc:
+            raise VideoFileError(f"{clip.name}: frame {index}: {exc}") from None
+    return [resized[index] for index in plan.indices], plan
+
+
+def _decode(video: Any, clip: Clip, wanted: set[int]) -> dict[int, Image.Image]:
+    """Decode in presentation order up to the last wanted frame, keeping the wanted ones."""
+    import av
+
+    container = _open_container(video, clip.name)
+    found: dict[int, Image.Image] = {}
+    last = max(wanted)
+    try:
+        stream = _video_stream(container, clip.name)
+        for index, frame in enumerate(container.decode(stream)):
+            if index in wanted:
+                found[index] = frame.to_image()
+            if index >= last:
+                break
+    except (av.FFmpegError, OSError) as exc:
+        raise VideoFileError(f"video {clip.name}: cannot decode ({exc}); the file is truncated or corrupt") from None
+    finally:
+        container.close()
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise VideoFileError(f"video {clip.name}: its packets list {len(clip.times)} frames but frame {missing[0]} "
+                             "does not decode; the file is truncated or corrupt")
+    return found
