@@ -9,12 +9,16 @@ from typing import Any
 
 from llamafactory_qwenvl_patch import __version__
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 
 POLICY_FILE = "qwenvl_policy.json"
 
 
-def write_policy_record(folder: str | Path, policy: ResizePolicy) -> None:
+def write_policy_record(folder: str | Path, policy: ResizePolicy, video: VideoPolicy | None = None) -> None:
+    """The folder's frame (and, for a run with videos' policy, its video frame and clock under ``video``)."""
     record = {**policy.to_dict(), "written_by": f"llamafactory-qwenvl-patch {__version__}"}
+    if video is not None:
+        record["video"] = video.to_dict()
     Path(folder, POLICY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -54,6 +58,18 @@ def read_processor_bounds(folder: str | Path) -> tuple[int, int] | None:
             if low and high:
                 return int(low), int(high)
     return None
+
+
+def folder_video_policy(folder: str | Path) -> VideoPolicy | None:
+    """The video policy a model folder was trained with, None when its record has none (an older export)."""
+    record = read_policy_record(folder)
+    if record is None or record.get("video") is None:
+        return None
+    try:
+        return VideoPolicy(**record["video"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{Path(str(folder), POLICY_FILE)}: its video policy is not valid ({exc}); re-export the "
+                         "model") from None
 
 
 def folder_policy(folder: str | Path, image_processor: Any) -> ResizePolicy:

@@ -12,22 +12,26 @@ from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 
 STAMP_KEY = "qwenvl_policy"
 
 
 @dataclass(frozen=True)
 class Stamp:
-    """Resize policy plus coordinate convention (``model`` or ``rel1000``) and model family of a dataset."""
+    """Resize policy plus coordinate convention (``model`` or ``rel1000``) and model family of a dataset; a dataset
+    with videos also carries its video policy (``video``), the frame and clock its video labels are in."""
 
     policy: ResizePolicy
     coords: str
     family: str
     written_by: str = ""
+    video: VideoPolicy | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.policy.to_dict(), "coords": self.coords, "family": self.family, "written_by": self.written_by}
+        out = {**self.policy.to_dict(), "coords": self.coords, "family": self.family, "written_by": self.written_by}
+        return out if self.video is None else {**out, "video": self.video.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stamp":
@@ -41,7 +45,14 @@ class Stamp:
             policy = ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
         except (TypeError, ValueError) as exc:
             raise StampError(f"the {STAMP_KEY} stamp {data!r} is malformed ({exc})") from None
-        return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")))
+        video = None
+        if data.get("video") is not None:
+            try:
+                video = VideoPolicy(**data["video"])
+            except (TypeError, PolicyError) as exc:
+                raise StampError(f"the {STAMP_KEY} stamp's video policy {data['video']!r} is malformed ({exc}); "
+                                 "convert the data again with qwenvl-prep convert") from None
+        return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")), video)
 
     def describe(self) -> str:
         p = self.policy
@@ -53,9 +64,9 @@ class StampError(ValueError):
     """A ``qwenvl_policy`` stamp that cannot be read."""
 
 
-def run_stamp(policy: ResizePolicy, family: str) -> Stamp:
-    """What a dataset must be stamped with to train under ``policy`` for this model family."""
-    return Stamp(policy, FAMILIES[family].coords, family)
+def run_stamp(policy: ResizePolicy, family: str, video: VideoPolicy | None = None) -> Stamp:
+    """What a dataset must be stamped with to train under ``policy`` (and ``video``) for this model family."""
+    return Stamp(policy, FAMILIES[family].coords, family, video=video)
 
 
 def differences(data: Stamp, run: Stamp) -> list[str]:
@@ -67,6 +78,11 @@ def differences(data: Stamp, run: Stamp) -> list[str]:
             out.append(f"{name}: dataset {a} vs run {b}")
     if data.coords != run.coords:
         out.append(f"coords: dataset {data.coords} vs run {run.coords} (model family {run.family})")
+    if data.video is not None and run.video is not None:  # a dataset without videos has no video frame to differ
+        for name, a in data.video.to_dict().items():
+            b = getattr(run.video, name)
+            if a != b:
+                out.append(f"video {name}: dataset {a} vs run {b}")
     return out
 
 

@@ -44,7 +44,9 @@ CLOCKS = ("seconds", "stamps", "index")
 # A clip's sampled times are compared with presentation times that containers round to their time base (1/1000 s in
 # webm): a frame due at 0.5 s may carry 0.49999. This tolerance keeps such a frame on time.
 TIME_EPSILON = 1e-6
-MAX_FRAMES_LIMIT = 100_000  # far beyond any real video_maxlen; a bigger one is a typo that would exhaust memory
+MAX_FRAMES_LIMIT = 100_000
+# LLaMA-Factory 0.9.5's defaults for the video keys a YAML may omit (hparams/model_args.py)
+LF_VIDEO_DEFAULTS = {"video_min_pixels": 16 * 16, "video_max_pixels": 256 * 256, "video_fps": 2.0, "video_maxlen": 128}  # far beyond any real video_maxlen; a bigger one is a typo that would exhaust memory
 
 
 class VideoError(PolicyError):
@@ -71,6 +73,19 @@ class VideoPolicy:
                               f"{self.max_frames!r}")
         if self.clock not in CLOCKS:
             raise PolicyError(f"unknown video clock {self.clock!r}; expected one of {', '.join(CLOCKS)}")
+
+    @classmethod
+    def from_lf_keys(cls, keys: dict[str, object], factor: int, clock: str) -> "VideoPolicy":
+        """The policy of LF's video keys (``video_min_pixels``, ``video_max_pixels``, ``video_fps``,
+        ``video_maxlen``; LF's defaults for those missing) for a family's factor and clock."""
+        values = {**LF_VIDEO_DEFAULTS, **{k: v for k, v in keys.items() if k in LF_VIDEO_DEFAULTS and v is not None}}
+        try:
+            return cls(int(values["video_min_pixels"]), int(values["video_max_pixels"]), factor,
+                       float(values["video_fps"]), int(values["video_maxlen"]), clock)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, PolicyError):
+                raise
+            raise PolicyError(f"the video keys {values} are not numbers ({exc})") from None
 
     @property
     def frame_policy(self) -> ResizePolicy:

@@ -16,8 +16,9 @@ class StampMismatchError(ValueError):
     """A dataset converted for another resize policy or coordinate convention than this run's."""
 
 
-def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy) -> None:
-    """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run; warn about unstamped ones."""
+def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy, video: Any = None) -> None:
+    """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run (its video policy too, for a dataset
+    converted with videos); warn about unstamped ones."""
     from llamafactory.extras import logging as lf_logging
 
     from llamafactory_qwenvl_patch.frame.families import resolve_family
@@ -26,7 +27,7 @@ def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy) 
     names = [*(data_args.dataset or []), *(data_args.eval_dataset or [])]
     info = read_dataset_info(data_args.dataset_dir) if names else {}
     family = resolve_family(model_args.model_name_or_path, data_args.template).name
-    run = run_stamp(policy, family)
+    run = run_stamp(policy, family, video)
     logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
     for name in names:
         entry = info.get(name)
@@ -53,9 +54,10 @@ def patch_data_loader(data_loader: ModuleType) -> None:
 
     def make_get_dataset(get_dataset: Callable) -> Callable:
         def wrapper(template: Any, model_args: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
-            policy = getattr(getattr(template, "mm_plugin", None), "policy", None)
+            plugin = getattr(template, "mm_plugin", None)
+            policy = getattr(plugin, "policy", None)
             if getattr(model_args, "qwenvl_patch", False) and isinstance(policy, ResizePolicy):
-                check_dataset_stamps(model_args, data_args, policy)
+                check_dataset_stamps(model_args, data_args, policy, getattr(plugin, "video_policy", None))
             return get_dataset(template, model_args, data_args, *args, **kwargs)
 
         return wrapper

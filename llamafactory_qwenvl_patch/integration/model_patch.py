@@ -10,7 +10,7 @@ from types import MethodType, ModuleType
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds, write_policy_record
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.patching import _replace
@@ -23,7 +23,7 @@ def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs
     """Processor save that also writes ``preprocessor_config.json`` and the policy record beside it."""
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     self.image_processor.save_pretrained(save_directory)
-    write_policy_record(save_directory, self.qwenvl_policy)
+    write_policy_record(save_directory, self.qwenvl_policy, getattr(self, "qwenvl_video_policy", None))
     exported = _EXPORTED.get()
     if exported is not None:
         exported.append(str(save_directory))
@@ -51,8 +51,8 @@ def video_policy_of(model_args: Any, policy: ResizePolicy) -> VideoPolicy:
     from llamafactory_qwenvl_patch.frame.families import resolve_family
 
     family = resolve_family(model_args.model_name_or_path, getattr(model_args, "template", None), policy.factor)
-    return VideoPolicy(int(model_args.video_min_pixels), int(model_args.video_max_pixels), policy.factor,
-                       float(model_args.video_fps), int(model_args.video_maxlen), family.video_clock)
+    keys = {key: getattr(model_args, key, None) for key in LF_VIDEO_DEFAULTS}
+    return VideoPolicy.from_lf_keys(keys, policy.factor, family.video_clock)
 
 
 def _log_active(policy: ResizePolicy) -> None:

@@ -13,6 +13,7 @@ import yaml
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_for_template, resolve_family
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 
 # LLaMA-Factory 0.9.5 defaults for the keys a YAML may omit (hparams/model_args.py).
 LF_DEFAULT_MIN_PIXELS = 32 * 32
@@ -21,7 +22,8 @@ LF_DEFAULT_MAX_PIXELS = 768 * 768
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a training run expects of its data: policy, model family, and the YAML facts that checks need."""
+    """What a training run expects of its data: policy, model family, and the YAML facts that checks need. The stamp
+    carries the run's video policy; a converted dataset's stamp carries it only when the dataset has videos."""
 
     stamp: Stamp
     template: str | None = None
@@ -65,8 +67,9 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
     dataset_dir = config.get("dataset_dir", "data")
     if dataset_dir and not os.path.isabs(dataset_dir):
         dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir
+    video = VideoPolicy.from_lf_keys(config, family.factor, family.video_clock)
     return RunSpec(
-        stamp=Stamp(policy, family.coords, family.name),
+        stamp=Stamp(policy, family.coords, family.name, video=video),
         template=template,
         cutoff_len=int(config["cutoff_len"]) if "cutoff_len" in config else 2048,
         patched=bool(config.get("qwenvl_patch", False)),
@@ -75,11 +78,15 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
     )
 
 
-def spec_from_flags(min_pixels: int, max_pixels: int, family: str) -> RunSpec:
+def spec_from_flags(min_pixels: int, max_pixels: int, family: str, video_keys: dict[str, object] | None = None
+                    ) -> RunSpec:
+    """The spec of explicit bounds; ``video_keys`` are LF's video keys (its defaults for those missing)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
-    policy = ResizePolicy(min_pixels, max_pixels, FAMILIES[family].factor)
-    return RunSpec(stamp=Stamp(policy, FAMILIES[family].coords, family))
+    f = FAMILIES[family]
+    policy = ResizePolicy(min_pixels, max_pixels, f.factor)
+    video = VideoPolicy.from_lf_keys(video_keys or {}, f.factor, f.video_clock)
+    return RunSpec(stamp=Stamp(policy, f.coords, family, video=video))
 
 
 @functools.lru_cache(maxsize=None)
