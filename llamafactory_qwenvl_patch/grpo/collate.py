@@ -1,5 +1,6 @@
 """Batches for stage: grpo: LF's features stay raw until a rollout needs them, then LF's multimodal collator runs and
-each prompt's reference answer, original image size, dataset index and ``meta`` are kept for the rewards."""
+each prompt's reference answer, original image (or first video's) size, dataset index and ``meta`` are kept for the
+rewards."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 from llamafactory_qwenvl_patch.grpo.record_meta import META_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, decode_kept, prompt_text
 from llamafactory_qwenvl_patch.image_io.images import blank_like, open_image
+from llamafactory_qwenvl_patch.image_io.video import probe
+
+FRAME_LIST_FPS_UNUSED = 1.0  # probing for a clip's size only: a frame list's rate does not change it
 
 
 class GRPOCollator:
@@ -30,11 +34,14 @@ class GRPOCollator:
             blank = bool(feature.pop("grpo_blank", False))
             record_meta = decode_meta(feature.pop(META_COLUMN, None))
             labels = [t for t in feature.get("labels") or [] if t >= 0]
-            images = feature.get("images") or []
+            images, videos = feature.get("images") or [], feature.get("videos") or []
             orig_hw = None
             if images:
                 with open_image(images[0]) as image:
                     orig_hw = (image.height, image.width)
+            elif videos:  # a video prompt's boxes are in its frames: the clip's size (from its header packets)
+                clip = probe(videos[0], FRAME_LIST_FPS_UNUSED)
+                orig_hw = (clip.height, clip.width)
             prompt = prompt_text(self.tokenizer, feature["input_ids"], {self.tokenizer.pad_token_id})
             meta.append(SampleMeta(index, prompt, decode_kept(self.tokenizer, labels, drop).strip(), orig_hw,
                                    blank=blank, meta=record_meta))

@@ -88,6 +88,25 @@ def images_per_sample(input_ids: torch.Tensor, vision_start_id: int, image_id: i
     return (starts & (input_ids[:, 1:] == image_id)).sum(dim=1).tolist()
 
 
+MERGE_LENGTH = 4  # spatial merge 2 x 2: patches per placeholder token
+
+
+def videos_per_sample(input_ids: torch.Tensor, video_id: int, grid: torch.Tensor) -> list[int]:
+    """How many videos each prompt holds, from its ``<|video_pad|>`` count and ``video_grid_thw`` (rows in prompt
+    order). Counting vision-start blocks would not do: Qwen3 gives every frame group of a video its own block."""
+    tokens = (input_ids == video_id).sum(dim=1).tolist()
+    per_video = (grid.prod(dim=1) // MERGE_LENGTH).tolist()
+    counts, row = [], 0
+    for left in tokens:
+        count = 0
+        while left > 0 and row < len(per_video):
+            left, row, count = left - per_video[row], row + 1, count + 1
+        if left != 0:
+            raise RuntimeError(f"video tokens and video_grid_thw disagree ({tokens} tokens, grids {grid.tolist()})")
+        counts.append(count)
+    return counts
+
+
 def repeat_visual(pixel_values: torch.Tensor, grid: torch.Tensor, per_sample: list[int], times: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Repeat each sample's image patches ``times`` times, in sample order (matches ``repeat_interleave``)."""
@@ -100,6 +119,16 @@ def repeat_visual(pixel_values: torch.Tensor, grid: torch.Tensor, per_sample: li
             grid_chunks.append(grid[g:g + count])
         p, g = p + n_patches, g + count
     return torch.cat(pixel_chunks), torch.cat(grid_chunks)
+
+
+def repeat_values(values: Any, per_sample: list[int], times: int) -> list[Any]:
+    """Repeat each sample's per-video values (``second_per_grid_ts``) ``times`` times, as ``repeat_visual`` does."""
+    values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    out, first = [], 0
+    for count in per_sample:
+        out += values[first:first + count] * times
+        first += count
+    return out
 
 
 def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePolicy

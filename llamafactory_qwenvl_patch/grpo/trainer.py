@@ -71,6 +71,7 @@ class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Traine
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
+        self.video_id = getattr(config, "video_token_id", None)
         self.pass_token_types = needs_token_types(self.model)  # M-RoPE positions in transformers 5.x
         image_processor = getattr(processor, "image_processor", None)
         # what turns an image grid into pixels: the pinned policy, else the processor's own (same factor)

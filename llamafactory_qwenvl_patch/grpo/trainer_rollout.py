@@ -22,14 +22,16 @@ from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.rewards import Scored, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
     MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
-    add_monitors, repeat_visual, rollout_metrics,
+    add_monitors, repeat_values, repeat_visual, rollout_metrics, videos_per_sample,
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 
-GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+GENERATION_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                   "video_grid_thw", "second_per_grid_ts")
+VISUAL = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))  # pixels, grid
 FLAT_PATIENCE = 3  # rollouts in a row whose every group scored alike before the run warns that it learns nothing
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
 
@@ -60,14 +62,22 @@ class RolloutMixin:
         if self.vllm is not None:  # the exact images the loss sees, for vLLM
             for sample, feature in zip(meta, features):
                 sample.images = [model_input_image(src, self.resize_policy) for src in feature.get("images") or []]
-        if "pixel_values_videos" in batch:
-            raise ValueError("stage: grpo supports still images and text; this batch has videos")
+        if "pixel_values_videos" in batch and self.vllm is not None:
+            raise ValueError("stage: grpo with grpo_backend: vllm samples still images and text; this batch has "
+                             "videos: use the HF backend (grpo_backend: hf) for video prompts")
         batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
-        if "pixel_values" in batch:
-            per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
-            for sample, hw in zip(meta, first_image_sizes(batch["image_grid_thw"], per_sample, self.grid_frame)):
-                sample.model_hw = hw
+        for _, grid in VISUAL:
+            if grid in batch:
+                per_sample = self._per_sample(batch, grid)
+                for sample, hw in zip(meta, first_image_sizes(batch[grid], per_sample, self.grid_frame)):
+                    sample.model_hw = sample.model_hw or hw  # a prompt's frame: its first image, else its first video
         return batch, meta
+
+    def _per_sample(self, batch: dict[str, Any], grid: str) -> list[int]:
+        """Images (``grid="image_grid_thw"``) or videos of each prompt in ``batch``."""
+        if grid == "image_grid_thw":
+            return images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
+        return videos_per_sample(batch["input_ids"], self.video_id, batch[grid])
 
     # --- rollout -------------------------------------------------------------------------------------------------
 
@@ -153,21 +163,24 @@ class RolloutMixin:
         """Prompt + completion inputs of the training passes: one packed row per prompt with its images once
         (shared prefix), or each prompt and its images repeated for every completion."""
         G = self.num_generations
-        has_images = "pixel_values" in batch
+        visual = [(pixels, grid) for pixels, grid in VISUAL if pixels in batch]
         if self.shared_prefix:
             inputs, layout = shared_prefix.pack_group(batch["input_ids"], batch["attention_mask"], ids, mask, G)
             inputs[shared_prefix.KWARG] = layout
-            if has_images:
-                inputs["pixel_values"], inputs["image_grid_thw"] = batch["pixel_values"], batch["image_grid_thw"]
+            for pixels, grid in visual:
+                inputs[pixels], inputs[grid] = batch[pixels], batch[grid]
+            if "second_per_grid_ts" in batch:
+                inputs["second_per_grid_ts"] = batch["second_per_grid_ts"]
         else:
             inputs = {
                 "input_ids": torch.cat([batch["input_ids"].repeat_interleave(G, 0), ids], dim=1),
                 "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(G, 0), mask], dim=1),
             }
-            if has_images:
-                per_sample = images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
-                inputs["pixel_values"], inputs["image_grid_thw"] = repeat_visual(
-                    batch["pixel_values"], batch["image_grid_thw"], per_sample, G)
+            for pixels, grid in visual:
+                per_sample = self._per_sample(batch, grid)
+                inputs[pixels], inputs[grid] = repeat_visual(batch[pixels], batch[grid], per_sample, G)
+                if pixels == "pixel_values_videos" and "second_per_grid_ts" in batch:
+                    inputs["second_per_grid_ts"] = repeat_values(batch["second_per_grid_ts"], per_sample, G)
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         return inputs
