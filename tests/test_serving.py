@@ -230,3 +230,34 @@ def test_unread_data_urls_are_named_by_their_type():
 
     assert _unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
     assert _unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA")) == ["image/webp", "typeless"]
+
+
+@pytest.mark.slow
+def test_video_requests_are_served_in_the_training_video_frame(servers, folders):
+    """A video request (a local path and the same clip as a base64 data URL) to the pinned folder: the prompt holds
+    exactly the policy's frame groups (the folder's recorded video policy, no key in the serving YAML); the plain
+    folder's stock path gives another count."""
+    from helpers import write_clip
+
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
+    from llamafactory_qwenvl_patch.image_io.video import probe
+
+    root, pinned_dir, _, media = folders
+    clip = write_clip(media / "clip.mp4", 3, 10, 320, 180)
+    policy = folder_video_policy(pinned_dir)
+    assert policy is not None and policy.clock == "seconds"
+    probed = probe(str(clip), 2.0)
+    plan = probed.plan(policy)
+    expected = plan.groups * policy.frame_tokens(probed.height, probed.width) + 2  # + vision start and end
+
+    def tokens(server, url):
+        content = [{"type": "text", "text": PROMPT}] if url is None else [
+            {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+        return server.client.chat.completions.create(model="test", messages=[{"role": "user", "content": content}],
+                                                     temperature=0, max_tokens=4).usage.prompt_tokens
+
+    as_data_url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+    text_only = tokens(servers["pinned"], None)
+    assert tokens(servers["pinned"], str(clip)) == tokens(servers["pinned"], as_data_url) == text_only + expected
+    assert tokens(servers["plain"], str(clip)) != text_only + expected
+    assert "and its video policy" in servers["pinned"].logfile.read_text()

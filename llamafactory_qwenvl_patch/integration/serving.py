@@ -60,10 +60,28 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
             f"({POLICY_FILE}), but the YAML asks for another: {'; '.join(conflicts)}. Remove those keys (inference "
             "and export then use the training frame), or set `qwenvl_patch: false` for stock LLaMA-Factory (boxes "
             "will drift).")
+    video = _video_keys(record.get("video"))
+    video_conflicts = [f"{key}: YAML {getattr(model_args, key)}, folder {value}" for key, value in video.items()
+                       if key in explicit and float(getattr(model_args, key)) != float(value)]
+    if video_conflicts:
+        raise FrameConflictError(
+            f"{folder} was trained with the video policy {record['video']} ({POLICY_FILE}), but the YAML asks for "
+            f"another: {'; '.join(video_conflicts)}. Remove those keys (inference and export then use the training "
+            "video frame and clock), or set `qwenvl_patch: false` for stock LLaMA-Factory.")
     model_args.image_min_pixels, model_args.image_max_pixels = trained
+    for key, value in video.items():
+        setattr(model_args, key, value)
     model_args.qwenvl_patch = True
     return (f"{folder} carries {POLICY_FILE}: running in its training frame (min_pixels={trained[0]}, "
-            f"max_pixels={trained[1]}); `qwenvl_patch: false` opts out")
+            f"max_pixels={trained[1]}{', and its video policy' if video else ''}); `qwenvl_patch: false` opts out")
+
+
+def _video_keys(video: dict[str, Any] | None) -> dict[str, Any]:
+    """LF's video keys of a policy record's video policy ({} for a folder trained before videos were pinned)."""
+    if not video:
+        return {}
+    return {"video_min_pixels": int(video["min_pixels"]), "video_max_pixels": int(video["max_pixels"]),
+            "video_fps": float(video["fps"]), "video_maxlen": int(video["max_frames"])}
 
 
 def check_backend_reads(model_args: Any) -> None:
