@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from PIL import Image
 
@@ -65,6 +65,8 @@ def _open_container(video: Any, name: str) -> Any:
             require_regular_file(video)
         except ImageError as exc:
             raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
+    if hasattr(video, "seek"):  # a stream (LF's API decodes a base64 video into one): probed, then decoded
+        video.seek(0)
     try:
         return av.open(video if not isinstance(video, os.PathLike) else os.fspath(video), "r")
     except (av.FFmpegError, OSError, ValueError) as exc:
@@ -130,36 +132,42 @@ def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
     return Clip(name, sizes[0][0], sizes[0][1], times, len(frames) / fps, tuple(frames))
 
 
-def read_clip(video: Any, policy: VideoPolicy, frame_list_fps: float) -> tuple[list[Image.Image], VideoPlan]:
-    """The sampled frames of a clip, each the RGB image the encoder sees (the policy's frame), and the plan."""
+def read_clip(video: Any, policy: VideoPolicy, frame_list_fps: float,
+              transform: Callable[[Any], Any] | None = None) -> tuple[list[Any], VideoPlan]:
+    """The sampled frames of a clip, each the RGB image the encoder sees (the policy's frame), and the plan. With
+    ``transform``, each sampled frame (a decoded PIL image, or a frame list's item as given) is ``transform(frame)``
+    instead, applied as it is decoded so that only what it returns is kept (``qwenvl-prep draw`` keeps original-size
+    frames one at a time)."""
     clip = probe(video, frame_list_fps)
     plan = clip.plan(policy)
     frame_policy = policy.frame_policy
-    if clip.frames:
-        chosen = {index: clip.frames[index] for index in set(plan.indices)}
-    else:
-        chosen = _decode(video, clip, set(plan.indices))
-    resized = {}
-    for index, frame in chosen.items():
+
+    def each(index: int, frame: Any) -> Any:
         try:
-            resized[index] = model_input_image(frame, frame_policy)
+            return model_input_image(frame, frame_policy) if transform is None else transform(frame)
         except ImageError as exc:
             raise VideoFileError(f"{clip.name}: frame {index}: {exc}") from None
+
+    if clip.frames:
+        resized = {index: each(index, clip.frames[index]) for index in sorted(set(plan.indices))}
+    else:
+        resized = _decode(video, clip, set(plan.indices), each)
     return [resized[index] for index in plan.indices], plan
 
 
-def _decode(video: Any, clip: Clip, wanted: set[int]) -> dict[int, Image.Image]:
-    """Decode in presentation order up to the last wanted frame, keeping the wanted ones."""
+def _decode(video: Any, clip: Clip, wanted: set[int], each: Callable[[int, Image.Image], Any]) -> dict[int, Any]:
+    """Decode in presentation order up to the last wanted frame, keeping ``each(index, frame)`` of the wanted ones
+    (so a clip's decoded frames are never all held at full size)."""
     import av
 
     container = _open_container(video, clip.name)
-    found: dict[int, Image.Image] = {}
+    found: dict[int, Any] = {}
     last = max(wanted)
     try:
         stream = _video_stream(container, clip.name)
         for index, frame in enumerate(container.decode(stream)):
             if index in wanted:
-                found[index] = frame.to_image()
+                found[index] = each(index, frame.to_image())
             if index >= last:
                 break
     except (av.FFmpegError, OSError) as exc:
