@@ -107,3 +107,42 @@ def test_a_negative_non_finite_or_vanishing_temperature_is_refused(tiny_model, t
     greedy_seed = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--seed", "3"], None,
                           tmp_path)  # a seed that would change nothing is refused, not silently ignored
     assert greedy_seed.returncode == 2 and "--seed only acts with --temperature > 0" in greedy_seed.stderr
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_qwen3"])
+def test_video_answers_in_the_folders_video_policy(request, fixture, tmp_path):
+    """Clips (mp4 and webm, mixed with an image in one call) are sampled, sized and clocked by the folder's recorded
+    video policy; batched answers equal one-at-a-time ones; a track's boxes come back in the clip's pixels with their
+    times as written."""
+    from helpers import write_clip
+
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
+    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+    from llamafactory_qwenvl_patch.image_io.video import probe
+    from qwenvl_prep.commands.predict import answer_batch
+
+    model = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), model)
+    family = FAMILIES[family_of_model(model)]
+    video = VideoPolicy(2048, 16384, family.factor, 2.0, 12, family.video_clock)
+    write_policy_record(model, ResizePolicy(16 * 28 * 28, 64 * 28 * 28, family.factor), video)
+    clips = [str(write_clip(tmp_path / "a.mp4", 3, 10, 160, 90)),
+             str(write_clip(tmp_path / "b.webm", 9, 10, 96, 96, codec="libvpx"))]
+    image = str(save_image(tmp_path / "i.jpg", 320, 240))
+    predictor = Predictor(model, max_new_tokens=8)
+    assert predictor.video_policy == video
+    jobs = [(clips[0], "When?", None), (image, "Where?", None), (clips[1], "When does it end?", None)]
+    rows = answer_batch(predictor, jobs)
+    single = [answer_batch(predictor, [job])[0] for job in jobs]
+    assert [row["predict"] for row in rows] == [row["predict"] for row in single]
+    assert rows[1]["image"] == image and [rows[0]["video"], rows[2]["video"]] == clips
+    assert rows[0]["model_size"] == list(reversed(video.frame_size(90, 160))) and rows[0]["orig_size"] == [160, 90]
+    long_clip = probe(clips[1], 2.0).plan(video)
+    assert rows[0]["frames"] == 6 and rows[2]["frames"] == len(long_clip.indices) <= 12  # 3 s at 2 fps; 9 s capped
+    assert rows[2]["frames"] == (10 if family.video_clock == "seconds" else 12)  # Qwen2.5-VL: 1 fps, whole seconds
+    model_hw = video.frame_size(90, 160)
+    track = '[{"time": 1.5, "bbox_2d": [%d, 0, %d, %d]}]' % ((0, 500, 1000) if family.coords == "rel1000"
+                                                             else (0, model_hw[1] // 2, model_hw[0]))
+    row = predictor._row(clips[0], "Track it", track, (90, 160), model_hw, key="video")
+    assert row["items"][0]["orig"] == [0.0, 0.0, 80.0, 90.0]
+    assert '"time": 1.5' in row["predict_orig"] and "80" in row["predict_orig"]

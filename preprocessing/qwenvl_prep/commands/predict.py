@@ -25,13 +25,15 @@ def run(args: argparse.Namespace) -> int:
         ref = resolve_dataset(str(args.dataset))
         from qwenvl_prep.formats.converted import iter_samples
 
-        jobs = [(s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+        jobs = [(s.videos[0], s.prompt.replace("<video>", "").strip(), s.answer) if s.videos and not s.images
+                else (s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
         registries = [ref.media_dir]
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
-        raise ValueError("give --dataset FILE, or images with --prompt")
-    guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []), *(image for image, _, _ in jobs)],
+        raise ValueError("give --dataset FILE, or images (or videos) with --prompt")
+    guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
+                     *(path for source, _, _ in jobs for path in (source if isinstance(source, list) else [source]))],
                     registries)
     if args.output:
         guard.check(args.output, "-o")
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(jobs), desc="predict", unit=" img", disable=None) as bar:
         for first in range(0, len(jobs), args.batch_size):
             chunk = jobs[first:first + args.batch_size]
-            for row, (_, _, label) in zip(predictor.batch([(image, prompt) for image, prompt, _ in chunk]), chunk):
+            for row, (_, _, label) in zip(answer_batch(predictor, chunk), chunk):
                 if label is not None:
                     row["label"] = label
                 rows.append(row)
@@ -65,18 +67,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_video(source: object) -> bool:
+    """A clip: a frame list (a list of images), or a file with a video suffix."""
+    from qwenvl_prep.pipeline.predict import VIDEO_SUFFIXES
+
+    return isinstance(source, list) or str(source).lower().endswith(VIDEO_SUFFIXES)
+
+
+def answer_batch(predictor: object, chunk: list[tuple[object, str, object]]) -> list[dict]:
+    """Rows for a chunk of jobs in input order: its images in one ``generate``, its clips in another."""
+    kinds = [is_video(source) for source, _, _ in chunk]
+    videos = iter(predictor.video_batch([(s, p) for (s, p, _), v in zip(chunk, kinds) if v]) if any(kinds) else [])
+    images = iter(predictor.batch([(s, p) for (s, p, _), v in zip(chunk, kinds) if not v]) if not all(kinds) else [])
+    return [next(videos) if video else next(images) for video in kinds]
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The subcommand's arguments, with ``run`` as its handler."""
     pred = sub.add_parser(
         "predict",
         help="generate with transformers and map boxes back to original pixels (JSON lines)",
-        description="Resize each image with the model folder's pinned policy (the training frame), generate, parse "
+        description="Resize each image, and sample and resize each video, with the model folder's pinned policies (the "
+        "training frame and clock), generate, parse "
         "bbox_2d / point_2d / <|box_start|> answers and map them back to original-image pixels.",
     )
     pred.add_argument("model_dir", type=Path,
                       help="exported model folder, a full checkpoint, or a LoRA adapter folder of llamafactory-cli "
                       "train (its local base is loaded and the adapter merged in memory; the adapter's frame wins)")
-    pred.add_argument("images", nargs="*", help="image files (with --prompt)")
+    pred.add_argument("images", nargs="*", help="image or video files (.mp4, .webm, .mkv, .avi, .mov), with --prompt")
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")

@@ -13,12 +13,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_items
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
-from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
-from llamafactory_qwenvl_patch.frame.policy_record import folder_policy
+from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video_policy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov")
 
 
 def adapter_base(model_dir: Path) -> Path | None:
@@ -67,6 +70,9 @@ class Predictor:
             raise ValueError(f"{base or model_dir}/config.json is not a Qwen-VL model of a known family "
                              f"({', '.join(FAMILIES)})")
         self.convention = FAMILIES[family].coords
+        # the video frame and clock it was trained with; a folder trained before videos were pinned: LF's defaults
+        self.video_policy = folder_video_policy(model_dir) or (base and folder_video_policy(base)) or \
+            VideoPolicy.from_lf_keys({}, self.policy.factor, FAMILIES[family].video_clock)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self._generator_seed = seed
@@ -80,7 +86,6 @@ class Predictor:
         is the one it would get alone, up to float rounding; with a temperature, sampled (top-k and top-p off, the
         model's own distribution at that temperature) from torch's generator, seeded once with ``seed`` at the first
         call, so a run of the same jobs in the same batches repeats its answers."""
-        import torch
         from PIL import Image
 
         images, texts, sizes = [], [], []
@@ -97,6 +102,47 @@ class Predictor:
             if encoded_hw != model_hw:
                 raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead "
                                    f"of {model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
+        answers = self._generate(inputs)
+        return [self._row(image_path, prompt, answer, orig_hw, model_hw)
+                for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
+
+    def video_batch(self, jobs: list[tuple[str, str]], frame_list_fps: float | None = None) -> list[dict[str, Any]]:
+        """Answer several (clip, prompt) pairs in one ``generate``: each clip sampled, sized and clocked by the
+        folder's video policy (``frame.video``), the processor told not to resample or resize; boxes mapped back to
+        the clip's pixels (times, in seconds, stay as the model wrote them)."""
+        from llamafactory_qwenvl_patch.image_io.video import probe, read_clip
+
+        fps = frame_list_fps or self.video_policy.fps
+        clips, texts, metadata, plans, sizes = [], [], [], [], []
+        for video, prompt in jobs:
+            frames, plan = read_clip(video, self.video_policy, fps)
+            clip = probe(video, fps)
+            messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+            texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+            clips.append(frames)
+            plans.append(plan)
+            # transformers' processors read the clock from this: Qwen3's stamps (frames_indices / fps, each pair's
+            # mean) are the plan's; Qwen2.5-VL's second_per_grid_ts is set from the plan below
+            metadata.append({"fps": plan.rate, "frames_indices": plan.frames_indices,
+                             "total_num_frames": len(frames), "duration": plan.duration})
+            sizes.append(((clip.height, clip.width), (frames[0].height, frames[0].width)))
+        inputs = self.processor(text=texts, videos=clips, video_metadata=metadata, do_sample_frames=False,
+                                do_resize=False, return_tensors="pt", padding=True)
+        if "second_per_grid_ts" in inputs:
+            inputs["second_per_grid_ts"] = inputs["second_per_grid_ts"].new_tensor(
+                [plan.second_per_grid_ts for plan in plans])
+        answers = self._generate(inputs)
+        rows = []
+        for (video, prompt), answer, (orig_hw, model_hw), plan in zip(jobs, answers, sizes, plans):
+            row = self._row(video, prompt, answer, orig_hw, model_hw, key="video")
+            row["frames"], row["duration"] = len(plan.indices), round(plan.duration, 3)
+            rows.append(row)
+        return rows
+
+    def _generate(self, inputs: Any) -> list[str]:
+        """Greedy, or sampled at the temperature from torch's generator seeded once at the first call."""
+        import torch
+
         sampling = ({"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
                     if self.temperature > 0 else {"do_sample": False})
         if self.temperature > 0 and not self._seeded:
@@ -104,21 +150,25 @@ class Predictor:
             self._seeded = True
         with torch.no_grad():
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, **sampling)
-        answers = self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        return [self._row(image_path, prompt, answer, orig_hw, model_hw)
-                for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
+        return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
-    def _row(self, image_path: str, prompt: str, answer: str, orig_hw: tuple[int, int],
-             model_hw: tuple[int, int]) -> dict[str, Any]:
-        """One output row: the answer, both frames, and each item mapped back to original pixels."""
-        row: dict[str, Any] = {"image": str(image_path), "prompt": prompt, "predict": answer,
+    def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
+             key: str = "image") -> dict[str, Any]:
+        """One output row: the answer, both frames, and each item mapped back to original pixels (for a clip also
+        the whole answer with its boxes in the clip's pixels, ``predict_orig``: a track keeps its times)."""
+        row: dict[str, Any] = {key: str(source), "prompt": prompt, "predict": answer,
                                "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
                                "coords": self.convention, "items": [], "parse_error": None}
+
+        def to_orig(item: Any) -> list[float]:
+            return convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
+
         try:
             for item in parse_items(answer):
-                orig = convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
                 row["items"].append({"kind": item.kind, "label": item.label, "model": list(item.coords),
-                                     "orig": orig})
+                                     "orig": to_orig(item)})
+            if key == "video":
+                row["predict_orig"] = parse_answer(answer).rewrite(to_orig)
         except AnswerError as exc:
             row["parse_error"] = str(exc)
         return row
