@@ -2,7 +2,9 @@
 code, ``grpo_shared_prefix: false``) and trl 0.24's ``GRPOTrainer``, one run, interleaved rounds.
 
 ``--shape grounding``: one 896x896 image (1,024 image tokens, 1,065 prompt tokens) and 40-token completions, the
-shape of box grounding; ``--shape text``: a short text prompt and 256-token completions. The ``small`` tiny
+shape of box grounding; ``--shape text``: a short text prompt and 256-token completions; ``--shape video``: an 8-s
+448x448 clip (16 frames at 2 fps, 2,048 video tokens) and 40-token completions, the shape of temporal grounding
+(format reward only; trl's GRPOTrainer takes no videos, so ``--configs shared,repeated``). The ``small`` tiny
 Qwen2.5-VL (``qwenvl-prep tiny-model --size small``, random weights), LoRA rank 8 on the language model, beta 0.04
 with the adapter-disabled reference, iou + format rewards, loss ``grpo``, temperature 1 without truncation, the
 vision tokens and the stop tokens suppressed on every side (so every completion runs to full length; each row
@@ -17,6 +19,7 @@ and the best round of each is reported::
     .venv/bin/python benchmarks/bench_grpo.py --shape grounding --generations 8,16
     .venv/bin/python benchmarks/bench_grpo.py --shape text --generations 8
     .venv/bin/python benchmarks/bench_grpo.py --shape grounding --generations 8 --family qwen3_5
+    .venv/bin/python benchmarks/bench_grpo.py --shape video --generations 8 --configs shared,repeated
 
 ``from trl import GRPOTrainer`` fails on this stack with ``No module named 'mergekit'``: see ``trl_compat.py``. trl
 0.24 also writes ``model.warnings_issued``, which transformers 5.x models no longer have; the script sets it to an
@@ -64,7 +67,12 @@ SHAPES = {
                       prompt=PROMPT, generations="8,16"),
     "text": dict(side=None, min_pixels=64 * 28 * 28, max_pixels=256 * 28 * 28, new_tokens=256,
                  prompt="Write a long story about a cat who finds a red box.", generations="8"),
+    # an 8-s clip of 448 x 448 at 30 fps: 16 frames at 2 fps, 8 groups of 256 tokens (2,048 video tokens)
+    "video": dict(side=448, seconds=8, min_pixels=64 * 28 * 28, max_pixels=256 * 28 * 28, new_tokens=40,
+                  video_max_pixels=256 * 28 * 28, prompt="When is the square on screen? Answer {\"span\": [start, "
+                  "end]} in seconds.", generations="8"),
 }
+VIDEO_ANSWER = '{"span": [2.0, 6.0]}'
 
 
 class StepTimer(TrainerCallback):
@@ -109,7 +117,7 @@ def _sharegpt(root: Path, name: str, records: list[dict]) -> None:
     (root / f"{name}.json").write_text(json.dumps(records))
     info_path = root / "dataset_info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    columns = {"messages": "messages", **({"images": "images"} if "images" in records[0] else {})}
+    columns = {"messages": "messages", **{key: key for key in ("images", "videos") if key in records[0]}}
     info[name] = {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": columns,
                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                            "assistant_tag": "assistant"}}
@@ -124,7 +132,11 @@ def make_data(root: Path, shape: str) -> Path | None:
     user = {"role": "user", "content": spec["prompt"]}
     record: dict = {"messages": [user, {"role": "assistant", "content": ANSWER}]}
     image = None
-    if spec["side"]:
+    if shape == "video":
+        clip = write_clip(root / "video.mp4", spec["seconds"], spec["side"])
+        record = {"messages": [dict(user, content="<video>" + spec["prompt"]),
+                               {"role": "assistant", "content": VIDEO_ANSWER}], "videos": [str(clip)]}
+    elif spec["side"]:
         rng = random.Random(0)
         image = root / f"{shape}.png"
         pixels = bytes(rng.randrange(256) for _ in range(spec["side"] * spec["side"] * 3))
@@ -133,6 +145,25 @@ def make_data(root: Path, shape: str) -> Path | None:
                   "images": [str(image)]}
     _sharegpt(root, shape, [record] * 64)
     return image
+
+
+def write_clip(path: Path, seconds: int, side: int, fps: int = 30) -> Path:
+    """A noise clip whose middle half shows a white square (PyAV, mpeg4)."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = side
+        stream.pix_fmt = "yuv420p"
+        for i in range(seconds * fps):
+            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            if seconds * fps // 4 <= i < 3 * seconds * fps // 4:
+                pixels[side // 4:side // 2, side // 4:side // 2] = 255
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
 
 
 def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generations: int, shared: bool,
@@ -150,7 +181,8 @@ def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generat
         "dataset": shape, "dataset_dir": str(data), "template": FAMILIES[family].default_template,
         "cutoff_len": 4096, "output_dir": str(out), "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1,
         "save_strategy": "no", "learning_rate": 1e-4, "report_to": "none", "use_cpu": True,
-        "reward_funcs": "iou,format", "grpo_num_generations": generations, "grpo_beta": 0.04, "temperature": 1.0,
+        "reward_funcs": "format" if shape == "video" else "iou,format", "grpo_num_generations": generations,
+        "grpo_beta": 0.04, "temperature": 1.0, "video_max_pixels": spec.get("video_max_pixels", 256 * 256),
         "max_new_tokens": spec["new_tokens"], "overwrite_cache": True, "dataloader_num_workers": 0,
         "grpo_shared_prefix": shared,
     }, callbacks=[timer])

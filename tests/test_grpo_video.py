@@ -62,8 +62,8 @@ def video_prompts(clip_files):
         batch = dict(processor.tokenizer(texts, return_tensors="pt", padding=True))
         mm = plugin._get_mm_inputs([], videos, [], processor)
         batch.update({k: mm[k] for k in ("pixel_values_videos", "video_grid_thw")})
-        if "second_per_grid_ts" in mm:
-            batch["second_per_grid_ts"] = mm["second_per_grid_ts"]
+        if "second_per_grid_ts" in mm:  # as the trainer's _collate hands it on (LF's collator gives a list)
+            batch["second_per_grid_ts"] = torch.as_tensor(mm["second_per_grid_ts"], dtype=torch.float32)
         return batch
 
     return build
@@ -112,6 +112,18 @@ def test_video_optimiser_step_matches_the_repeated_layout(video_trainer, family,
     moved = {n: d for n, d in deltas["false"].items() if d.abs().max() > 0}
     assert moved
     shared_tests.assert_close_grads({n: deltas["true"][n] for n in moved}, moved)
+
+
+@pytest.mark.parametrize("shared", ["true", "false"])
+def test_hf_rollouts_sample_video_prompts(video_trainer, shared, tmp_path):
+    """The trainer's own sampling (HF ``generate`` with G return sequences, or the shared-prefix sampler) on video
+    prompts of Qwen2.5-VL, whose ``second_per_grid_ts`` generate expands with the prompts."""
+    from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
+
+    trainer, processor = video_trainer("qwen2_5_vl", "lora", shared, tmp_path)
+    batch = trainer._prepare_input(shared_tests.prompt_batch(processor, [0, 4]))
+    ids = GRPOTrainer._generate(trainer, trainer.model, batch, trainer.generation_config)
+    assert ids.shape[0] == 2 * shared_tests.G
 
 
 def test_each_video_is_encoded_once_per_group(video_trainer, tmp_path):

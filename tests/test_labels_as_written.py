@@ -205,8 +205,8 @@ def test_deep_nesting_is_one_error_row_or_one_parse_failure(tmp_path, photo, cap
 # --- item 5: what LF loads -----------------------------------------------------------------------------------------
 
 def test_what_convert_writes_lf_loads_and_what_it_cannot_carry_is_an_error_row(tmp_path, photo, capsys, tiny_model):
-    """Was: records that start with an assistant turn or end with a user turn (LF drops them), videos dropped while
-    <video> tags stayed (LF raises), chosen / rejected / kto_tag dropped, image tags miscounted in plain JSONL and
+    """Was: records that start with an assistant turn or end with a user turn (LF drops them), audio dropped while
+    <audio> tags stayed (LF raises), <video> tags without videos, chosen / rejected / kto_tag dropped, image tags miscounted in plain JSONL and
     alpaca (two tags in a question, a tag in the answer), a non-string alpaca system."""
     box = '[{"bbox_2d": [10, 20, 300, 400]}]'
     user, answer = {"role": "user", "content": "<image>Find it."}, {"role": "assistant", "content": box}
@@ -218,10 +218,10 @@ def test_what_convert_writes_lf_loads_and_what_it_cannot_carry_is_an_error_row(t
                                  "images": ["photo.jpg"]},
             "system turn only first": {"messages": [user, {"role": "system", "content": "S"}, answer],
                                        "images": ["photo.jpg"]},
-            "'videos'": {"messages": [{"role": "user", "content": "<image><video>Find it."}, answer],
-                         "images": ["photo.jpg"], "videos": ["clip.mp4"]},
-            "a <video> tag": {"messages": [{"role": "user", "content": "<image><video>Find it."}, answer],
-                              "images": ["photo.jpg"]},
+            "'audios'": {"messages": [{"role": "user", "content": "<image><audio>Find it."}, answer],
+                         "images": ["photo.jpg"], "audios": ["clip.wav"]},
+            "0 video(s) but 1 <video> tag(s)": {"messages": [{"role": "user", "content": "<image><video>Find it."},
+                                                             answer], "images": ["photo.jpg"]},
             "'chosen', 'rejected'": {"messages": [user], "chosen": answer, "rejected": answer, "images": ["photo.jpg"]},
             "'kto_tag'": {"messages": [user, answer], "kto_tag": True, "images": ["photo.jpg"]},
             "a 'system' field and a system turn": {"messages": [{"role": "system", "content": "S"}, user, answer],

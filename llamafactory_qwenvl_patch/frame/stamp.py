@@ -6,6 +6,7 @@ The stamp says which frame a dataset's coordinates are in; training refuses a da
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +22,25 @@ STAMP_KEY = "qwenvl_policy"
 @dataclass(frozen=True)
 class Stamp:
     """Resize policy plus coordinate convention (``model`` or ``rel1000``) and model family of a dataset; a dataset
-    with videos also carries its video policy (``video``), the frame and clock its video labels are in."""
+    with videos also carries its video policy (``video``), the frame and clock its video labels are in, and a dataset
+    of frame lists the rate its frames were taken at (``frame_list_fps``, written inside the ``video`` object: a
+    frame list's times, and so its labels' times, follow from it)."""
 
     policy: ResizePolicy
     coords: str
     family: str
     written_by: str = ""
     video: VideoPolicy | None = None
+    frame_list_fps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {**self.policy.to_dict(), "coords": self.coords, "family": self.family, "written_by": self.written_by}
-        return out if self.video is None else {**out, "video": self.video.to_dict()}
+        if self.video is None:
+            return out
+        video = self.video.to_dict()
+        if self.frame_list_fps is not None:
+            video["frame_list_fps"] = self.frame_list_fps
+        return {**out, "video": video}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stamp":
@@ -45,14 +54,21 @@ class Stamp:
             policy = ResizePolicy(int(data["min_pixels"]), int(data["max_pixels"]), int(data["factor"]))
         except (TypeError, ValueError) as exc:
             raise StampError(f"the {STAMP_KEY} stamp {data!r} is malformed ({exc})") from None
-        video = None
+        video, frame_list_fps = None, None
         if data.get("video") is not None:
             try:
-                video = VideoPolicy(**data["video"])
-            except (TypeError, PolicyError) as exc:
+                keys = dict(data["video"])
+                frame_list_fps = keys.pop("frame_list_fps", None)
+                video = VideoPolicy(**keys)
+                if frame_list_fps is not None:
+                    frame_list_fps = float(frame_list_fps)
+                    if not (math.isfinite(frame_list_fps) and frame_list_fps > 0):
+                        raise PolicyError(f"frame_list_fps must be a finite number > 0, got {frame_list_fps!r}")
+            except (TypeError, ValueError) as exc:
                 raise StampError(f"the {STAMP_KEY} stamp's video policy {data['video']!r} is malformed ({exc}); "
                                  "convert the data again with qwenvl-prep convert") from None
-        return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")), video)
+        return cls(policy, str(data["coords"]), str(data.get("family", "")), str(data.get("written_by", "")), video,
+                   frame_list_fps)
 
     def describe(self) -> str:
         p = self.policy
@@ -64,9 +80,11 @@ class StampError(ValueError):
     """A ``qwenvl_policy`` stamp that cannot be read."""
 
 
-def run_stamp(policy: ResizePolicy, family: str, video: VideoPolicy | None = None) -> Stamp:
-    """What a dataset must be stamped with to train under ``policy`` (and ``video``) for this model family."""
-    return Stamp(policy, FAMILIES[family].coords, family, video=video)
+def run_stamp(policy: ResizePolicy, family: str, video: VideoPolicy | None = None,
+              frame_list_fps: float | None = None) -> Stamp:
+    """What a dataset must be stamped with to train under ``policy`` (and ``video``, with frame lists read at
+    ``frame_list_fps``) for this model family."""
+    return Stamp(policy, FAMILIES[family].coords, family, video=video, frame_list_fps=frame_list_fps)
 
 
 def differences(data: Stamp, run: Stamp) -> list[str]:
@@ -83,6 +101,9 @@ def differences(data: Stamp, run: Stamp) -> list[str]:
             b = getattr(run.video, name)
             if a != b:
                 out.append(f"video {name}: dataset {a} vs run {b}")
+    if data.frame_list_fps is not None and run.frame_list_fps is not None and data.frame_list_fps != run.frame_list_fps:
+        out.append(f"frame_list_fps: dataset {data.frame_list_fps:g} vs run {run.frame_list_fps:g} (the frame lists' "
+                   "times, and every label's time, follow from it)")
     return out
 
 

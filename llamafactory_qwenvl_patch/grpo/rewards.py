@@ -1,14 +1,10 @@
-"""Verifiable rewards (pure functions) and the loader for ``reward_funcs``.
+"""Verifiable rewards (pure functions; the video ones in ``video_rewards``) and the loader for ``reward_funcs``.
 
 The reward API: ``fn(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, metas,
-coords) -> list[float]`` with one entry per completion. ``references`` is the dataset's last assistant turn and
-``prompts`` the prompt as the model read it (special tokens kept, each image's pads shown once); ``orig_sizes`` and
-``model_sizes`` are (height, width) of the first image, the latter read from ``image_grid_thw`` (what the model
-really saw); ``resize_policy`` is the run's ResizePolicy; ``indices`` are dataset indices; ``metas`` each record's
-``meta`` (kept by ``qwenvl-prep convert``; None when it has none); ``coords`` is the convention the model answers
-in (``model`` for Qwen2.5-VL, ``rel1000`` for Qwen2-VL and Qwen3-VL). Built-ins never raise on garbage; a custom
-reward that raises or returns NaN scores 0 for the completions concerned (the batch is scored again one completion
-at a time to find them), and each is counted.
+coords) -> list[float]``, one entry per completion; ``reward_inputs`` builds the keywords and docs/grpo.md
+("Your own reward") says what each holds. Built-ins never raise on garbage; a custom reward that raises or returns
+NaN scores 0 for the completions concerned (found by scoring the batch again one completion at a time), and each is
+counted.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, frame_extent, map_coords
+from llamafactory_qwenvl_patch.grpo.video_rewards import VIDEO_REWARDS, video_format_ok
 from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
 from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point, truth_box
@@ -34,6 +31,7 @@ from llamafactory_qwenvl_patch.scoring.fields import (
     FieldScore, confident, find_json, normalize, reference_value, score_fields,
 )
 from llamafactory_qwenvl_patch.scoring.metrics import match_boxes
+from llamafactory_qwenvl_patch.scoring.temporal import reference_kind
 
 RewardFunc = Callable[..., list[float]]
 
@@ -64,15 +62,17 @@ def iou_reward(completions: Sequence[str], *, references: Sequence[str], **_: An
 
 
 def format_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
-    """1 when the answer parses into the reference's structure: grounding items (or ``[]`` when the reference is
-    ``[]``, nothing found); for a JSON object or array, exactly one JSON value of its type (bare or in one code
-    fence, no prose around it); else any text."""
+    """1 when the answer parses into the reference's structure: a span or a track for a video reference
+    (``video_format_ok``); grounding items (or ``[]`` when the reference is ``[]``, nothing found); for a JSON
+    object or array, exactly one JSON value of its type (bare or in one code fence, no prose around it); else any
+    text."""
     out = []
     for completion, reference in zip(completions, references):
-        ref_items = _parsed(reference)
-        if not_present(reference):
+        if (kind := reference_kind(reference)) is not None:
+            out.append(1.0 if video_format_ok(completion, kind) else 0.0)
+        elif not_present(reference):
             out.append(1.0 if not_present(completion) or {i.kind for i in _parsed(completion)} == {"bbox_2d"} else 0.0)
-        elif ref_items:
+        elif ref_items := _parsed(reference):
             items = _parsed(completion)
             kinds = {item.kind for item in ref_items}
             out.append(1.0 if items and {item.kind for item in items} <= kinds else 0.0)
@@ -220,6 +220,7 @@ BUILTIN: dict[str, RewardFunc] = {
     "click_dense": click_dense_reward,
     "det_f1": det_f1_reward,
     "box_sanity": box_sanity_reward,
+    **VIDEO_REWARDS,
 }
 
 

@@ -65,6 +65,8 @@ class RolloutMixin:
         if "pixel_values_videos" in batch and self.vllm is not None:
             raise ValueError("stage: grpo with grpo_backend: vllm samples still images and text; this batch has "
                              "videos: use the HF backend (grpo_backend: hf) for video prompts")
+        if "second_per_grid_ts" in batch:  # LF's collator gives a list; generate's input expansion splits a tensor
+            batch["second_per_grid_ts"] = torch.as_tensor(batch["second_per_grid_ts"], dtype=torch.float32)
         batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
         for _, grid in VISUAL:
             if grid in batch:
@@ -180,7 +182,8 @@ class RolloutMixin:
                 per_sample = self._per_sample(batch, grid)
                 inputs[pixels], inputs[grid] = repeat_visual(batch[pixels], batch[grid], per_sample, G)
                 if pixels == "pixel_values_videos" and "second_per_grid_ts" in batch:
-                    inputs["second_per_grid_ts"] = repeat_values(batch["second_per_grid_ts"], per_sample, G)
+                    inputs["second_per_grid_ts"] = batch["second_per_grid_ts"].new_tensor(
+                        repeat_values(batch["second_per_grid_ts"], per_sample, G))
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         return inputs

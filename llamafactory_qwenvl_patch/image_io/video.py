@@ -65,6 +65,8 @@ def _open_container(video: Any, name: str) -> Any:
             require_regular_file(video)
         except ImageError as exc:
             raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
+        if os.path.getsize(video) == 0:
+            raise VideoFileError(f"video {name}: is empty (0 bytes)")
     if hasattr(video, "seek"):  # a stream (LF's API decodes a base64 video into one): probed, then decoded
         video.seek(0)
     try:

@@ -142,12 +142,14 @@ class _Site:
     value: Any = None
 
 
-def _json_sites(text: str) -> list[_Site]:
-    """Every JSON value with coordinates: the whole text (even a double-encoded string), or each code fence's body,
-    then values embedded in the remaining text."""
+def _json_sites(text: str, wanted: Callable[[Any], bool] = _has_coords,
+                marker: re.Pattern[str] = _COORD_TEXT) -> list[_Site]:
+    """Every JSON value ``wanted`` accepts (by default: with coordinates): the whole text (even a double-encoded
+    string), or each code fence's body, then values embedded in the remaining text. A fence whose body is not JSON
+    but holds text ``marker`` finds is an AnswerError."""
     stripped = text.strip()
     whole = _loads(stripped) if stripped[:1] in ('"', "[", "{") else None
-    if whole is not None and _has_coords(whole):
+    if whole is not None and wanted(whole):
         start = text.index(stripped[0])
         return [_Site(start, start + len(stripped), whole)]
     sites: list[_Site] = []
@@ -156,10 +158,10 @@ def _json_sites(text: str) -> list[_Site]:
         stripped = body.strip()
         value = _loads(stripped)
         if value is None:
-            if _COORD_TEXT.search(body):
+            if marker.search(body):
                 raise AnswerError(f"a code fence with coordinates does not parse as JSON: {stripped[:80]!r}")
             continue
-        if _has_coords(value):
+        if wanted(value):
             start = fence.start(1) + body.index(stripped[0]) if stripped else fence.start(1)
             sites.append(_Site(start, start + len(stripped), value))
     fenced = [(f.start(), f.end()) for f in FENCE.finditer(text)]
@@ -180,7 +182,7 @@ def _json_sites(text: str) -> list[_Site]:
         except ValueError:
             i = j + 1
             continue
-        if _has_coords(value):
+        if wanted(value):
             sites.append(_Site(j, end, value))
         i = end
     return sites
@@ -191,19 +193,20 @@ def _token_sites(text: str, taken: list[_Site]) -> list[_Site]:
             if not any(s.start <= m.start() < s.end for s in taken)]
 
 
-def _check_nothing_left(text: str, sites: list[_Site]) -> None:
-    """Coordinate-like text outside every site it could read is an error, never a silent pass-through."""
+def _check_nothing_left(text: str, sites: list[_Site], marker: re.Pattern[str] = _COORD_TEXT,
+                        expected: str = "bbox_2d / point_2d JSON or box tokens") -> None:
+    """Coordinate-like text (``marker``) outside every site it could read is an error, never a silent
+    pass-through."""
     rest, last = [], 0
     for site in sorted(sites, key=lambda s: s.start):
         rest.append(text[last:site.start])
         last = site.end
     rest.append(text[last:])
-    leftover = _COORD_TEXT.search("".join(rest))
+    leftover = marker.search("".join(rest))
     if leftover:
         joined = "".join(rest)
         around = joined[max(0, leftover.start() - 30):leftover.end() + 30]
-        raise AnswerError(f"the text has coordinates that cannot be read as bbox_2d / point_2d JSON or box tokens: "
-                          f"{around!r}")
+        raise AnswerError(f"the text has coordinates that cannot be read as {expected}: {around!r}")
 
 
 def _entry_item(kind: str, values: Any, entry: dict) -> Item:
@@ -284,6 +287,16 @@ def parse_answer(text: str) -> ParsedAnswer:
         else:
             _walk(site.value, lambda kind, values, entry: items.append(_entry_item(kind, values, entry)))
     return ParsedAnswer(text, items, sites)
+
+
+def json_values(text: str, wanted: Callable[[Any], bool], marker: re.Pattern[str], expected: str) -> list[Any]:
+    """The JSON values of ``text`` that ``wanted`` accepts, in text order, found as boxes are (the whole text, code
+    fences, embedded in prose; read as written); AnswerError when text ``marker`` finds is left that none of them
+    holds, or a value cannot be taken as written. How the video answers (``temporal``) share this parser's
+    robustness."""
+    sites = sorted(_json_sites(text, wanted, marker), key=lambda site: site.start)
+    _check_nothing_left(text, sites, marker, expected)
+    return [site.value for site in sites]
 
 
 def parse_items(text: str) -> list[Item]:

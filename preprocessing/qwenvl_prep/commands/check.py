@@ -37,14 +37,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     chk = sub.add_parser(
         "check",
         help="check datasets against a training YAML (stamp, images, boxes, tokens, drift audit)",
-        description="Check that each dataset's stamp matches the YAML's bounds, factor and model family, that "
-        "every image is readable, that boxes lie inside the frame, that image tokens fit cutoff_len, and audit how "
-        "far stock LLaMA-Factory (without the plugin) would put the labels from what the model sees. Exit 1 on "
-        "any problem.",
+        description="Check that each dataset's stamp matches the YAML's bounds, factor and model family (and video "
+        "policy), that every image and video is readable, that boxes lie inside the frame (a video's inside its "
+        "video frame, its spans and track times inside the clip), that image and video tokens fit cutoff_len, and "
+        "audit how far stock LLaMA-Factory (without the plugin) would put the labels from what the model sees. A "
+        "video header whose length differs from its packets is a note. Exit 1 on any problem.",
     )
     chk.add_argument("datasets", nargs="*", help="dataset_info names or files (default: the YAML's dataset list)")
     chk.add_argument("--yaml", required=True, metavar="TRAIN.yaml", help="the LLaMA-Factory training YAML")
-    chk.add_argument("--decode", action="store_true", help="fully decode every image (parallel), not just headers")
+    chk.add_argument("--decode", action="store_true", help="fully decode every image (parallel) and every video's "
+                     "sampled frames, not just headers and packets")
     chk.add_argument("--workers", type=count(1), default=os.cpu_count() or 1)
     chk.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     chk.set_defaults(func=run)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from qwenvl_prep.formats.benchmarks import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.formats.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
+from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS
 from qwenvl_prep.commands.options import add_policy_flags, count, print_summary, spec_from_args
 
-FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET]
+FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET, *VIDEO_FORMATS]
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -75,10 +76,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser(
         "convert",
         help="convert grounding data to LF sharegpt in the model's frame, stamped with the policy",
-        description="Read LF sharegpt/alpaca JSON or JSONL, COCO instances, ScreenSpot / ScreenSpot-v2 / "
-        "ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, or plain {image, question, answer} JSONL; "
-        "rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees under the "
-        "run's resize policy; write LF sharegpt and merge a stamped entry into dataset_info.json beside it.",
+        description="Read LF sharegpt/alpaca JSON or JSONL (with images and/or videos), COCO instances, ScreenSpot / "
+        "ScreenSpot-v2 / ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, plain {image, question, answer} "
+        "JSONL, or video grounding files (video-span: Charades-STA / ActivityNet-style spans; video-track: per-frame "
+        "box tracks); rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees "
+        "under the run's resize policy (a video's boxes into the video policy's frame; times stay in seconds, "
+        "checked against the clip); write LF sharegpt and merge a stamped entry into dataset_info.json beside it. "
+        "Videos are probed from their packets, never decoded.",
     )
     conv.add_argument("input", type=Path, help="input file (.json, .jsonl, or a COCO instances .json)")
     conv.add_argument("-o", "--output", type=Path, required=True, help="output .json or .jsonl (in the dataset_dir)")
@@ -87,9 +91,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="convention of the input coordinates: abs = original-image pixels (COCO is always abs). "
                       "Required when records have coordinates; never guessed")
     conv.add_argument("--format", choices=FORMATS, default="auto",
-                      help="input format (default: auto, from the first record; .parquet is refcoco-parquet)")
-    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's "
-                      "folder; for COCO, the folder found as described below)")
+                      help="input format (default: auto, from the first record; .parquet is refcoco-parquet; a "
+                      "'video' entry with 'track' is video-track, with 'timestamp' / 'timestamps' / 'span' video-span)")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image and video paths (default: the "
+                      "input's folder; for COCO, the folder found as described below)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
@@ -120,7 +125,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="ScreenSpot / RefCOCO: answer with the element's point_2d (its box centre) or its bbox_2d "
                       "(default: point for ScreenSpot, box for RefCOCO); the truth box goes to meta.bbox_orig either way")
     conv.add_argument("--prompt", help="ScreenSpot / RefCOCO prompt template, {instruction} is replaced (default: "
-                      f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes)")
+                      f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes); video-span / video-track "
+                      f"template, {{query}} is replaced (default: {VIDEO_PROMPTS['video-span']!r} and "
+                      f"{VIDEO_PROMPTS['video-track']!r})")
     conv.add_argument("--refcoco-expressions", choices=["all", "first"], default="all",
                       help="RefCOCO: one record per referring expression (default) or per row (its first)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

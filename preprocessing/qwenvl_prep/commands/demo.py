@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         from qwenvl_prep.demos.gui import format_gui_summary
 
         print(format_gui_summary(summary), file=sys.stderr)
+    elif args.task == "video":
+        from qwenvl_prep.demos.video import format_video_summary
+
+        print(format_video_summary(summary), file=sys.stderr)
     else:
         from qwenvl_prep.demos.fields import format_summary as format_fields_summary
 
@@ -60,12 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="gui: controls per screenshot, the instruction naming one (default 1: the model finds the "
                       "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
-                      help=f"model family of the grounding and gui demos (default {DEFAULT} for grounding, qwen3_vl "
-                      "for gui; Qwen2-VL, Qwen3-VL and Qwen3.5 answer in 0-1000)")
-    demo.add_argument("--task", choices=["grounding", "gui", "fields"], default="grounding",
+                      help=f"model family of the grounding, gui and video demos (default {DEFAULT} for grounding, "
+                      "qwen3_vl for gui and video; Qwen2-VL, Qwen3-VL and Qwen3.5 answer in 0-1000)")
+    demo.add_argument("--task", choices=["grounding", "gui", "fields", "video"], default="grounding",
                       help="grounding (boxes, the default); gui: screenshots at real screen sizes written as a "
                       "ScreenSpot file, 'click <label>' answered with a point, GRPO with click,click_dense,format, "
-                      "click accuracy by platform and element type; or fields: rendered invoices answered as JSON "
+                      "click accuracy by platform and element type; fields: rendered invoices answered as JSON "
                       "objects, a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the "
-                      "blank-image control, field metrics")
+                      "blank-image control, field metrics; or video: clips in which a square appears and leaves, "
+                      "answered with its span in seconds, GRPO with tiou,format, R@1 at tIoU and mean tIoU")
     demo.set_defaults(func=run)

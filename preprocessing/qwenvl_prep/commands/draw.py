@@ -25,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "draw",
         help="draw ground truth (and predictions) on original or model-input images, plus a contact sheet",
         description="Draw boxes and points of a converted dataset with OpenCV: on the original image (coordinates "
-        "mapped back) or on the exact image the model sees. Green: ground truth; red: predictions.",
+        "mapped back) or on the exact image the model sees. A video record becomes a sheet of the frames the model "
+        "samples (each track box on the frame nearest its time) above a timeline with the spans. Green: ground "
+        "truth; red: predictions.",
     )
     drw.add_argument("dataset", help="dataset file or dataset_info name")
     drw.add_argument("-o", "--out", type=Path, required=True, help="output folder")

@@ -30,14 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The subcommand's arguments, with ``run`` as its handler."""
     ev = sub.add_parser(
         "eval",
-        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, by subset",
+        help="metrics in the original frame: Acc@0.5, mean IoU, click accuracy, detection F1 and mAP, video "
+        "spans and tracks, by subset",
         description="Join predictions to a converted dataset by order (LF generated_predictions.jsonl: labels must "
         "match record by record; qwenvl-prep predict output: images must match) and score boxes in original "
         "pixels. Acc@0.5 counts a ground-truth box as found when its one-to-one matched prediction has IoU >= 0.5; "
         "records with a truth box in meta (ScreenSpot, RefCOCO) also get click accuracy (the answer's point, or its "
         "box's centre, inside the box); box records get precision / recall / F1 at IoU 0.5, COCO mAP@[.5:.95] "
         "(order-free, since answers carry no scores; pycocotools' own number beside it) and the detection-hack "
-        "monitors.",
+        "monitors. Video records: a span reference ({\"span\": [start, end]} seconds) gets R@1 at tIoU 0.3 / 0.5 / "
+        "0.7, mean tIoU and the span-hack monitors; a track reference ([{\"time\": t, \"bbox_2d\": ...}]) gets "
+        "Acc@0.5 and mean IoU per truth time and the track score, boxes in the dataset's frame.",
     )
     ev.add_argument("dataset", help="converted dataset file or dataset_info name")
     ev.add_argument("--predictions", type=Path, required=True)

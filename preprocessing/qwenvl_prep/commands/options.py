@@ -17,19 +17,34 @@ if TYPE_CHECKING:
     from qwenvl_prep.lf.run_spec import RunSpec
 
 
+VIDEO_FLAGS = {"video_min_pixels": "--video-min-pixels", "video_max_pixels": "--video-max-pixels",
+               "video_fps": "--video-fps", "video_maxlen": "--video-maxlen"}
+
+
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The run's policy: from the LF training YAML, or from explicit flags."""
+    """The run's policy: from the LF training YAML, or from explicit flags (LF's video keys as flags, its defaults
+    for those not given); ``--frame-list-fps`` overrides either's frame-list rate."""
+    from dataclasses import replace
+
     from qwenvl_prep.lf.run_spec import spec_from_flags, spec_from_yaml
 
+    video_keys = {key: getattr(args, key, None) for key in VIDEO_FLAGS}
+    given = [flag for key, flag in VIDEO_FLAGS.items() if video_keys[key] is not None]
     if args.from_yaml:
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with --from-yaml: the video policy is the YAML's "
+                             "(video_min_pixels, video_max_pixels, video_fps, video_maxlen)")
         spec = spec_from_yaml(args.from_yaml, family=args.family)
         if not spec.patched:
             print(f"warning: {args.from_yaml} does not set `qwenvl_patch: true`; stock LLaMA-Factory resizes "
                   "differently and will not train in this frame", file=sys.stderr)
-        return spec
-    if args.min_pixels is None or args.max_pixels is None:
-        raise ValueError("give --from-yaml TRAIN.yaml, or both --min-pixels and --max-pixels")
-    return spec_from_flags(args.min_pixels, args.max_pixels, args.family or DEFAULT)
+    else:
+        if args.min_pixels is None or args.max_pixels is None:
+            raise ValueError("give --from-yaml TRAIN.yaml, or both --min-pixels and --max-pixels")
+        spec = spec_from_flags(args.min_pixels, args.max_pixels, args.family or DEFAULT, video_keys)
+    if getattr(args, "frame_list_fps", None) is not None:
+        spec = replace(spec, stamp=replace(spec.stamp, frame_list_fps=args.frame_list_fps))
+    return spec
 
 
 def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) -> Callable[[str], float]:
@@ -104,3 +119,16 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
                        help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL, Qwen3-VL and "
                        "Qwen3.5 on relative 0-1000 (default: from the YAML's model config or template, else "
                        "qwen2_5_vl)")
+    video = parser.add_argument_group(
+        "video policy (the run's video frame and sampling)", "With --from-yaml, the YAML's video_min_pixels, "
+        "video_max_pixels, video_fps and video_maxlen (LLaMA-Factory's defaults 256, 65536, 2.0 and 128 for those it "
+        "omits); without it, these flags (the same defaults)")
+    video.add_argument("--video-min-pixels", type=count(1), help="pinned video_min_pixels (without --from-yaml)")
+    video.add_argument("--video-max-pixels", type=count(1), help="pinned video_max_pixels (without --from-yaml)")
+    video.add_argument("--video-fps", type=finite("--video-fps", zero_allowed=False),
+                       help="pinned video_fps (without --from-yaml)")
+    video.add_argument("--video-maxlen", type=count(2), help="pinned video_maxlen (without --from-yaml)")
+    video.add_argument("--frame-list-fps", type=finite("--frame-list-fps", zero_allowed=False), metavar="FPS",
+                       help="the rate videos given as frame lists (lists of image paths) were taken at; their frame "
+                       "times, and so every time label, follow from it (default: the YAML's qwenvl_frame_list_fps, "
+                       "else video_fps)")

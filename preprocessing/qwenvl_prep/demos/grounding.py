@@ -109,8 +109,15 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
         from qwenvl_prep.demos.fields import run_fields_demo
 
         return run_fields_demo(out, minutes, steps, seed)
+    if task == "video":
+        if family is not None and (family not in FAMILIES or not FAMILIES[family].tiny):
+            raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
+                             f"got {family!r}")
+        from qwenvl_prep.demos.video import run_video_demo
+
+        return run_video_demo(out, steps, minutes, family, seed)
     if task not in ("grounding", "gui"):
-        raise ValueError(f"demo task must be grounding, gui or fields, got {task!r}")
+        raise ValueError(f"demo task must be grounding, gui, fields or video, got {task!r}")
     if family is None:
         family = gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
     if family not in FAMILIES or not FAMILIES[family].tiny:

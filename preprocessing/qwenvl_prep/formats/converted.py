@@ -1,4 +1,5 @@
-"""Reading a converted (stamped) LF dataset back: records, their image and their items in the stamp's convention."""
+"""Reading a converted (stamped) LF dataset back: records, their images and videos, and their items in the stamp's
+convention."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class Sample:
     error: str | None = None
     meta: Any = None  # the record's ``meta``, parsed when it is JSON text
     turn_items: list[Item] = field(default_factory=list)  # every turn's, system and tool turns included (check)
+    videos: list[Any] = field(default_factory=list)  # paths, or frame lists (lists of paths), resolved as LF does
+    turns: list[str] = field(default_factory=list)  # every turn's text (check reads time labels from them)
 
 
 def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) -> DatasetRef:
@@ -76,17 +79,24 @@ def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
         if isinstance(record, RecordError):
             yield Sample(index, [], "", "", [], error=str(record))
             continue
-        images = [p if Path(p).is_absolute() else str(ref.media_dir / p) for p in record["images"]]
+        images = [_media_path(ref, p) for p in record["images"]]
+        videos = [[_media_path(ref, f) for f in v] if isinstance(v, list) else _media_path(ref, v)
+                  for v in record.get("videos") or []]
         messages = record["messages"]
         prompt = " ".join(m["content"] for m in messages if m["role"] == "user")
         answer = "\n".join(m["content"] for m in messages if m["role"] == "assistant")
         try:
             parsed = [(m["role"], parse_items(m["content"])) for m in messages]
         except AnswerError as exc:
-            yield Sample(index, images, prompt, answer, [], str(exc), _meta(record.get("meta")))
+            yield Sample(index, images, prompt, answer, [], str(exc), _meta(record.get("meta")), videos=videos)
             continue
         yield Sample(index, images, prompt, answer, [i for role, items in parsed if role == "assistant" for i in items],
-                     meta=_meta(record.get("meta")), turn_items=[i for _, items in parsed for i in items])
+                     meta=_meta(record.get("meta")), turn_items=[i for _, items in parsed for i in items],
+                     videos=videos, turns=[m["content"] for m in messages])
+
+
+def _media_path(ref: DatasetRef, path: str) -> str:
+    return path if Path(path).is_absolute() else str(ref.media_dir / path)
 
 
 def _meta(value: Any) -> Any:

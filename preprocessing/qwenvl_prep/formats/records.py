@@ -1,4 +1,5 @@
-"""Streaming readers: every input format becomes canonical records ``{"messages": [...], "images": [...]}``."""
+"""Streaming readers: every input format becomes canonical records ``{"messages": [...], "images": [...]}``, with
+``"videos"`` (paths, or frame lists: lists of image paths) when the record has any."""
 
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ def detect_format(path: Path) -> str:
         if isinstance(value, RecordError):
             continue  # a bad first line is its own error row; the format comes from the next good one
         if isinstance(value, dict):
+            if "video" in value and not {"messages", "conversations", "instruction"} & set(value):
+                if "track" in value:
+                    return "video-track"
+                if {"timestamp", "timestamps", "span"} & set(value):
+                    return "video-span"
             if "img_filename" in value and "bbox" in value:
                 return "screenspot-pro" if "img_size" in value or "ui_type" in value else "screenspot"
             if "messages" in value or "conversations" in value:
@@ -118,7 +124,7 @@ def _sharegpt(record: dict) -> dict:
             raise RecordError("the record has a 'system' field and a system turn; LLaMA-Factory would use only the "
                               "turn")
         messages.insert(0, {"role": "system", "content": _system(record)})
-    return {"messages": messages, "images": _images(record), **_tools(record)}
+    return {"messages": messages, "images": _images(record), **_videos(record), **_tools(record)}
 
 
 def _system(record: dict) -> str:
@@ -148,14 +154,29 @@ def _images(record: dict) -> list[str]:
     return images
 
 
-def _with_image_tags(messages: list[dict], count: int) -> list[dict]:
-    """The conversation with the tags it lacks (one per image, counted over every user turn) put before the last
-    question, where a plain or alpaca record's image belongs. Extra or misplaced tags are left for
-    ``dataset_rules.record_problem`` to report."""
-    missing = count - sum(m["content"].count("<image>") for m in messages if m["role"] == "user")
+def _videos(record: dict) -> dict:
+    """The record's ``videos`` (LF's column): video paths, or frame lists (lists of image paths); {} when none."""
+    videos = record.get("videos")
+    if videos is None or videos == []:
+        return {}
+    if isinstance(videos, str):
+        videos = [videos]
+    if not isinstance(videos, list) or not all(
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, str) for p in v)) for v in videos):
+        raise RecordError("'videos' must be a list of video paths, or of frame lists (lists of image paths)")
+    if len({isinstance(v, list) for v in videos}) > 1:
+        raise RecordError("'videos' mixes video files and frame lists; LLaMA-Factory reads one kind per dataset")
+    return {"videos": videos}
+
+
+def _with_image_tags(messages: list[dict], count: int, tag: str = "<image>") -> list[dict]:
+    """The conversation with the tags it lacks (one per image, or per video with ``tag="<video>"``, counted over
+    every user turn) put before the last question, where a plain or alpaca record's media belong. Extra or
+    misplaced tags are left for ``dataset_rules.record_problem`` to report."""
+    missing = count - sum(m["content"].count(tag) for m in messages if m["role"] == "user")
     if missing > 0:
         last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-        messages[last]["content"] = "<image>" * missing + messages[last]["content"]
+        messages[last]["content"] = tag * missing + messages[last]["content"]
     return messages
 
 
@@ -172,7 +193,9 @@ def _alpaca(record: dict) -> dict:
     for old_prompt, old_answer in history:
         messages += [{"role": "user", "content": old_prompt}, {"role": "assistant", "content": old_answer}]
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    return {"messages": _with_image_tags(messages, len(images)), "images": images, **_tools(record)}
+    videos = _videos(record)
+    messages = _with_image_tags(messages, len(videos.get("videos", [])), "<video>")
+    return {"messages": _with_image_tags(messages, len(images)), "images": images, **videos, **_tools(record)}
 
 
 def _answer_text(answer: Any) -> str:

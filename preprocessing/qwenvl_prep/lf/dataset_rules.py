@@ -2,7 +2,7 @@
 entry, and the records it would drop or fail on.
 
 ``convert`` never writes a record that LF drops (``Invalid role tag``, ``Invalid message count``) or fails on (image
-tags that do not match the images, ``<video>`` tags without videos); ``check``, ``eval`` and ``draw`` read a dataset
+or video tags that do not match the images or videos, ``<audio>`` tags); ``check``, ``eval`` and ``draw`` read a dataset
 through its entry's ``formatting``, ``columns`` and ``tags`` exactly as LF does (``data/parser.py`` DatasetAttr,
 ``data/converter.py``), and report the same records.
 """
@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 USER_SIDE = ("user", "observation")  # LF's odd turns
 MODEL_SIDE = ("assistant", "function_call")  # LF's even turns
-NOT_CARRIED = ("chosen", "rejected", "kto_tag", "videos", "audios")  # preference data, videos, audio
-OTHER_MEDIA_TAGS = ("<video>", "<audio>")
+NOT_CARRIED = ("chosen", "rejected", "kto_tag", "audios")  # preference data, audio
+OTHER_MEDIA_TAGS = ("<audio>",)
+MEDIA = (("<image>", "images", "image"), ("<video>", "videos", "video"))  # (tag, column, noun)
 
 # DatasetAttr's defaults: they apply when an entry has no "columns" (or no "tags") at all; an entry that has one
 # gets None for every key it leaves out
 _DEFAULT_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None,
-                    "messages": "conversations", "system": None, "tools": None, "images": None}
+                    "messages": "conversations", "system": None, "tools": None, "images": None, "videos": None}
 _DEFAULT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 
@@ -29,10 +30,10 @@ def _a(word: str) -> str:
 
 
 def record_problem(record: dict[str, Any]) -> str | None:
-    """Why LF would drop or refuse a canonical record (``{"messages": [{"role", "content"}], "images": [...]}``),
-    None when it loads it. Roles: an optional system turn first, then user or observation turns and assistant or
-    function_call turns alternating, ending with a model turn; ``<image>`` tags only in user and observation turns,
-    one per image."""
+    """Why LF would drop or refuse a canonical record (``{"messages": [{"role", "content"}], "images": [...]}``, and
+    ``"videos"`` when it has any), None when it loads it. Roles: an optional system turn first, then user or
+    observation turns and assistant or function_call turns alternating, ending with a model turn; ``<image>`` and
+    ``<video>`` tags only in user and observation turns, one per image or video."""
     messages = record["messages"]
     turns = messages[1:] if messages and messages[0]["role"] == "system" else messages
     for position, turn in enumerate(turns):
@@ -47,15 +48,17 @@ def record_problem(record: dict[str, Any]) -> str | None:
                 "final assistant (or function_call) turn to train on and would drop it")
     for tag in OTHER_MEDIA_TAGS:
         if any(tag in m["content"] for m in messages):
-            return f"the record has a {tag} tag: convert carries still images only, and LF fails on a tag without media"
-    misplaced = sorted({m["role"] for m in messages if m["role"] not in USER_SIDE and "<image>" in m["content"]})
-    if misplaced:
-        return (f"an <image> tag in {_a(' and '.join(misplaced))} turn: LLaMA-Factory would expand it into image tokens "
-                "there; tags belong in user (or observation) turns")
-    tags = sum(m["content"].count("<image>") for m in messages)
-    if tags != len(record["images"]):
-        return (f"the record has {len(record['images'])} image(s) but {tags} <image> tag(s) in its user turns; "
-                "LLaMA-Factory needs one tag per image")
+            return (f"the record has a {tag} tag: convert carries images and videos only, and LF fails on a tag "
+                    "without media")
+    for tag, column, noun in MEDIA:
+        misplaced = sorted({m["role"] for m in messages if m["role"] not in USER_SIDE and tag in m["content"]})
+        if misplaced:
+            return (f"{_a(noun).split()[0]} {tag} tag in {_a(' and '.join(misplaced))} turn: LLaMA-Factory would "
+                    f"expand it into {noun} tokens there; tags belong in user (or observation) turns")
+        tags = sum(m["content"].count(tag) for m in messages)
+        if tags != len(record.get(column) or []):
+            return (f"the record has {len(record.get(column) or [])} {noun}(s) but {tags} {tag} tag(s) in its user "
+                    f"turns; LLaMA-Factory needs one tag per {noun}")
     return None
 
 
@@ -65,7 +68,7 @@ def not_carried(raw: dict[str, Any]) -> str | None:
     if not present:
         return None
     return (f"the record has {', '.join(repr(k) for k in present)}, which convert does not carry (it writes "
-            "supervised still-image conversations); convert preference or video data another way")
+            "supervised conversations with images and videos); convert preference or audio data another way")
 
 
 class EntryError(ValueError):
@@ -82,7 +85,8 @@ def entry_reader(entry: dict[str, Any]) -> tuple[str, Callable[[dict[str, Any]],
                          "checked (check reads supervised sharegpt and alpaca entries)")
     columns = {k: entry["columns"].get(k) for k in _DEFAULT_COLUMNS} if "columns" in entry else _DEFAULT_COLUMNS
     tags = {k: entry["tags"].get(k) for k in _DEFAULT_TAGS} if "tags" in entry else _DEFAULT_TAGS
-    common = {"images": columns["images"], "system": columns["system"], "tools": columns["tools"]}
+    common = {"images": columns["images"], "videos": columns["videos"], "system": columns["system"],
+              "tools": columns["tools"]}
 
     def pick(raw: dict[str, Any], names: dict[str, str | None]) -> dict[str, Any]:
         return {ours: raw.get(theirs) for ours, theirs in names.items() if theirs and raw.get(theirs) is not None}

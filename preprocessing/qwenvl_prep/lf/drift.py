@@ -1,6 +1,6 @@
 """The drift audit: what stock LLaMA-Factory 0.9.5 (without the plugin) would feed the encoder, and how far that
-puts labels converted for the pinned frame. Only ``qwenvl-prep check``, the drift benchmark and tests need it; the
-policy core does not."""
+puts labels converted for the pinned frame; for videos also which frames it samples and the times the model reads
+for them. Only ``qwenvl-prep check``, the drift benchmarks and tests need it; the policy core does not."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import (
     HUB_PROCESSOR_MAX_PIXELS,
     HUB_PROCESSOR_MIN_PIXELS,
@@ -16,6 +17,7 @@ from llamafactory_qwenvl_patch.frame.policy import (
     map_coords,
 )
 from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
+from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, TEMPORAL_PATCH
 
 
 def stock_llamafactory_size(
@@ -34,12 +36,21 @@ def stock_llamafactory_size(
     """
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
+    h, w = lf_prefit_size(height, width, image_min_pixels, image_max_pixels)
+    return tuple(hf_smart_resize(h, w, factor=factor, min_pixels=processor_min_pixels, max_pixels=processor_max_pixels))
+
+
+def lf_prefit_size(height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) after LF 0.9.5's own pre-fit of an image or a video frame (``BasePlugin._preprocess_image``
+    then ``Qwen2VLPlugin._preprocess_image``; for frames also ``_get_qwen_video_size_after_regularization``): the
+    area scaled into [min_pixels, max_pixels] with ``int()`` truncation, each side at least 28, ratios over 200
+    squashed to 180:1. The HF processor resizes the result again."""
     w, h = width, height
-    if w * h > image_max_pixels:
-        scale = math.sqrt(image_max_pixels / (w * h))
+    if w * h > max_pixels:
+        scale = math.sqrt(max_pixels / (w * h))
         w, h = int(w * scale), int(h * scale)
-    if w * h < image_min_pixels:
-        scale = math.sqrt(image_min_pixels / (w * h))
+    if w * h < min_pixels:
+        scale = math.sqrt(min_pixels / (w * h))
         w, h = int(w * scale), int(h * scale)
     if min(w, h) < 28:
         w, h = max(w, 28), max(h, 28)
@@ -47,7 +58,144 @@ def stock_llamafactory_size(
         w = h * 180
     if h / w > MAX_ASPECT_RATIO:
         h = w * 180
-    return tuple(hf_smart_resize(h, w, factor=factor, min_pixels=processor_min_pixels, max_pixels=processor_max_pixels))
+    return h, w
+
+
+# The HF video processor's own bounds in the hub checkpoints (stock LF's second resize of every frame): Qwen2-VL and
+# Qwen2.5-VL ship no video config, so transformers reads preprocessor_config.json; Qwen3-VL's
+# video_preprocessor_config.json budgets all frames together (t*h*w).
+HUB_VIDEO_PROCESSOR_BOUNDS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056),
+                              "qwen3_vl": (4096, 25165824)}
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What LF 0.9.5 reads of a video file (PyAV's first video stream), and how many frames decoding really yields.
+    Frame ``i`` is on screen from ``i / average_rate`` (a constant-rate clip)."""
+
+    width: int
+    height: int
+    frames: int  # ``stream.frames``: 0 when the header has none (webm, mkv)
+    duration: float | None  # ``stream.duration * stream.time_base`` in seconds; None when the header has none
+    average_rate: float  # ``stream.average_rate``
+    decoded: int | None = None  # frames the file holds (default ``frames``); LF keeps only its indices below it
+
+
+@dataclass(frozen=True)
+class FrameList:
+    """A video given as pre-extracted frames (a list of images) taken at ``fps``; LF is not told the rate."""
+
+    width: int
+    height: int
+    count: int
+    fps: float
+
+
+@dataclass(frozen=True)
+class StockVideo:
+    """One clip through stock LF 0.9.5 and transformers 5.6: the frame, the frames, and the model's clock."""
+
+    frame: tuple[int, int]  # (height, width) of every frame the encoder gets
+    indices: tuple[int, ...]  # the frames decoded, before an odd count's padding
+    times: tuple[float, ...]  # when each frame the encoder gets (padding included) comes on screen, in seconds
+    frame_span: float  # how long each frame stays on screen (1 / the clip's own rate)
+    fps_per_video: float
+    second_per_grid_ts: float  # Qwen2.5-VL's ``temporal_patch / fps_per_video``
+    stamps: tuple[float, ...]  # Qwen3-VL / Qwen3.5's ``<t seconds>`` of each group, before ``:.1f``
+
+    @property
+    def groups(self) -> int:
+        return len(self.times) // TEMPORAL_PATCH
+
+    @property
+    def group_starts(self) -> list[float]:
+        """When each group's first frame comes on screen."""
+        return [self.times[g * TEMPORAL_PATCH] for g in range(self.groups)]
+
+    @property
+    def positions(self) -> list[float]:
+        """Where transformers 5.6 puts each group on Qwen2.5-VL's M-RoPE clock, in seconds (``get_rope_index``:
+        ``tokens_per_second * int(second_per_grid_ts)`` per group, divided by ``tokens_per_second``)."""
+        return [float(g * int(self.second_per_grid_ts)) for g in range(self.groups)]
+
+    @property
+    def real_means(self) -> list[float]:
+        """The mean on-screen start of each group's frames (what a Qwen3 stamp should say)."""
+        return [sum(self.times[g * TEMPORAL_PATCH:(g + 1) * TEMPORAL_PATCH]) / TEMPORAL_PATCH
+                for g in range(self.groups)]
+
+
+def stock_llamafactory_video_indices(frames: int, duration: float | None, video_fps: float,
+                                     video_maxlen: int) -> list[int]:
+    """LF's ``_get_video_sample_indices``: with no frame count in the header, the first ``video_maxlen`` indices;
+    else ``min(frames, video_maxlen, floor(duration * video_fps))`` spread by ``linspace`` and truncated."""
+    import numpy as np
+
+    if frames == 0:
+        return np.linspace(0, video_maxlen - 1, video_maxlen).astype(np.int32).tolist()
+    if duration is None:
+        raise ValueError("stock LF fails on a header with a frame count but no duration (float(None * time_base))")
+    count = min(frames, video_maxlen, max(1, math.floor(duration * video_fps)))
+    return np.linspace(0, frames - 1, count).astype(np.int32).tolist()
+
+
+def stock_llamafactory_video_frame(height: int, width: int, frames: int, family: str = "qwen2_5_vl",
+                                   video_min_pixels: int = LF_VIDEO_DEFAULTS["video_min_pixels"],
+                                   video_max_pixels: int = LF_VIDEO_DEFAULTS["video_max_pixels"],
+                                   processor_bounds: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(height, width) of every frame of a clip stock LF feeds the encoder: LF's ``int()`` pre-fit to the video keys,
+    then the HF video processor's ``smart_resize`` under its own bounds: per frame for Qwen2/2.5-VL, over all
+    ``frames`` together (``t*h*w``, the count after padding) for Qwen3-VL and Qwen3.5."""
+    fam = FAMILIES[family]
+    low, high = processor_bounds or _hub_video_bounds(family)
+    h, w = lf_prefit_size(height, width, video_min_pixels, video_max_pixels)
+    if fam.lf_plugin == "Qwen3VLPlugin":
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as budget_resize
+
+        return tuple(budget_resize(num_frames=frames, height=h, width=w, temporal_factor=TEMPORAL_PATCH,
+                                   factor=fam.factor, min_pixels=low, max_pixels=high))
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
+
+    return tuple(hf_smart_resize(h, w, factor=fam.factor, min_pixels=low, max_pixels=high))
+
+
+def stock_llamafactory_video(clip: VideoHeader | FrameList, family: str = "qwen2_5_vl",
+                             video_min_pixels: int = LF_VIDEO_DEFAULTS["video_min_pixels"],
+                             video_max_pixels: int = LF_VIDEO_DEFAULTS["video_max_pixels"],
+                             video_fps: float = LF_VIDEO_DEFAULTS["video_fps"],
+                             video_maxlen: int = LF_VIDEO_DEFAULTS["video_maxlen"],
+                             processor_bounds: tuple[int, int] | None = None) -> StockVideo:
+    """A clip through ``Qwen2VLPlugin._regularize_videos`` / ``_get_mm_inputs`` (``Qwen3VLPlugin``'s for Qwen3):
+    the frames sampled, each frame's size, ``second_per_grid_ts`` (``2 / (samples / header duration)``, or
+    ``2 / video_fps`` without a duration and for frame lists) and Qwen3's stamps (``frames_indices`` at
+    ``video_fps``: a file's index over its header rate, a frame list's plain index)."""
+    if isinstance(clip, FrameList):
+        sampled = list(range(clip.count))  # LF takes every frame of a list, whatever video_maxlen says
+        kept, rate = sampled, float(clip.fps)
+        clock = [float(i) for i in sampled]
+        fps_per_video = float(video_fps)
+    else:
+        sampled = stock_llamafactory_video_indices(clip.frames, clip.duration, video_fps, video_maxlen)
+        decoded = clip.frames if clip.decoded is None else clip.decoded
+        kept, rate = [i for i in sampled if i < decoded], float(clip.average_rate)
+        clock = [i / clip.average_rate * video_fps for i in sampled]
+        fps_per_video = float(video_fps) if clip.duration is None else len(sampled) / clip.duration
+    if not kept:
+        raise ValueError("stock LF decodes no frame of this clip")
+    padded = kept + kept[-1:] * (len(kept) % TEMPORAL_PATCH)
+    frame = stock_llamafactory_video_frame(clip.height, clip.width, len(padded), family, video_min_pixels,
+                                           video_max_pixels, processor_bounds)
+    clock = clock + clock[-1:] * (len(clock) % TEMPORAL_PATCH)  # Qwen3VLProcessor._calculate_timestamps
+    seconds = [t / video_fps for t in clock]
+    stamps = [(seconds[i] + seconds[i + 1]) / 2 for i in range(0, len(seconds), TEMPORAL_PATCH)]
+    return StockVideo(frame, tuple(kept), tuple(i / rate for i in padded), 1.0 / rate, fps_per_video,
+                      TEMPORAL_PATCH / fps_per_video, tuple(stamps[:len(padded) // TEMPORAL_PATCH]))
+
+
+def _hub_video_bounds(family: str) -> tuple[int, int]:
+    if family not in HUB_VIDEO_PROCESSOR_BOUNDS:
+        raise ValueError(f"no known hub video-processor bounds for {family}; pass processor_bounds")
+    return HUB_VIDEO_PROCESSOR_BOUNDS[family]
 
 
 def processor_bounds(model: str | None) -> tuple[int, int]:

@@ -4,6 +4,7 @@ explicit flags."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,8 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
         dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir
     video = VideoPolicy.from_lf_keys(config, family.factor, family.video_clock)
     return RunSpec(
-        stamp=Stamp(policy, family.coords, family.name, video=video),
+        stamp=Stamp(policy, family.coords, family.name, video=video,
+                    frame_list_fps=frame_list_fps(config.get("qwenvl_frame_list_fps"), video)),
         template=template,
         cutoff_len=int(config["cutoff_len"]) if "cutoff_len" in config else 2048,
         patched=bool(config.get("qwenvl_patch", False)),
@@ -80,13 +82,29 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
 
 def spec_from_flags(min_pixels: int, max_pixels: int, family: str, video_keys: dict[str, object] | None = None
                     ) -> RunSpec:
-    """The spec of explicit bounds; ``video_keys`` are LF's video keys (its defaults for those missing)."""
+    """The spec of explicit bounds; ``video_keys`` are LF's video keys (its defaults for those missing) and
+    ``qwenvl_frame_list_fps``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
     f = FAMILIES[family]
     policy = ResizePolicy(min_pixels, max_pixels, f.factor)
-    video = VideoPolicy.from_lf_keys(video_keys or {}, f.factor, f.video_clock)
-    return RunSpec(stamp=Stamp(policy, f.coords, family, video=video))
+    keys = video_keys or {}
+    video = VideoPolicy.from_lf_keys(keys, f.factor, f.video_clock)
+    return RunSpec(stamp=Stamp(policy, f.coords, family, video=video,
+                               frame_list_fps=frame_list_fps(keys.get("qwenvl_frame_list_fps"), video)))
+
+
+def frame_list_fps(value: object, video: VideoPolicy) -> float:
+    """The rate a run reads frame lists at: ``qwenvl_frame_list_fps``, else ``video_fps`` (as the plugin does)."""
+    if value is None or value == "":
+        return float(video.fps)
+    try:
+        fps = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"qwenvl_frame_list_fps must be a number, got {value!r}") from None
+    if not (math.isfinite(fps) and fps > 0):
+        raise ValueError(f"qwenvl_frame_list_fps must be a finite number > 0, got {value!r}")
+    return fps
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """``qwenvl-prep check``: a dataset against the training YAML, before any GPU hour is spent.
 
 Stamp vs run, images readable, boxes inside the frame, image tokens vs ``cutoff_len``, and a drift audit of what
-stock LLaMA-Factory (without the plugin) would do to these labels.
+stock LLaMA-Factory (without the plugin) would do to these labels; videos as ``check_video`` reads them (clips
+readable, headers vs packets, labels inside the clip and the video frame, video tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from qwenvl_prep.lf.drift import DriftAudit, processor_bounds
 from qwenvl_prep.plumbing.imageinfo import read_info
 from qwenvl_prep.lf.dataset_rules import EntryError, entry_reader
 from qwenvl_prep.lf.run_spec import RunSpec, template_problem
+from qwenvl_prep.pipeline.check_video import VideoChecker
 from qwenvl_prep.plumbing.workers import init_worker
 
 MAX_LISTED = 20
@@ -41,6 +43,8 @@ class Report:
     token_overflows: int = 0
     max_sequence_tokens: int = 0
     drift: dict[str, Any] = field(default_factory=dict)
+    videos: int = 0  # video references, as images
+    video_notes: list[dict] = field(default_factory=list)  # what does not fail the check (a header that lies)
 
     @property
     def ok(self) -> bool:
@@ -50,7 +54,8 @@ class Report:
         return {"dataset": self.dataset, "file": self.file, "ok": self.ok, "stamp": self.stamp,
                 "stamp_problems": self.stamp_problems, "setup_problems": self.setup_problems, "samples": self.samples, "images": self.images,
                 "distinct_image_files": len(self.image_files), "problems": self.problems, "token_overflows": self.token_overflows,
-                "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift}
+                "max_sequence_tokens": self.max_sequence_tokens, "drift": self.drift,
+                **({"videos": self.videos, "video_notes": self.video_notes} if self.videos else {})}
 
 
 def _text_counter(model: str | None):
@@ -125,6 +130,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
     count_text = _text_counter(model)
     cutoff = spec.cutoff_len or 2048
     to_decode: list[tuple[int, str]] = []
+    videos = VideoChecker(spec.stamp, data_stamp, full_decode)
 
     def problem(sample: int, image: str | None, message: str) -> None:
         report.problems.append({"sample": sample, "image": image, "error": message})
@@ -135,6 +141,11 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             problem(sample.index, sample.images[0] if sample.images else None, sample.error)
             continue
         tokens = count_text(sample.prompt + sample.answer) + 16
+        if sample.videos:
+            video_tokens, video_problems = videos.scan(sample)
+            tokens += video_tokens
+            for video, message in video_problems:
+                problem(sample.index, video, message)
         for image in sample.images:
             report.images += 1
             report.image_files.add(str(image))
@@ -159,11 +170,15 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
         if tokens > cutoff:
             report.token_overflows += 1
             problem(sample.index, sample.images[0] if sample.images else None,
-                    f"about {tokens} tokens (images included) > cutoff_len {cutoff}: LF truncates inside the image "
-                    "tokens and fails with 'image features and image tokens do not match'")
+                    f"about {tokens} tokens (images and videos included) > cutoff_len {cutoff}: LF truncates inside "
+                    "the image or video tokens and fails with 'features and tokens do not match'")
     for index, image, error in _decode_all(to_decode, workers):
         problem(index, image, error)
     report.drift = drift.to_dict()
+    report.videos, report.video_notes = videos.videos, videos.notes
+    if videos.videos and ref.stamp is not None and ref.stamp.video is None:
+        report.stamp_problems.append("the dataset has videos but its stamp has no video policy: the frame of its video "
+                                     "labels is unknown; convert it again with qwenvl-prep convert")
     return report
 
 
@@ -174,12 +189,18 @@ def format_report(report: Report) -> str:
         f"  samples {report.samples}, images {report.images} ({len(report.image_files)} distinct files), longest "
         f"sequence ~{report.max_sequence_tokens} tokens",
     ]
+    if report.videos:
+        lines.append(f"  videos {report.videos}, {len(report.video_notes)} note(s)")
     lines += [f"  stamp: {p}" for p in report.stamp_problems]
     lines += [f"  setup: {p}" for p in report.setup_problems]
     for row in report.problems[:MAX_LISTED]:
         lines.append(f"  sample {row['sample']}: {row['error']}")
     if len(report.problems) > MAX_LISTED:
         lines.append(f"  ... and {len(report.problems) - MAX_LISTED} more (see --json)")
+    for row in report.video_notes[:MAX_LISTED]:
+        lines.append(f"  note: sample {row['sample']}: video {row['video']}: {row['note']}")
+    if len(report.video_notes) > MAX_LISTED:
+        lines.append(f"  ... and {len(report.video_notes) - MAX_LISTED} more notes (see --json)")
     lines.append(
         f"  drift audit (stock LF without the plugin): {d['frames_changed']}/{d['images']} images "
         f"({100 * d['frames_changed_share']:.1f}%) get another frame, by up to {d['frame_max_px']} model px; "

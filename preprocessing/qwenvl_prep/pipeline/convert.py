@@ -1,8 +1,9 @@
 """``qwenvl-prep convert``: grounding data in original-image coordinates -> LF sharegpt in the model's frame.
 
-Streams the input, reads image headers only, converts in parallel workers (``convert_record``) and writes atomically;
-bad records become rows of a JSONL error report. The output's ``dataset_info.json`` entry (``dataset_info``) carries
-the policy stamp.
+Streams the input, reads image headers only (and videos' packet times, never their pixels), converts in parallel
+workers (``convert_record``) and writes atomically; bad records become rows of a JSONL error report. The output's
+``dataset_info.json`` entry (``dataset_info``) carries the policy stamp, with the video policy when the output has
+videos (and the frame lists' rate when they are frame lists: one kind per dataset, as LF reads them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from qwenvl_prep.formats.benchmarks import (
 )
 from qwenvl_prep.formats.coco import CocoOptions, CocoReader, find_image_dir
 from qwenvl_prep.formats.records import detect_format, iter_raw
+from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS, iter_temporal
+from qwenvl_prep.formats.temporal import check_prompt as check_query_prompt
 from qwenvl_prep.pipeline.convert_record import (
     ConvertError, Job, Result, Source, convert_chunk, init_convert_worker, set_job,
 )
@@ -52,7 +55,7 @@ class ConvertOptions:
     dataset_name: str | None = None
     coco: CocoOptions = field(default_factory=CocoOptions)
     answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
-    prompt: str | None = None  # benchmark formats: the prompt template, {instruction} is replaced
+    prompt: str | None = None  # benchmark formats: the prompt template, {instruction} ({query}) is replaced
     refcoco_expressions: str = "all"
     progress: bool = True
     overwrite: bool = False
@@ -86,7 +89,12 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
                 f"{opts.input} is the output of qwenvl-prep convert ({stamp.describe()}); its coordinates are "
                 "already in that frame, so drop --input-coords (converting it again re-targets it, never rescales twice)"
             )
-        return Source(stamp.coords, stamp.policy if stamp.coords == "model" else None)
+        if stamp.frame_list_fps is not None and stamp.frame_list_fps != opts.target.frame_list_fps:
+            raise ConvertError(f"{opts.input} holds frame lists read at {stamp.frame_list_fps:g} fps; converting them "
+                               f"at {opts.target.frame_list_fps:g} fps would move every frame and label in time: pass "
+                               f"--frame-list-fps {stamp.frame_list_fps:g}")
+        model = stamp.coords == "model"
+        return Source(stamp.coords, stamp.policy if model else None, stamp.video if model else None)
     if opts.input_coords is None:
         return Source(None)
     if opts.input_coords not in INPUT_COORDS:
@@ -114,6 +122,8 @@ def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None, images: Ima
         if images is not None:
             return iter_refcoco_parquet(opts.input, target, prompt, images, opts.refcoco_expressions)
         return iter_screenspot(opts.input, fmt, target, prompt)
+    if fmt in VIDEO_FORMATS:
+        return iter_temporal(opts.input, fmt, opts.prompt or VIDEO_PROMPTS[fmt])
     return iter_raw(opts.input)
 
 
@@ -178,9 +188,9 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     source = _source(opts, fmt)
-    if fmt in DEFAULT_TARGET and opts.prompt is not None:
+    if opts.prompt is not None and (fmt in DEFAULT_TARGET or fmt in VIDEO_FORMATS):
         try:
-            check_prompt(opts.prompt)
+            (check_query_prompt if fmt in VIDEO_FORMATS else check_prompt)(opts.prompt)
         except ValueError as error:
             raise ConvertError(str(error)) from None
     coco, image_dir = None, opts.image_dir or opts.input.parent
@@ -188,7 +198,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         coco = CocoReader(opts.input, opts.coco)
         image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
     job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
-              str(opts.input), "canonical" if fmt in ORIGINAL_PIXEL_FORMATS else fmt)
+              str(opts.input), "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *VIDEO_FORMATS) else fmt)
     images = _image_store(opts) if fmt == "refcoco-parquet" else None
     stream = _stream(opts, fmt, coco, images)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
@@ -216,7 +226,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise stopped
     if not stats["dropped"] and errors_path.exists():
         errors_path.unlink()
-    _register(opts, tools=stats["tools"] > 0)
+    _register(opts, stats)
     return _summary(opts, stats, errors_path if stats["dropped"] else None, written=True, extra=extra)
 
 
@@ -230,11 +240,24 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
     as_array = opts.output.suffix == ".json"
     out.write("[\n" if as_array else "")
     first, errors = True, None
+    kinds: dict[str, tuple[str, int]] = {}  # the first record with videos: their kind, its index
     for result in tqdm(_results(opts, job, stream), desc="convert", unit=" rec",
                        disable=None if opts.progress else True):
         stats["records"] += 1
+        if result.error is None and result.video_kind is not None:
+            kind, first_index = kinds.setdefault("first", (result.video_kind, result.index))
+            if kind != result.video_kind:
+                result = Result(result.index, error={
+                    "record": result.index, "file": job.source_file, "image": result.media,
+                    "error": f"the record's videos are {_KIND_NAMES[result.video_kind]}, record {first_index}'s are "
+                             f"{_KIND_NAMES[kind]}; LLaMA-Factory reads one kind per dataset: convert them into two "
+                             "datasets"})
         for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
+        if result.error is None:
+            for key in ("videos", "spans", "timed_boxes"):
+                stats[key] += getattr(result, key)
+            stats["frame_lists"] += result.videos if result.video_kind == "frames" else 0
         if result.error is not None:
             if errors is None:
                 errors = stack.enter_context(atomic_writer(errors_path))
@@ -285,18 +308,27 @@ class Abort(Exception):
         self.summary = summary
 
 
-def _register(opts: ConvertOptions, tools: bool) -> None:
+_KIND_NAMES = {"file": "video files", "frames": "frame lists"}
+
+
+def _register(opts: ConvertOptions, stats: Counter) -> None:
     """Merge this output's entry (with the stamp) into ``dataset_info.json``; other entries stay untouched. The
-    ``tools`` column is mapped when a record carries tool definitions (LF reads it only when mapped)."""
+    ``tools`` and ``videos`` columns are mapped when a record carries tool definitions or videos (LF reads a column
+    only when mapped)."""
     name = opts.dataset_name or opts.output.stem
-    columns = {**SHAREGPT_ENTRY["columns"], **({"tools": "tools"} if tools else {})}
+    columns = {**SHAREGPT_ENTRY["columns"], **({"videos": "videos"} if stats["videos"] else {}),
+               **({"tools": "tools"} if stats["tools"] else {})}
     entry = {"file_name": opts.output.name, **SHAREGPT_ENTRY, "columns": columns,
-             STAMP_KEY: _written_stamp(opts).to_dict()}
+             STAMP_KEY: _written_stamp(opts, stats).to_dict()}
     merge_dataset_info(opts.output.parent, name, entry)
 
 
-def _written_stamp(opts: ConvertOptions) -> Stamp:
-    return Stamp(opts.target.policy, opts.target.coords, opts.target.family, f"qwenvl-prep {__version__}")
+def _written_stamp(opts: ConvertOptions, stats: Counter) -> Stamp:
+    """The output's stamp: the video policy only when it has videos, the frame-list rate only for frame lists."""
+    video = opts.target.video if stats["videos"] else None
+    fps = opts.target.frame_list_fps if stats["frame_lists"] else None
+    return Stamp(opts.target.policy, opts.target.coords, opts.target.family, f"qwenvl-prep {__version__}", video,
+                 fps)
 
 
 def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, written: bool,
@@ -312,8 +344,9 @@ def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, wri
         "boxes": stats["boxes"],
         "points": stats["points"],
         "exif_baked": stats["exif_baked"],
+        **({key: stats[key] for key in ("videos", "frame_lists", "spans", "timed_boxes")} if stats["videos"] else {}),
         "error_report": str(errors_path) if errors_path else None,
-        "stamp": _written_stamp(opts).to_dict(),
+        "stamp": _written_stamp(opts, stats).to_dict(),
         **(extra or {}),
     }
 

@@ -1,6 +1,6 @@
 """One input record into the model frame, in a convert worker (or in the process for a single chunk): its images
-resolved and measured from their headers, its coordinates checked in their source frame and re-targeted, any failure
-an error row naming the record, the file and the image."""
+resolved and measured from their headers (its videos probed, ``convert_video``), its coordinates checked in their
+source frame and re-targeted, any failure an error row naming the record, the file and the image or video."""
 
 from __future__ import annotations
 
@@ -20,20 +20,24 @@ from llamafactory_qwenvl_patch.frame.policy import (
     retarget_coords,
 )
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
 from qwenvl_prep.formats.records import RecordError, to_record
 from qwenvl_prep.lf.dataset_rules import record_problem
+from qwenvl_prep.pipeline import convert_video
 from qwenvl_prep.plumbing.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.plumbing.workers import init_worker
 
 
 @dataclass(frozen=True)
 class Source:
-    """Coordinate convention of the input; ``policy`` is set when the input is a stamped model-frame dataset."""
+    """Coordinate convention of the input; ``policy`` (and ``video``, for its videos) is set when the input is a
+    stamped model-frame dataset."""
 
     coords: str | None
     policy: ResizePolicy | None = None
+    video: VideoPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class Result:
     points: int = 0
     exif_baked: int = 0
     tools: int = 0
+    videos: int = 0
+    video_kind: str | None = None  # ``file`` or ``frames``: the writer keeps one kind per dataset, as LF reads
+    media: str | None = None  # the record's first image or video, for an error row the writer adds
+    spans: int = 0
+    timed_boxes: int = 0
 
 
 class ConvertError(ValueError):
@@ -72,10 +81,11 @@ _info_cache: dict[str, ImageInfo] = {}
 
 
 def set_job(job: Job) -> None:
-    """The run's job for ``convert_chunk`` in this process; the header cache starts empty."""
+    """The run's job for ``convert_chunk`` in this process; the header and clip caches start empty."""
     global _job
     _job = job
     _info_cache.clear()
+    convert_video.clear_cache()
 
 
 def init_convert_worker(job: Job, parent_pid: int) -> None:
@@ -115,10 +125,15 @@ def _output_path(path: str, job: Job) -> str:
     return path[len(prefix):] if path.startswith(prefix) else path
 
 
-def _transformer(job: Job, hw: tuple[int, int]):
-    """Item -> target coordinates, checking each item in its source frame first."""
-    target_hw = job.target.policy.model_size(*hw)
-    source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
+def _transformer(job: Job, hw: tuple[int, int], video: bool = False):
+    """Item -> target coordinates, checking each item in its source frame first: the image frame, or with ``video``
+    the video frame of a clip of size ``hw``."""
+    if video:
+        target_hw, source_hw = convert_video.frame_sizes(job.target, job.source.video, job.source.policy is not None,
+                                                         hw)
+    else:
+        target_hw = job.target.policy.model_size(*hw)
+        source_hw = job.source.policy.model_size(*hw) if job.source.policy else target_hw
     src, dst = job.source.coords, job.target.coords
 
     def transform(item: Item) -> list[int]:
@@ -158,15 +173,37 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         if (problem := record_problem(record)) is not None:
             raise RecordError(problem)
         images = [_resolve(p, job) for p in record["images"]]
-        image = images[0] if images else None
+        videos = convert_video.resolve_videos(record.get("videos") or [], lambda p: _resolve(p, job))
+        image = images[0] if images else (convert_video.name(videos[0]) if videos else None)
+        result.videos, result.media = len(videos), image
+        result.video_kind = convert_video.kind(videos[0]) if videos else None
         turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
         parsed = [parse_answer(m["content"]) for m in turns]
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
+        clips = []
+        for video in videos:
+            image = convert_video.name(video)
+            clips.append(convert_video.probe_clip(video, job.target))
+        image = result.media
+        if clips:
+            result.spans, result.timed_boxes = convert_video.check_times([m["content"] for m in turns], clips,
+                                                                         record.get("declared_duration"))
         if not items:
             result.passthrough = 1
             for info in infos:
                 job.target.policy.model_size(*info.hw)
+        elif clips:
+            if job.source.coords is None:
+                raise ConvertError("the record has coordinates: declare their convention with --input-coords")
+            if len(clips) != 1 or images:
+                raise RecordError(f"the record has coordinates, {len(images)} image(s) and {len(clips)} video(s); "
+                                  "coordinates need exactly one image or one video")
+            transform = _transformer(job, (clips[0].height, clips[0].width), video=True)
+            for turn, answer in zip(turns, parsed):
+                turn["content"] = answer.rewrite(transform)
+            result.boxes = sum(item.kind == "bbox_2d" for item in items)
+            result.points = sum(item.kind == "point_2d" for item in items)
         else:
             if job.source.coords is None:
                 raise ConvertError("the record has coordinates: declare their convention with --input-coords")
@@ -195,6 +232,11 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}
+        if videos:
+            out["videos"] = [[_output_path(f, job) for f in v] if isinstance(v, list) else _output_path(v, job)
+                             for v in videos]
+        if len(clips) == 1:
+            record["meta"] = convert_video.with_duration(record.get("meta"), clips[0])
         for key in ("tools", "meta"):
             if record.get(key) is not None:
                 out[key] = record[key]

@@ -1,11 +1,12 @@
-"""``qwenvl-prep draw``: boxes and points on the original image (mapped back) or on the exact model-input image."""
+"""``qwenvl-prep draw``: boxes and points on the original image (mapped back) or on the exact model-input image; a
+video record's sampled frames and timeline (``draw_video``)."""
 
 from __future__ import annotations
 
 import random
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import cv2
 import numpy as np
@@ -18,30 +19,11 @@ from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from qwenvl_prep.plumbing.atomic import atomic_writer
 from qwenvl_prep.formats.predictions import aligned
 from qwenvl_prep.formats.converted import DatasetRef, Sample, iter_samples
+from qwenvl_prep.pipeline.draw_shapes import GT_COLOR, PRED_COLOR, draw_items as _draw_items
+from qwenvl_prep.pipeline.draw_video import render_video
 from qwenvl_prep.plumbing.outputs import Outputs
 
-GT_COLOR = (60, 200, 60)  # BGR green
-PRED_COLOR = (40, 40, 230)  # BGR red
-HALO_COLOR = (20, 20, 20)  # under every shape, so that it shows on objects of its own colour
 THUMB_HEIGHT = 256
-
-
-def _draw_items(canvas: np.ndarray, items: Sequence[Item], coords: list[list[float]], color: tuple[int, int, int],
-                thickness: int) -> None:
-    """Each shape in ``color`` over a dark halo one pixel wider on each side, so that a green truth box stays
-    visible on a green object (and a red one on red)."""
-    for item, values in zip(items, coords):
-        pts = [int(round(v)) for v in values]
-        for paint, extra in ((HALO_COLOR, 2), (color, 0)):
-            if item.kind == "bbox_2d":
-                cv2.rectangle(canvas, (pts[0], pts[1]), (pts[2], pts[3]), paint, thickness + extra)
-                anchor = (pts[0], max(pts[1] - 4, 12))
-            else:
-                cv2.circle(canvas, (pts[0], pts[1]), 3 * thickness + extra // 2, paint, -1)
-                anchor = (pts[0] + 4, pts[1])
-            if item.label:
-                cv2.putText(canvas, item.label, anchor, cv2.FONT_HERSHEY_SIMPLEX, 0.4 * thickness, paint,
-                            thickness + extra)
 
 
 def render(sample: Sample, stamp: Stamp, frame: str, prediction: str | None = None) -> np.ndarray:
@@ -110,12 +92,14 @@ def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", 
     """Draw a random sample of N records (all if N <= 0) and a contact sheet; returns the written paths. Every
     output path is checked (``outputs``: inside ``out_dir``, never an input or a registered file) before the first
     is written."""
-    samples = [s for s in iter_samples(ref) if not s.error and len(s.images) == 1]
+    samples = [s for s in iter_samples(ref) if not s.error and len(s.images) + len(s.videos) == 1]
     preds = [text for _, _, text in aligned(ref, predictions)] if predictions else None  # checked as eval checks
     chosen = samples if sample <= 0 or sample >= len(samples) else random.Random(seed).sample(samples, sample)
     chosen.sort(key=lambda s: s.index)
     stem = safe_stem(ref.name)
-    guard = Outputs([p for s in samples for p in s.images] + [ref.path, *([predictions] if predictions else [])],
+    videos = [f for s in samples for v in s.videos for f in (v if isinstance(v, list) else [v])]
+    guard = Outputs([p for s in samples for p in s.images] + videos
+                    + [ref.path, *([predictions] if predictions else [])],
                     [ref.media_dir])
     paths = [guard.check(Path(out_dir) / f"{stem}-{s.index:06d}-{frame}.jpg", "draw output", inside=out_dir)
              for s in chosen]
@@ -123,7 +107,8 @@ def draw(ref: DatasetRef, stamp: Stamp, out_dir: Path, frame: str = "original", 
         if chosen else None
     drawn = []
     for s, path in zip(chosen, paths):
-        canvas = render(s, stamp, frame, preds[s.index] if preds and s.index < len(preds) else None)
+        prediction = preds[s.index] if preds and s.index < len(preds) else None
+        canvas = render_video(s, stamp, frame, prediction) if s.videos else render(s, stamp, frame, prediction)
         _write_image(path, canvas)
         drawn.append(thumbnail(canvas))
     if sheet is not None:

@@ -10,15 +10,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
+from llamafactory_qwenvl_patch.scoring.answers import not_present
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
 from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_grounding
 from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
+from llamafactory_qwenvl_patch.scoring.temporal import reference_kind
+from llamafactory_qwenvl_patch.scoring.video_eval import TIOU_THRESHOLDS, ToFrame, VideoEval
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
+from llamafactory_qwenvl_patch.image_io.video import probe
 from qwenvl_prep.plumbing.atomic import atomic_writer
 from qwenvl_prep.formats.predictions import AlignmentError, aligned
-from qwenvl_prep.formats.converted import DatasetRef
+from qwenvl_prep.formats.converted import DatasetRef, Sample
 from qwenvl_prep.plumbing.imageinfo import read_info
+from qwenvl_prep.pipeline.convert_video import list_fps
 
 BUCKETS = ((0.5e6, "<0.5 MP"), (2e6, "0.5-2 MP"), (8e6, "2-8 MP"), (float("inf"), ">=8 MP"))
 
@@ -31,18 +36,47 @@ def _to_orig(coords, stamp: Stamp, hw: tuple[int, int], model_hw: tuple[int, int
     return convert_coords(coords, stamp.coords, "orig", hw, model_hw, ndigits=None)
 
 
+def _track_to_orig(where: str, sample: Sample, stamp: Stamp, sizes: dict[Any, tuple[int, int]]) -> ToFrame:
+    """A track record's boxes from the stamp's video frame to the clip's pixels: the clip's size from its file
+    (packet headers, nothing decoded; once per clip in ``sizes``), its frame from the stamp's video policy."""
+    if len(sample.videos) != 1:
+        raise AlignmentError(f"{where} has a track and {len(sample.videos)} videos; needs 1")
+    if stamp.video is None:
+        raise AlignmentError(f"{where} has a track, but the dataset's stamp has no video policy, so the frame of its "
+                             "boxes is unknown; convert it with qwenvl-prep convert")
+    video = sample.videos[0]
+    key = tuple(video) if isinstance(video, list) else video
+    if key not in sizes:
+        clip = probe(video, list_fps(stamp))
+        sizes[key] = (clip.height, clip.width)
+    hw = sizes[key]
+    return partial(_to_orig, stamp=stamp, hw=hw, model_hw=stamp.video.frame_size(*hw))
+
+
 def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str] = ()) -> dict[str, Any]:
     """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
     overall and by size; click accuracy for records with a truth box in ``meta`` (ScreenSpot, RefCOCO); detection
     precision / recall / F1 and COCO mAP; the detection-hack monitors; click and box metrics per value of the ``meta``
     fields ``by``; how "not present" records (answer ``[]``) were answered. Field-extraction records (a JSON object
-    or array answer): per-field accuracy, all-fields-exact, format-valid and parse-failure rates. Other records are
-    counted and skipped."""
+    or array answer): per-field accuracy, all-fields-exact, format-valid and parse-failure rates. Video records
+    (``video_eval``: the reference is a span or a track): R@1 at tIoU 0.3 / 0.5 / 0.7, mean tIoU and the span
+    monitors; per-frame Acc@0.5 and mean IoU of tracks in the clip's pixels; how empty tracks (``[]`` with a
+    video: not in the video) were answered; all per subset with ``by``. Other records are counted and skipped."""
     grounding, buckets, groups, fields, skipped = GroundingEval(), {}, {}, FieldTally(), 0
+    video, video_groups, clip_sizes = VideoEval(), {}, {}
     index = -1
     for index, sample, text in aligned(ref, predictions):
         if sample.error:
             raise AlignmentError(f"record {index} of {ref.path} cannot be evaluated: {sample.error}")
+        kind = reference_kind(sample.answer)
+        if kind is not None or (sample.videos and not_present(sample.answer)):
+            to_orig = (_track_to_orig(f"record {index} of {ref.path}", sample, stamp, clip_sizes)
+                       if kind == "track" else None)
+            args = (sample.answer, text, sample.meta, to_orig, bool(sample.videos))
+            video.add(*args)
+            if by:
+                video_groups.setdefault(_group(sample.meta, by), VideoEval()).add(*args)
+            continue
         if not is_grounding(sample.items, sample.answer, sample.meta):
             truth = reference_value(sample.answer)
             if truth is None:
@@ -72,8 +106,11 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
                         if name in buckets and buckets[name].boxes.samples},
         })
     result.update(summary)
+    result.update(video.to_dict())
     if by:
-        result["by"] = {name: groups[name].to_dict() for name in sorted(groups)}
+        result["by"] = {name: {**groups.get(name, GroundingEval()).to_dict(),
+                               **video_groups.get(name, VideoEval()).to_dict()}
+                        for name in sorted({*groups, *video_groups})}
     if fields.samples:
         result["fields"] = fields.to_dict()
     return result
@@ -90,20 +127,28 @@ def format_table(result: dict[str, Any]) -> str:
     if "overall" in result:
         sections.append(_grounding_table(result))
     if "not_present" in result:
-        row = result["not_present"]
-        sections.append(f"not present (answer []): {row['samples']} records; answered [] "
-                        f"{_fmt(row['said_nothing_rate'], '.3f')}, answered with boxes (false positives) "
-                        f"{_fmt(row['false_positive_rate'], '.3f')}, parse failures "
-                        f"{_fmt(row['parse_failure_rate'], '.3f')}")
+        sections.append(_absent_line("not present (answer [])", result["not_present"]))
     if "clicks" in result:
         sections.append(_clicks_table(result))
     if "detection" in result:
         sections.append(_detection_table(result["detection"], result.get("monitors")))
+    if "spans" in result:
+        sections.append(_spans_table(result))
+    if "tracks" in result:
+        sections.append(_tracks_table(result))
+    if "video_not_present" in result:
+        sections.append(_absent_line("not in the video (empty track [])", result["video_not_present"]))
     if "fields" in result:
         sections.append(_fields_table(result["fields"]))
     if not sections:
-        sections.append(f"no grounding or field-extraction records ({result['skipped_other']} other records)")
+        sections.append(f"no grounding, video or field-extraction records ({result['skipped_other']} other records)")
     return "\n\n".join(sections)
+
+
+def _absent_line(what: str, row: dict[str, Any]) -> str:
+    return (f"{what}: {row['samples']} records; answered [] {_fmt(row['said_nothing_rate'], '.3f')}, answered with "
+            f"boxes (false positives) {_fmt(row['false_positive_rate'], '.3f')}, parse failures "
+            f"{_fmt(row['parse_failure_rate'], '.3f')}")
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -126,8 +171,7 @@ def _grounding_table(result: dict[str, Any]) -> str:
 
 
 def _clicks_table(result: dict[str, Any]) -> str:
-    rows = [("overall", result["clicks"])]
-    rows += [(name, group["clicks"]) for name, group in result.get("by", {}).items() if "clicks" in group]
+    rows = _subset_rows(result, "clicks")
     width = max(len(name) for name, _ in rows)
     lines = ["clicks: a click is right when its point (or its box's centre) lies in the truth box, in original pixels",
              f"{'subset':<{width}} {'samples':>7} {'click acc':>9} {'dense':>6} {'no click':>8}"]
@@ -147,6 +191,47 @@ def _detection_table(detection: dict[str, Any], monitors: dict[str, Any] | None)
                      f"{_fmt(monitors['empty_answer_rate'], '.3f')}, duplicates {_fmt(monitors['duplicate_rate'], '.3f')}"
                      f", median area ratio {_fmt(monitors['area_ratio_median'], '.2f')}, box count ratio "
                      f"{_fmt(monitors['count_ratio'], '.2f')} (predicted / true)")
+    return "\n".join(lines)
+
+
+def _subset_rows(result: dict[str, Any], kind: str) -> list[tuple[str, dict[str, Any]]]:
+    """``kind``'s summary overall, then per ``--by`` subset that has such records."""
+    return [("overall", result[kind])] + [(name, group[kind]) for name, group in result.get("by", {}).items()
+                                          if kind in group]
+
+
+def _spans_table(result: dict[str, Any]) -> str:
+    rows = _subset_rows(result, "spans")
+    width = max(len(name) for name, _ in rows)
+    recall = " ".join(f"{'R@1 ' + str(t):>8}" for t in TIOU_THRESHOLDS)
+    lines = ["temporal spans: R@1 counts a record when the answer's first span has tIoU >= the threshold with the "
+             "truth",
+             f"{'subset':<{width}} {'samples':>7} {recall} {'mIoU':>6} {'parse fail':>10}"]
+    for name, row in rows:
+        recall = " ".join(_fmt(row[f"r1@{t}"], "8.3f") for t in TIOU_THRESHOLDS)
+        lines.append(f"{name:<{width}} {row['samples']:>7} {recall} {_fmt(row['mean_tiou'], '6.3f')} "
+                     f"{_fmt(row['parse_failure_rate'], '10.3f')}")
+    monitors = result["span_monitors"]
+    lines.append(f"monitors: whole clip {_fmt(monitors['span_whole_clip_rate'], '.3f')}, empty or inverted "
+                 f"{_fmt(monitors['span_degenerate_rate'], '.3f')}, beyond the clip "
+                 f"{_fmt(monitors['span_beyond_clip_rate'], '.3f')}, more spans than the truth "
+                 f"{_fmt(monitors['span_many_spans_rate'], '.3f')}, no span "
+                 f"{_fmt(monitors['span_empty_answer_rate'], '.3f')}, median length ratio "
+                 f"{_fmt(monitors['span_length_ratio_median'], '.2f')} (predicted / true)")
+    return "\n".join(lines)
+
+
+def _tracks_table(result: dict[str, Any]) -> str:
+    rows = _subset_rows(result, "tracks")
+    width = max(len(name) for name, _ in rows)
+    lines = ["box tracks: each truth time takes the box at the nearest predicted time (within half the truth's "
+             "spacing, at most 0.5 s); Acc@0.5 and mIoU over truth times; track = summed IoU over truth times plus "
+             "extra boxes",
+             f"{'subset':<{width}} {'samples':>7} {'frames':>6} {'Acc@0.5':>8} {'mIoU':>6} {'track':>6} "
+             f"{'parse fail':>10}"]
+    lines += [f"{name:<{width}} {row['samples']:>7} {row['frames']:>6} {_fmt(row[f'acc@{IOU_THRESHOLD}'], '8.3f')} "
+              f"{_fmt(row['mean_iou'], '6.3f')} {_fmt(row['mean_track_score'], '6.3f')} "
+              f"{_fmt(row['parse_failure_rate'], '10.3f')}" for name, row in rows]
     return "\n".join(lines)
 
 

@@ -1,0 +1,137 @@
+"""``check``'s video side: each clip probed from its packets (decoded only with ``--decode``), its header's claimed
+length compared with its packets (a note, not a problem: the plugin samples by packet times), its video tokens
+under the run's video policy, and a single-video record's labels inside the clip (times) and the video frame (boxes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, check_box, check_point
+from llamafactory_qwenvl_patch.frame.stamp import Stamp
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.image_io.images import ImageError
+from llamafactory_qwenvl_patch.image_io.video import Clip, probe, read_clip
+from qwenvl_prep.formats.converted import Sample
+from qwenvl_prep.formats.video_labels import LabelError, clip_problems, frame_interval, video_labels
+
+MAX_CACHED = 4096
+
+
+def header_length(path: str) -> tuple[int, float | None]:
+    """(frames, seconds) a video file's header claims (PyAV's ``stream.frames`` and the stream's, else the
+    container's, duration): 0 and None where it says nothing, as webm and mkv headers do."""
+    import av
+
+    with av.open(path, "r") as container:
+        stream = next(s for s in container.streams if s.type == "video")
+        frames = int(stream.frames or 0)
+        if stream.duration and stream.time_base:
+            return frames, float(stream.duration * stream.time_base)
+        return frames, container.duration / av.time_base if container.duration else None
+
+
+def _name(video: Any) -> str:
+    return video if isinstance(video, str) else f"{video[0] if video else '?'} (frame list of {len(video)})"
+
+
+@dataclass
+class VideoChecker:
+    """One dataset's clips under the run's video policy (``run``) and the frame its labels are in (``data``)."""
+
+    run: Stamp
+    data: Stamp
+    full_decode: bool = False
+    videos: int = 0
+    notes: list[dict] = field(default_factory=list)
+    _clips: dict[Any, Clip | str] = field(default_factory=dict)
+
+    @property
+    def policy(self) -> VideoPolicy:
+        if self.run.video is None:
+            raise PolicyError("the run has no video policy")
+        return self.run.video
+
+    @property
+    def list_fps(self) -> float:
+        """The rate the dataset's frame lists were labelled at (its stamp's), else the run's."""
+        fps = self.data.frame_list_fps or self.run.frame_list_fps
+        return float(fps if fps is not None else self.policy.fps)
+
+    def clip(self, video: Any, sample: int) -> Clip | str:
+        """The probed clip, or why it cannot be used (cached per clip: many records ask about one clip)."""
+        key = tuple(video) if isinstance(video, list) else video
+        if key in self._clips:
+            return self._clips[key]
+        try:
+            found: Clip | str = probe(video, self.list_fps)
+            found.plan(self.policy)
+            if self.full_decode:
+                read_clip(video, self.policy, self.list_fps)
+        except (ImageError, PolicyError) as exc:
+            found = str(exc)
+        else:
+            if isinstance(video, str):
+                self._header_note(video, found, sample)
+        if len(self._clips) > MAX_CACHED:
+            self._clips.clear()
+        self._clips[key] = found
+        return found
+
+    def _header_note(self, path: str, clip: Clip, sample: int) -> None:
+        try:
+            frames, seconds = header_length(path)
+        except Exception as exc:  # noqa: BLE001 - PyAV's many errors: the packets were read, so only a note
+            self.notes.append({"sample": sample, "video": path, "note": f"its header cannot be read ({exc})"})
+            return
+        interval = frame_interval(clip.times, clip.duration)
+        said = []
+        if frames and frames != len(clip.times):
+            said.append(f"{frames} frames")
+        if seconds is not None and abs(seconds - clip.duration) > interval + 0.05:
+            said.append(f"{seconds:g} s")
+        if said:
+            self.notes.append({"sample": sample, "video": path, "note": (
+                f"its header says {' and '.join(said)}, its packets {len(clip.times)} frames over "
+                f"{clip.duration:g} s; the plugin samples by packet times, stock LLaMA-Factory by the header")})
+        elif not frames:
+            self.notes.append({"sample": sample, "video": path, "note": (
+                "its header gives no frame count (webm, mkv): stock LLaMA-Factory would read its first video_maxlen "
+                "frames as the whole clip; the plugin samples by packet times")})
+
+    def scan(self, sample: Sample) -> tuple[int, list[tuple[str, str]]]:
+        """(video tokens, [(video, problem)]) of one record."""
+        tokens, problems = 0, []
+        clips = []
+        for video in sample.videos:
+            self.videos += 1
+            clip = self.clip(video, sample.index)
+            if isinstance(clip, str):
+                problems.append((_name(video), clip))
+                continue
+            clips.append(clip)
+            plan = clip.plan(self.policy)
+            tokens += plan.tokens(self.policy.frame_tokens(clip.height, clip.width)) + 2
+        if len(sample.videos) == 1 and len(clips) == 1:
+            problems += [(clips[0].name, f"video {clips[0].name}: {p}") for p in self._label_problems(sample, clips[0])]
+        return tokens, problems
+
+    def _label_problems(self, sample: Sample, clip: Clip) -> list[str]:
+        out = []
+        for text in sample.turns:
+            try:
+                out += clip_problems(video_labels(text), clip.duration, frame_interval(clip.times, clip.duration))
+            except LabelError as exc:
+                out.append(str(exc))
+        if sample.images:
+            return out  # boxes then belong to an image or the video: the image side checks none either
+        video = self.data.video or self.policy
+        hw = (clip.height, clip.width)
+        frame = video.frame_size(*hw)
+        for item in sample.turn_items:
+            try:
+                (check_box if item.kind == "bbox_2d" else check_point)(item.coords, self.data.coords, hw, frame)
+            except PolicyError as exc:
+                out.append(f"{exc} (the video frame {frame[1]}x{frame[0]} of a {hw[1]}x{hw[0]} clip)")
+        return out
