@@ -234,14 +234,32 @@ def test_coco_map_is_order_free_and_counts_every_box():
 def test_monitors_in_a_non_square_model_frame():
     from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, add_monitors
 
+    from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
+
     meta = [SampleMeta(0, "p", '[{"bbox_2d": [10, 10, 40, 30]}]', (1080, 1920), (336, 588))]
-    tally = MonitorTally()
-    add_monitors(tally, ['[{"bbox_2d": [0, 0, 588, 336]}]', '[{"bbox_2d": [0, 0, 336, 336]}]'], meta, 2, "model")
+    tally, spans = MonitorTally(), SpanMonitorTally()
+    add_monitors(tally, spans, ['[{"bbox_2d": [0, 0, 588, 336]}]', '[{"bbox_2d": [0, 0, 336, 336]}]'], meta, 2,
+                 "model")
     assert tally.to_dict()["whole_image_rate"] == 0.5  # 588 x 336 covers the frame; 336 x 336 does not
     other = MonitorTally()
-    add_monitors(other, ["[]", "[]"], meta, 2, "model")
+    add_monitors(other, spans, ["[]", "[]"], meta, 2, "model")
     tally.merge(other)
-    assert tally.to_dict()["empty_answer_rate"] == 0.5 and tally.answers == 4
+    assert tally.to_dict()["empty_answer_rate"] == 0.5 and tally.answers == 4 and spans.answers == 0
+
+
+def test_video_prompts_feed_the_span_monitors_and_not_the_box_ones():
+    """A span reference counts its completions' span hacks (the whole clip here); a box track is no many-box
+    answer, so neither tally counts it."""
+    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, add_monitors
+    from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
+
+    meta = [SampleMeta(0, "p", '{"span": [2.0, 4.0]}', (90, 160), (84, 168), meta={"duration": 10.0}),
+            SampleMeta(1, "p", '[{"time": 1.0, "bbox_2d": [1, 2, 30, 40]}]', (90, 160), (84, 168))]
+    tally, spans = MonitorTally(), SpanMonitorTally()
+    texts = ['{"span": [0.0, 10.0]}', '{"span": [2.0, 4.5]}', '[{"bbox_2d": [0, 0, 168, 84]}]', "[]"]
+    add_monitors(tally, spans, texts, meta, 2, "model")
+    assert spans.answers == 2 and spans.to_dict()["span_whole_clip_rate"] == 0.5
+    assert tally.answers == 0
 
 
 def _reference_matches(truth, predicted, threshold):

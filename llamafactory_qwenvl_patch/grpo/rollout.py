@@ -12,6 +12,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, frame_extent
 from llamafactory_qwenvl_patch.grpo.loss import zero_std_groups
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally, detections
+from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally, meta_duration, reference_kind, try_parse_spans
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
 
@@ -159,11 +160,16 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
     return stats
 
 
-def add_monitors(tally: MonitorTally, texts: list[str], meta: list[SampleMeta], generations: int,
-                 coords: str) -> None:
-    """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame."""
+def add_monitors(tally: MonitorTally, spans: SpanMonitorTally, texts: list[str], meta: list[SampleMeta],
+                 generations: int, coords: str) -> None:
+    """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame (a
+    box track is not a many-box answer: it is left out), and the span monitors of those with reference spans."""
     for i, text in enumerate(texts):
         sample = meta[i // generations]
-        truth = detections(sample.reference)
+        kind = reference_kind(sample.reference)
+        if kind == "span":
+            spans.add(try_parse_spans(sample.reference) or [], try_parse_spans(text), meta_duration(sample.meta))
+            continue
+        truth = detections(sample.reference) if kind is None else None
         if truth and sample.orig_hw is not None and sample.model_hw is not None:
             tally.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))

@@ -34,6 +34,7 @@ from llamafactory_qwenvl_patch.grpo.trainer_metrics import MetricsMixin
 from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
 from llamafactory_qwenvl_patch.grpo.trainer_step import StepMixin
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
+from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
 
 class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
@@ -78,6 +79,7 @@ class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Traine
         self.grid_frame = resize_policy or (ResizePolicy.from_processor(image_processor) if image_processor else None)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._monitors = MonitorTally()  # detection-hack counts since the last log
+        self._span_monitors = SpanMonitorTally()  # and the span hacks'
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
         self._reported_rewards: set[str] = set()

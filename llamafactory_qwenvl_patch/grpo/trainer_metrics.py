@@ -14,6 +14,7 @@ from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
 from llamafactory_qwenvl_patch.grpo.rewards import confident_answer
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
+from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
 COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
 COMPLETIONS = "completions.jsonl"
@@ -93,16 +94,19 @@ class MetricsMixin:
         return out
 
     def _monitor_metrics(self) -> dict[str, float]:
-        """The detection monitors since the last log, from every rank's counts merged (exact rates)."""
-        tally, self._monitors = self._monitors, MonitorTally()
+        """The detection and span monitors since the last log, from every rank's counts merged (exact rates)."""
+        tallies = [self._monitors, self._span_monitors]
+        self._monitors, self._span_monitors = MonitorTally(), SpanMonitorTally()
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
-            merged = MonitorTally()
-            for part in gather_object([tally]):
-                merged.merge(part)
-            tally = merged
-        return {f"monitor/{key}": round(value, 6) for key, value in tally.to_dict().items() if value is not None}
+            merged = [MonitorTally(), SpanMonitorTally()]
+            for parts in gather_object([tallies]):
+                for total, part in zip(merged, parts):
+                    total.merge(part)
+            tallies = merged
+        return {f"monitor/{key}": round(value, 6) for tally in tallies for key, value in tally.to_dict().items()
+                if value is not None}
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""

@@ -306,7 +306,7 @@ class RolloutMixin:
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
         stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
-        add_monitors(self._monitors, real_texts, real_meta, G, self.coords)
+        add_monitors(self._monitors, self._span_monitors, real_texts, real_meta, G, self.coords)
         for key, value in stats.items():
             self._metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)

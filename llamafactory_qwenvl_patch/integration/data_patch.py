@@ -16,7 +16,8 @@ class StampMismatchError(ValueError):
     """A dataset converted for another resize policy or coordinate convention than this run's."""
 
 
-def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy, video: Any = None) -> None:
+def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy, video: Any = None,
+                         frame_list_fps: float | None = None) -> None:
     """Refuse datasets whose ``qwenvl_policy`` stamp differs from the run (its video policy too, for a dataset
     converted with videos); warn about unstamped ones."""
     from llamafactory.extras import logging as lf_logging
@@ -27,7 +28,7 @@ def check_dataset_stamps(model_args: Any, data_args: Any, policy: ResizePolicy, 
     names = [*(data_args.dataset or []), *(data_args.eval_dataset or [])]
     info = read_dataset_info(data_args.dataset_dir) if names else {}
     family = resolve_family(model_args.model_name_or_path, data_args.template).name
-    run = run_stamp(policy, family, video)
+    run = run_stamp(policy, family, video, frame_list_fps)
     logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
     for name in names:
         entry = info.get(name)
@@ -57,7 +58,8 @@ def patch_data_loader(data_loader: ModuleType) -> None:
             plugin = getattr(template, "mm_plugin", None)
             policy = getattr(plugin, "policy", None)
             if getattr(model_args, "qwenvl_patch", False) and isinstance(policy, ResizePolicy):
-                check_dataset_stamps(model_args, data_args, policy, getattr(plugin, "video_policy", None))
+                check_dataset_stamps(model_args, data_args, policy, getattr(plugin, "video_policy", None),
+                                     getattr(plugin, "qwenvl_frame_list_fps", None))
             return get_dataset(template, model_args, data_args, *args, **kwargs)
 
         return wrapper
