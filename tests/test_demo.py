@@ -252,3 +252,25 @@ def test_gui_demo_smoke_run_with_two_controls(tmp_path):
     saturated = {label for label, colour in LABELS.items()
                  if (abs(image.astype(int) - colour).max(axis=2) < 30).sum() > 500}
     assert len(saturated) == 2
+
+
+@pytest.mark.slow
+def test_video_demo_smoke_run(tmp_path):
+    """The video demo's smoke path (under 50 steps): clips written and converted as a video-span file into the run's
+    video frame and clock, SFT and GRPO on video prompts through llamafactory-cli, an export that carries the video
+    policy, predict on held-out clips and span metrics for the untrained, baseline and trained models."""
+    out = tmp_path / "video"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "video", "--steps", "6"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert summary["task"] == "video" and summary["sft_steps"] == 6 and summary["family"] == "qwen3_vl"
+    assert set(summary["held_out"]) == {"baseline", "untrained", "trained"}
+    assert all(0 <= m["mean_tiou"] <= 1 for m in summary["held_out"].values())
+    assert summary["held_out"]["baseline"]["mean_tiou"] > 0
+    record = json.loads((out / "exported" / "qwenvl_policy.json").read_text())
+    assert record["video"] == summary["video_policy"]
+    stamp = json.loads((out / "data" / "dataset_info.json").read_text())["demo_eval"]["qwenvl_policy"]
+    assert {k: stamp["video"][k] for k in record["video"]} == record["video"]
+    rows = [json.loads(line) for line in (out / "predictions-trained.jsonl").read_text().splitlines()]
+    assert len(rows) == summary["held_out_clips"] and all(row["video"].endswith(".mp4") for row in rows)
+    assert "R@1 tIoU 0.5" in result.stderr

@@ -261,3 +261,31 @@ def test_video_requests_are_served_in_the_training_video_frame(servers, folders)
     assert tokens(servers["pinned"], str(clip)) == tokens(servers["pinned"], as_data_url) == text_only + expected
     assert tokens(servers["plain"], str(clip)) != text_only + expected
     assert "and its video policy" in servers["pinned"].logfile.read_text()
+
+
+@pytest.mark.slow
+def test_a_pinned_server_keeps_the_system_prompt_and_names_a_bad_video(servers, folders):
+    """Issue 41, item 1: the plugin's request check ran LF's ``_process_request`` on the request itself, which pops
+    the system message: a pinned server answered every request without its system prompt (prompt_tokens equal with
+    and without a 1,280-character one). And a video the policy cannot read is a 400 naming it, the server up."""
+    import openai
+
+    _, _, _, media = folders
+    system = "You are a careful assistant who answers in JSON. " * 26
+
+    def tokens(server, with_system: bool) -> int:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(640, 480)}},
+                                                 {"type": "text", "text": PROMPT}]}]
+        if with_system:
+            messages.insert(0, {"role": "system", "content": system})
+        return server.client.chat.completions.create(model="test", messages=messages, temperature=0,
+                                                     max_tokens=2).usage.prompt_tokens
+
+    pinned, plain = servers["pinned"], servers["plain"]
+    added = tokens(pinned, True) - tokens(pinned, False)
+    assert added > 200 and added == tokens(plain, True) - tokens(plain, False)
+    (media / "broken.mp4").write_bytes(b"not a video at all")
+    with pytest.raises(openai.BadRequestError, match="video 1 of the request.*broken.mp4"):
+        pinned.client.chat.completions.create(model="test", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": str(media / "broken.mp4")}}, {"type": "text", "text": "?"}]}])
+    assert tokens(pinned, False) > 0  # still serving

@@ -203,6 +203,12 @@ def test_the_docs_yaml_loads_and_rewards_of_another_kind_score_zero():
     assert rewards("format", [image_ref], [TRACK_REF])["format"] == [0.0]
     # an empty track (the target is not in the video): only [] answers it, as under iou
     assert rewards("track,format", ["[]", TRACK_REF, "nothing"], ["[]"] * 3)["track"] == [1.0, 0.0, 0.0]
+    # ... on a video prompt only: an image's "not present" abstention is iou's to pay, not paid twice
+    from llamafactory_qwenvl_patch.grpo.video_rewards import track_reward
+
+    assert track_reward(["[]", "[]"], references=["[]", "[]"], prompts=["<|vision_start|><|image_pad|>Find it",
+                                                                         "<|video_pad|><|video_pad|>Track it"]) == [0.0,
+                                                                                                                   1.0]
     beside = f'{TRACK_REF}\nAlso here: {{"bbox_2d": [1, 1, 5, 5]}}'  # an untimed box in a JSON value of its own
     assert rewards("format,track", [beside], [TRACK_REF]) == {"format": [0.0], "track": [1.0]}
 
@@ -277,3 +283,20 @@ def test_eval_needs_the_video_frame_of_a_track(tmp_path, capsys):
     stamp = run_stamp(ResizePolicy(16 * 28 * 28, 64 * 28 * 28), "qwen2_5_vl")
     assert main(write_video_dataset(tmp_path, [record], stamp, [{"predict": reference}])) != 0
     assert "no video policy" in capsys.readouterr().err
+
+
+def test_grpo_eval_scores_video_records_as_video():
+    """GRPO's evaluation sends span and track records to the video metrics (a track is not an image's boxes, a span
+    not a field), as qwenvl-prep eval does."""
+    from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
+    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+
+    prompt = "<|vision_start|><|video_pad|><|video_pad|><|vision_end|>When?"
+    meta = [SampleMeta(0, prompt, SPAN_REF, (90, 160), (84, 168), meta={"duration": 10.0}),
+            SampleMeta(1, prompt, TRACK_REF, (90, 160), (84, 168))]
+    swapped = json.dumps([dict(box, time=float(1 - i)) for i, box in
+                          enumerate(json.loads(TRACK_REF))])
+    metrics = eval_metrics(meta, [SPAN_REF, swapped], [], None, "model", "eval")
+    assert metrics["eval_spans/r1@0.5"] == 1.0 and metrics["eval_spans/mean_tiou"] == 1.0
+    assert metrics["eval_tracks/acc@0.5"] == 0.0 and metrics["eval_tracks/mean_track_score"] < 0.5  # swapped in time
+    assert not any(k.startswith(("eval_fields/", "eval_acc@")) for k in metrics)

@@ -9,16 +9,18 @@ from typing import Any
 
 from llamafactory_qwenvl_patch import __version__
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy, frame_list_times
 
 POLICY_FILE = "qwenvl_policy.json"
 
 
-def write_policy_record(folder: str | Path, policy: ResizePolicy, video: VideoPolicy | None = None) -> None:
-    """The folder's frame (and, for a run with videos' policy, its video frame and clock under ``video``)."""
+def write_policy_record(folder: str | Path, policy: ResizePolicy, video: VideoPolicy | None = None,
+                        frame_list_fps: float | None = None) -> None:
+    """The folder's frame, and its video frame and clock under ``video`` (with the rate frame lists were read at,
+    ``frame_list_fps``, so that predict and serving read them on the training clock)."""
     record = {**policy.to_dict(), "written_by": f"llamafactory-qwenvl-patch {__version__}"}
     if video is not None:
-        record["video"] = video.to_dict()
+        record["video"] = {**video.to_dict(), **({"frame_list_fps": frame_list_fps} if frame_list_fps else {})}
     Path(folder, POLICY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -62,13 +64,24 @@ def read_processor_bounds(folder: str | Path) -> tuple[int, int] | None:
 
 def folder_video_policy(folder: str | Path) -> VideoPolicy | None:
     """The video policy a model folder was trained with, None when its record has none (an older export)."""
+    found = folder_video(folder)
+    return None if found is None else found[0]
+
+
+def folder_video(folder: str | Path) -> tuple[VideoPolicy, float] | None:
+    """(video policy, frame-list rate) a model folder was trained with (the rate defaults to the policy's fps, as
+    training's does); None when its record has no video policy. A malformed one is a ValueError naming the file."""
     record = read_policy_record(folder)
     if record is None or record.get("video") is None:
         return None
     try:
-        return VideoPolicy(**record["video"])
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{Path(str(folder), POLICY_FILE)}: its video policy is not valid ({exc}); re-export the "
+        keys = dict(record["video"])
+        frame_list_fps = float(keys.pop("frame_list_fps", None) or keys["fps"])
+        policy = VideoPolicy(**keys)
+        frame_list_times(1, frame_list_fps)  # the same bounds as a frame list's rate anywhere
+        return policy, frame_list_fps
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{Path(str(folder), POLICY_FILE)}: its video policy is not valid ({exc!r}); re-export the "
                          "model") from None
 
 

@@ -40,6 +40,8 @@ from typing import Sequence
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
 TEMPORAL_PATCH = 2
+METADATA_FPS = 1.0  # the ``fps`` handed with ``VideoPlan.frames_indices`` (which are then seconds)
+MIN_FPS, MAX_FPS = 1e-3, 1000.0  # sampling and frame-list rates outside are typos (1e-320 overflowed the clock)
 CLOCKS = ("seconds", "stamps", "index")
 # A clip's sampled times are compared with presentation times that containers round to their time base (1/1000 s in
 # webm): a frame due at 0.5 s may carry 0.49999. This tolerance keeps such a frame on time.
@@ -66,8 +68,8 @@ class VideoPolicy:
 
     def __post_init__(self) -> None:
         ResizePolicy(self.min_pixels, self.max_pixels, self.factor)  # the same bounds checks as for images
-        if not (isinstance(self.fps, (int, float)) and math.isfinite(self.fps) and self.fps > 0):
-            raise PolicyError(f"video_fps must be a finite number > 0, got {self.fps!r}")
+        if not (isinstance(self.fps, (int, float)) and MIN_FPS <= self.fps <= MAX_FPS):
+            raise PolicyError(f"video_fps must be a number from {MIN_FPS:g} to {MAX_FPS:g}, got {self.fps!r}")
         if not isinstance(self.max_frames, int) or not TEMPORAL_PATCH <= self.max_frames <= MAX_FRAMES_LIMIT:
             raise PolicyError(f"video_maxlen must be an integer from {TEMPORAL_PATCH} to {MAX_FRAMES_LIMIT}, got "
                               f"{self.max_frames!r}")
@@ -190,9 +192,10 @@ class VideoPlan:
 
     @property
     def frames_indices(self) -> list[float]:
-        """``video_metadata.frames_indices`` for transformers' Qwen3-VL processor with ``fps = rate``: its stamps
-        are then ``stamps`` exactly (it divides by fps and averages each pair)."""
-        return [t / self.interval for t in self.times]
+        """``video_metadata.frames_indices`` for transformers' Qwen3-VL processor, given with ``fps`` =
+        ``METADATA_FPS``: the sampled times themselves, so its stamps (each index over fps, each pair's mean) are
+        ``stamps`` bit for bit (indices scaled by the rate round differently: 16.6 s printed 16.7)."""
+        return list(self.times)
 
     def tokens(self, frame_tokens: int) -> int:
         """``<|video_pad|>`` tokens of the whole clip."""
@@ -210,8 +213,8 @@ def clip_duration(frame_times: Sequence[float]) -> float:
 
 def frame_list_times(count: int, fps: float) -> list[float]:
     """Presentation times of a pre-extracted frame list taken at ``fps`` frames per second."""
-    if not (math.isfinite(fps) and fps > 0):
-        raise VideoError(f"a frame list's rate must be a finite number > 0, got {fps!r}")
+    if not (isinstance(fps, (int, float)) and MIN_FPS <= fps <= MAX_FPS):
+        raise VideoError(f"a frame list's rate must be a number from {MIN_FPS:g} to {MAX_FPS:g}, got {fps!r}")
     return [k / fps for k in range(count)]
 
 

@@ -1,7 +1,7 @@
 """GRPO evaluation metrics from greedy answers: each reward's mean and, for grounding data, Acc@0.5, mean IoU, parse
 failures, click accuracy, detection precision / recall / F1 / mAP, the hack monitors in original-image pixels and
 the answers to "not present" records (the metrics of ``qwenvl-prep eval``); field-extraction metrics for JSON
-answers. Pure: the trainer collects the answers, this scores them."""
+answers; for video records R@1 at tIoU and mean tIoU of spans and the per-frame scores of box tracks. Pure: the trainer collects the answers, this scores them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
 from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_grounding
 from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, FieldTally
+from llamafactory_qwenvl_patch.scoring.video_eval import VideoEval
+
+VIDEO_PAD = "<|video_pad|>"  # a video prompt's text as the rewards read it (image pads are collapsed, video ones not)
 
 
 def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequence[Reward],
@@ -31,8 +34,12 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
         metrics[f"{prefix}_rewards/{reward.name}/mean"] = sum(values) / max(len(values), 1)
         total += reward.weight * torch.tensor(values)
     metrics[f"{prefix}_reward"] = float(total.mean()) if len(texts) else 0.0
-    grounding, fields = GroundingEval(), FieldTally()
+    grounding, fields, video = GroundingEval(), FieldTally(), VideoEval()
     for sample, text in zip(meta, texts):
+        # spans and box tracks first: a track's boxes are not an image's, nor a span a field (as qwenvl-prep eval);
+        # boxes compared in the model's frame, where IoU equals the clip's pixels' up to clamping
+        if video.add(sample.reference, text, sample.meta, has_video=VIDEO_PAD in sample.prompt):
+            continue
         items = try_parse_items(sample.reference) or []
         grounded = is_grounding(items, sample.reference, sample.meta)
         truth = reference_value(sample.reference) if not grounded else None
@@ -44,6 +51,9 @@ def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequ
                           model_hw=sample.model_hw, ndigits=None)
         grounding.add(items, text, sample.meta, to_orig, (sample.orig_hw[1], sample.orig_hw[0]))
     metrics.update(_grounding_metrics(grounding.to_dict(), prefix))
+    for section, values in video.to_dict().items():
+        metrics.update({f"{prefix}_{section}/{key}": value for key, value in values.items()
+                        if isinstance(value, (int, float)) and key != "samples"})
     if fields.samples:
         summary = fields.to_dict()
         for key in ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"):

@@ -17,6 +17,8 @@ from llamafactory_qwenvl_patch.scoring.temporal import (
     try_parse_spans, try_parse_track,
 )
 
+VIDEO_PAD = "<|video_pad|>"  # in a video prompt's text as the rewards get it
+
 
 def tiou_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
     """Temporal IoU in [0, 1] against a span reference: spans matched one-to-one, summed tIoU over
@@ -29,16 +31,19 @@ def tiou_reward(completions: Sequence[str], *, references: Sequence[str], **_: A
     return out
 
 
-def track_reward(completions: Sequence[str], *, references: Sequence[str], **_: Any) -> list[float]:
+def track_reward(completions: Sequence[str], *, references: Sequence[str], prompts: Sequence[str] | None = None,
+                 **_: Any) -> list[float]:
     """The spatio-temporal track score in [0, 1] against a track reference (``temporal.score_track``): each truth
     time takes the box at the nearest predicted time within half the truth's spacing (at most 0.5 s); summed IoU
     over the truth times plus the extra predicted boxes (repeated times, times outside the truth's range). Against
     an empty track ``[]`` (the target is not in the video), 1 for an answer ``[]`` and 0 for anything else, as
-    ``iou``."""
+    ``iou``; only on video prompts (``prompts`` holding ``<|video_pad|>``), so that an image's abstention is not
+    paid twice beside ``iou``."""
+    prompts = prompts or [VIDEO_PAD] * len(completions)
     out = []
-    for completion, reference in zip(completions, references):
-        if not_present(reference):
-            out.append(1.0 if not_present(completion) else 0.0)
+    for completion, reference, prompt in zip(completions, references, prompts):
+        if not_present(reference):  # an empty track is a video's; an image's "not present" is iou's to pay
+            out.append(1.0 if VIDEO_PAD in prompt and not_present(completion) else 0.0)
         elif reference_kind(reference) != "track":
             out.append(0.0)
         else:

@@ -35,6 +35,7 @@ class Clip:
     times: tuple[float, ...]  # each frame's presentation time in seconds from the first, sorted
     duration: float
     frames: tuple[Any, ...] = ()  # a frame list's images (empty for a video file)
+    pts: tuple[int, ...] = ()  # a video file's presentation timestamps, sorted (what decoded frames are matched by)
 
     def plan(self, policy: VideoPolicy) -> VideoPlan:
         try:
@@ -49,9 +50,25 @@ def is_frame_list(video: Any) -> bool:
     return isinstance(video, (list, tuple))
 
 
+MAX_STREAM_BYTES = 2**31  # a video sent as a stream that cannot rewind is read into memory up to this size
+
+
+def rewindable(video: Any) -> Any:
+    """A video that can be read more than once (probed, then decoded): a stream that cannot seek (an HTTP response,
+    as LF's API gives a video URL) is read into memory first, refused by name past ``MAX_STREAM_BYTES``."""
+    if not hasattr(video, "read") or (hasattr(video, "seekable") and video.seekable()):
+        return video
+    from io import BytesIO
+
+    data = video.read(MAX_STREAM_BYTES + 1)
+    if len(data) > MAX_STREAM_BYTES:
+        raise VideoFileError(f"video {describe(video)}: a stream over {MAX_STREAM_BYTES} bytes; save it to a file")
+    return BytesIO(data)
+
+
 def probe(video: Any, frame_list_fps: float) -> Clip:
     """A clip's size and frame times: from the packets of a video file (no decoding), or from a frame list's image
-    headers at ``frame_list_fps``."""
+    headers at ``frame_list_fps``. A stream that cannot rewind must go through ``rewindable`` first."""
     if is_frame_list(video):
         return _probe_frame_list(video, frame_list_fps)
     return _probe_file(video)
@@ -67,9 +84,9 @@ def _open_container(video: Any, name: str) -> Any:
             raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
         if os.path.getsize(video) == 0:
             raise VideoFileError(f"video {name}: is empty (0 bytes)")
-    if hasattr(video, "seek"):  # a stream (LF's API decodes a base64 video into one): probed, then decoded
-        video.seek(0)
     try:
+        if hasattr(video, "seek"):  # a stream (LF's API decodes a base64 video into one): probed, then decoded
+            video.seek(0)
         return av.open(video if not isinstance(video, os.PathLike) else os.fspath(video), "r")
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise VideoFileError(f"video {name}: cannot open ({exc})") from None
@@ -92,7 +109,7 @@ def _probe_file(video: Any) -> Clip:
         pts = []
         try:
             for packet in container.demux(stream):
-                if packet.pts is not None and packet.size:
+                if packet.pts is not None and packet.size and not packet.is_discard:  # edit-list cuts: not shown
                     pts.append(packet.pts)
         except (av.FFmpegError, OSError) as exc:
             raise VideoFileError(f"video {name}: cannot read its packets ({exc}); the file is truncated or "
@@ -108,7 +125,7 @@ def _probe_file(video: Any) -> Clip:
     check_pixels(width, height, f"video {name}")
     pts.sort()
     times = tuple((p - pts[0]) * base for p in pts)
-    return Clip(name, height, width, times, clip_duration(times))
+    return Clip(name, height, width, times, clip_duration(times), pts=tuple(pts))
 
 
 def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
@@ -140,6 +157,7 @@ def read_clip(video: Any, policy: VideoPolicy, frame_list_fps: float,
     ``transform``, each sampled frame (a decoded PIL image, or a frame list's item as given) is ``transform(frame)``
     instead, applied as it is decoded so that only what it returns is kept (``qwenvl-prep draw`` keeps original-size
     frames one at a time)."""
+    video = rewindable(video)
     clip = probe(video, frame_list_fps)
     plan = clip.plan(policy)
     frame_policy = policy.frame_policy
@@ -167,7 +185,11 @@ def _decode(video: Any, clip: Clip, wanted: set[int], each: Callable[[int, Image
     last = max(wanted)
     try:
         stream = _video_stream(container, clip.name)
-        for index, frame in enumerate(container.decode(stream)):
+        index_of = {pts: index for index, pts in enumerate(clip.pts)}
+        for order, frame in enumerate(container.decode(stream)):
+            # by presentation time, as probed (a decoder that drops or adds frames cannot shift the clock); a frame
+            # without one by its place in presentation order
+            index = index_of.get(frame.pts, order) if frame.pts is not None else order
             if index in wanted:
                 found[index] = each(index, frame.to_image())
             if index >= last:

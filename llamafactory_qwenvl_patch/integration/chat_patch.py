@@ -16,6 +16,13 @@ def _frame_of(chat_model: Any) -> Any:
     return getattr(getattr(getattr(chat_model, "engine", None), "tokenizer", None), "qwenvl_serving", None)
 
 
+def _video_frame_of(chat_model: Any) -> Any:
+    """(video policy, frame-list rate) of a pinned chat model's template plugin, None when it has none."""
+    plugin = getattr(getattr(getattr(chat_model, "engine", None), "template", None), "mm_plugin", None)
+    policy = getattr(plugin, "video_policy", None)
+    return None if policy is None else (policy, plugin.qwenvl_frame_list_fps)
+
+
 def patch_chat_model(chat_module: ModuleType) -> None:
     """ChatModel (chat, webchat, API, Python users): images checked against the policy up front, and with
     ``qwenvl_answer_coords: original`` answers mapped into the pixels of the request's image (a streamed answer is
@@ -91,7 +98,7 @@ def patch_api_chat(api_chat: ModuleType) -> None:
         from PIL import UnidentifiedImageError
 
         from llamafactory_qwenvl_patch.image_io.images import ImageError
-        from llamafactory_qwenvl_patch.integration.serving import check_images
+        from llamafactory_qwenvl_patch.integration.serving import check_images, check_videos
 
         unread = _unread_data_urls(request)
         if unread:
@@ -100,8 +107,11 @@ def patch_api_chat(api_chat: ModuleType) -> None:
                                        f"of {', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web "
                                        "address); send it as PNG or JPEG")
         try:
-            images = api_chat._process_request(request)[3]
+            # LF's _process_request pops the system message off the request it is given: a copy keeps the request
+            # LF's own handler then reads whole (issue 41, item 1: a pinned server dropped every system prompt)
+            _, _, _, images, videos, _ = api_chat._process_request(request.model_copy(deep=True))
             check_images(frame, images)
+            check_videos(_video_frame_of(chat_model), videos)
         except ImageError as exc:
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
         except (UnidentifiedImageError, ValueError, OSError, DecompressionBombError) as exc:

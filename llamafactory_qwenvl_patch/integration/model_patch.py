@@ -23,7 +23,8 @@ def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs
     """Processor save that also writes ``preprocessor_config.json`` and the policy record beside it."""
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     self.image_processor.save_pretrained(save_directory)
-    write_policy_record(save_directory, self.qwenvl_policy, getattr(self, "qwenvl_video_policy", None))
+    write_policy_record(save_directory, self.qwenvl_policy, getattr(self, "qwenvl_video_policy", None),
+                        getattr(self, "qwenvl_frame_list_fps", None))
     exported = _EXPORTED.get()
     if exported is not None:
         exported.append(str(save_directory))
@@ -53,6 +54,17 @@ def video_policy_of(model_args: Any, policy: ResizePolicy) -> VideoPolicy:
     family = resolve_family(model_args.model_name_or_path, getattr(model_args, "template", None), policy.factor)
     keys = {key: getattr(model_args, key, None) for key in LF_VIDEO_DEFAULTS}
     return VideoPolicy.from_lf_keys(keys, policy.factor, family.video_clock)
+
+
+def frame_list_fps_of(model_args: Any, video: VideoPolicy) -> float:
+    """``qwenvl_frame_list_fps`` (default ``video_fps``, what LF assumes), refused when it is no rate at all."""
+    value = getattr(model_args, "qwenvl_frame_list_fps", None)
+    if value is None:
+        return video.fps
+    from llamafactory_qwenvl_patch.frame.video import frame_list_times
+
+    frame_list_times(1, value)  # a VideoError (a ValueError) naming the bounds for 0, negatives, nan, huge numbers
+    return float(value)
 
 
 def _log_active(policy: ResizePolicy) -> None:
@@ -152,8 +164,10 @@ def patch_model_loader(loader: ModuleType) -> None:
                 _note_new_frame(model_args, policy)
                 module["tokenizer"].qwenvl_policy = policy
                 video = video_policy_of(model_args, policy)
-                module["processor"].qwenvl_video_policy = module["tokenizer"].qwenvl_video_policy = video
-                module["tokenizer"].qwenvl_frame_list_fps = float(model_args.qwenvl_frame_list_fps or video.fps)
+                processor, tokenizer = module["processor"], module["tokenizer"]
+                processor.qwenvl_video_policy = tokenizer.qwenvl_video_policy = video
+                processor.qwenvl_frame_list_fps = tokenizer.qwenvl_frame_list_fps = frame_list_fps_of(model_args,
+                                                                                                      video)
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
             else:
                 _warn_unpinned(model_args)

@@ -60,7 +60,7 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
             f"({POLICY_FILE}), but the YAML asks for another: {'; '.join(conflicts)}. Remove those keys (inference "
             "and export then use the training frame), or set `qwenvl_patch: false` for stock LLaMA-Factory (boxes "
             "will drift).")
-    video = _video_keys(record.get("video"))
+    video = _video_keys(folder)
     video_conflicts = [f"{key}: YAML {getattr(model_args, key)}, folder {value}" for key, value in video.items()
                        if key in explicit and float(getattr(model_args, key)) != float(value)]
     if video_conflicts:
@@ -76,12 +76,17 @@ def resolve_frame(model_args: Any, explicit: set[str]) -> str | None:
             f"max_pixels={trained[1]}{', and its video policy' if video else ''}); `qwenvl_patch: false` opts out")
 
 
-def _video_keys(video: dict[str, Any] | None) -> dict[str, Any]:
-    """LF's video keys of a policy record's video policy ({} for a folder trained before videos were pinned)."""
-    if not video:
+def _video_keys(folder: str) -> dict[str, Any]:
+    """LF's video keys (and the frame-list rate) of a folder's recorded video policy ({} for a folder trained
+    before videos were pinned)."""
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video
+
+    found = folder_video(folder)
+    if found is None:
         return {}
-    return {"video_min_pixels": int(video["min_pixels"]), "video_max_pixels": int(video["max_pixels"]),
-            "video_fps": float(video["fps"]), "video_maxlen": int(video["max_frames"])}
+    video, frame_list_fps = found
+    return {"video_min_pixels": video.min_pixels, "video_max_pixels": video.max_pixels, "video_fps": video.fps,
+            "video_maxlen": video.max_frames, "qwenvl_frame_list_fps": frame_list_fps}
 
 
 def check_backend_reads(model_args: Any) -> None:
@@ -136,6 +141,21 @@ def check_images(frame: ServingFrame, images: Sequence[Any] | None) -> None:
             frame.policy.model_size(*image_size(source))
         except PolicyError as exc:
             raise ImageError(f"image {index + 1} of the request: {exc}") from None
+
+
+def check_videos(video: tuple[Any, float] | None, videos: Sequence[Any] | None) -> None:
+    """Every video must open and be sampled by the video policy (``(policy, frame-list rate)``): else a
+    ``VideoFileError`` (an ImageError) naming it. Probing reads packets only; nothing is decoded."""
+    if video is None:
+        return
+    from llamafactory_qwenvl_patch.image_io.video import VideoFileError, probe, rewindable
+
+    policy, frame_list_fps = video
+    for index, source in enumerate(videos or []):
+        try:
+            probe(rewindable(source), frame_list_fps).plan(policy)
+        except (VideoFileError, PolicyError) as exc:
+            raise VideoFileError(f"video {index + 1} of the request: {exc}") from None
 
 
 def to_original(frame: ServingFrame, text: str, images: Sequence[Any] | None) -> str:

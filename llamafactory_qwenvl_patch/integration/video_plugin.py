@@ -19,11 +19,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.video import VideoPlan, VideoPolicy
-from llamafactory_qwenvl_patch.image_io.video import probe, read_clip
+from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPlan, VideoPolicy
+from llamafactory_qwenvl_patch.image_io.video import probe, read_clip, rewindable
 from llamafactory_qwenvl_patch.integration import lf_compat
 
 _mm_plugin = lf_compat.require_module("llamafactory.data.mm_plugin", ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER"])
+
+
+def _rewound(videos: list[Any]) -> list[Any]:
+    """``videos`` with each stream that cannot rewind (a video URL LF's API opened) read into memory, in place: LF
+    hands the same list to token counting and then to the pixels, and each reads every video."""
+    for index, video in enumerate(videos):
+        videos[index] = rewindable(video)
+    return videos
 
 
 @dataclass
@@ -46,7 +54,7 @@ class PinnedVideos:
     def _regularize_videos(self, videos: list[Any], **kwargs: Any) -> dict[str, Any]:
         policy = self.video_policy
         clips, plans = [], []
-        for video in videos:
+        for video in _rewound(videos):
             frames, plan = read_clip(video, policy, self.qwenvl_frame_list_fps)
             clips.append(frames)
             plans.append(plan)
@@ -57,7 +65,7 @@ class PinnedVideos:
         """Each video's plan and frame size from its packets or frame-list headers (nothing decoded)."""
         policy = self.video_policy
         plans, sizes = [], []
-        for video in videos:
+        for video in _rewound(videos):
             clip = probe(video, self.qwenvl_frame_list_fps)
             plans.append(clip.plan(policy))
             sizes.append(policy.frame_size(clip.height, clip.width))
@@ -70,7 +78,7 @@ class PinnedVideos:
         patch = self.video_policy.frame_policy.patch_size
         grid = [[plan.groups, height // patch, width // patch] for plan, (height, width) in zip(plans, sizes)]
         return {"video_grid_thw": torch.tensor(grid, dtype=torch.long).reshape(-1, 3),
-                "video_metadata": [SimpleNamespace(frames_indices=plan.frames_indices, fps=plan.rate,
+                "video_metadata": [SimpleNamespace(frames_indices=plan.frames_indices, fps=METADATA_FPS,
                                                    stamps=plan.stamps) for plan in plans]}
 
     def _get_mm_inputs(self, images: list[Any], videos: list[Any], audios: list[Any], processor: Any
@@ -83,7 +91,7 @@ class PinnedVideos:
         kwargs: dict[str, Any] = {"videos": data["videos"], "do_resize": False, "return_tensors": "pt"}
         if self.qwenvl_video_clock == "stamps":  # the Qwen3 processors read each video's own clock from its metadata
             kwargs.update(video_metadata=[
-                {"fps": plan.rate, "duration": plan.duration, "total_num_frames": len(frames),
+                {"fps": METADATA_FPS, "duration": plan.duration, "total_num_frames": len(frames),
                  "frames_indices": plan.frames_indices} for plan, frames in zip(plans, data["videos"])
             ], do_sample_frames=False, return_metadata=True)
         mm_inputs.update(processor.video_processor(**kwargs))

@@ -20,9 +20,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seed is not None and args.temperature == 0:
         raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
-    registries = []
+    registries, frame_list_fps = [], None
     if args.dataset:
         ref = resolve_dataset(str(args.dataset))
+        frame_list_fps = ref.stamp.frame_list_fps if ref.stamp is not None else None  # the rate it was converted at
         from qwenvl_prep.formats.converted import iter_samples
 
         jobs = [(s.videos[0], s.prompt.replace("<video>", "").strip(), s.answer) if s.videos and not s.images
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(jobs), desc="predict", unit=" img", disable=None) as bar:
         for first in range(0, len(jobs), args.batch_size):
             chunk = jobs[first:first + args.batch_size]
-            for row, (_, _, label) in zip(answer_batch(predictor, chunk), chunk):
+            for row, (_, _, label) in zip(answer_batch(predictor, chunk, frame_list_fps), chunk):
                 if label is not None:
                     row["label"] = label
                 rows.append(row)
@@ -74,10 +75,13 @@ def is_video(source: object) -> bool:
     return isinstance(source, list) or str(source).lower().endswith(VIDEO_SUFFIXES)
 
 
-def answer_batch(predictor: object, chunk: list[tuple[object, str, object]]) -> list[dict]:
-    """Rows for a chunk of jobs in input order: its images in one ``generate``, its clips in another."""
+def answer_batch(predictor: object, chunk: list[tuple[object, str, object]], frame_list_fps: float | None = None
+                 ) -> list[dict]:
+    """Rows for a chunk of jobs in input order: its images in one ``generate``, its clips in another (frame lists
+    at ``frame_list_fps``, default the model folder's recorded rate)."""
     kinds = [is_video(source) for source, _, _ in chunk]
-    videos = iter(predictor.video_batch([(s, p) for (s, p, _), v in zip(chunk, kinds) if v]) if any(kinds) else [])
+    videos = iter(predictor.video_batch([(s, p) for (s, p, _), v in zip(chunk, kinds) if v], frame_list_fps)
+                  if any(kinds) else [])
     images = iter(predictor.batch([(s, p) for (s, p, _), v in zip(chunk, kinds) if not v]) if not all(kinds) else [])
     return [next(videos) if video else next(images) for video in kinds]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
-from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video_policy
-from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video
+from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
@@ -70,9 +70,11 @@ class Predictor:
             raise ValueError(f"{base or model_dir}/config.json is not a Qwen-VL model of a known family "
                              f"({', '.join(FAMILIES)})")
         self.convention = FAMILIES[family].coords
-        # the video frame and clock it was trained with; a folder trained before videos were pinned: LF's defaults
-        self.video_policy = folder_video_policy(model_dir) or (base and folder_video_policy(base)) or \
-            VideoPolicy.from_lf_keys({}, self.policy.factor, FAMILIES[family].video_clock)
+        # the video frame and clock (and frame-list rate) it was trained with; a folder trained before videos were
+        # pinned: LF's defaults
+        found = folder_video(model_dir) or (folder_video(base) if base else None)
+        default = VideoPolicy.from_lf_keys({}, self.policy.factor, FAMILIES[family].video_clock)
+        self.video_policy, self.frame_list_fps = found or (default, default.fps)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self._generator_seed = seed
@@ -112,7 +114,7 @@ class Predictor:
         the clip's pixels (times, in seconds, stay as the model wrote them)."""
         from llamafactory_qwenvl_patch.image_io.video import probe, read_clip
 
-        fps = frame_list_fps or self.video_policy.fps
+        fps = frame_list_fps or self.frame_list_fps
         clips, texts, metadata, plans, sizes = [], [], [], [], []
         for video, prompt in jobs:
             frames, plan = read_clip(video, self.video_policy, fps)
@@ -123,7 +125,7 @@ class Predictor:
             plans.append(plan)
             # transformers' processors read the clock from this: Qwen3's stamps (frames_indices / fps, each pair's
             # mean) are the plan's; Qwen2.5-VL's second_per_grid_ts is set from the plan below
-            metadata.append({"fps": plan.rate, "frames_indices": plan.frames_indices,
+            metadata.append({"fps": METADATA_FPS, "frames_indices": plan.frames_indices,
                              "total_num_frames": len(frames), "duration": plan.duration})
             sizes.append(((clip.height, clip.width), (frames[0].height, frames[0].width)))
         inputs = self.processor(text=texts, videos=clips, video_metadata=metadata, do_sample_frames=False,
