@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=finite("--minutes", False),
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
-                      "for grounding, 3.33 (1,300 steps) for gui, 5 for fields: the model learns the task; less is a quicker smoke "
+                      "for grounding, 3.33 (1,300 steps) for gui, 5 for fields, 8.26 (900 steps) for video: the model learns "
+                      "the task; less is a quicker smoke "
                       "run)")
     demo.add_argument("--steps", type=count(1),
                       help="SFT steps, instead of --minutes (both curriculum stages together for fields)")
