@@ -174,4 +174,4 @@ def test_grpo_cli_on_video_prompts(tiny_model_qwen3_5, tmp_path):
     assert len(steps) == 2 and all(entry["rewards/spread/errors"] == 0 for entry in steps)
     record = json.loads((out / "qwenvl_policy.json").read_text())
     assert record["video"] == {"min_pixels": 2048, "max_pixels": 12288, "factor": 32, "fps": 2.0, "max_frames": 16,
-                               "clock": "stamps"}
+                               "clock": "stamps", "frame_list_fps": 2.0}  # frame lists: video_fps, as LF assumes
