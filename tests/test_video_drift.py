@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,12 @@ def processor_with(model_dir: Path, keys: dict, bounds: tuple[int, int] | None):
     for key, value in keys.items():
         setattr(processor, key, value)
     if bounds:
-        processor.video_processor.size = SizeDict(shortest_edge=bounds[0], longest_edge=bounds[1])
-    size = processor.video_processor.size
-    return processor, (size.shortest_edge, size.longest_edge)
+        kind = type(processor.video_processor.size)  # a SizeDict in transformers 5.x, a dict in 4.57
+        processor.video_processor.size = (kind if kind is dict else SizeDict)(shortest_edge=bounds[0],
+                                                                              longest_edge=bounds[1])
+    size = processor.video_processor.size  # a SizeDict in transformers 5.x, a dict in 4.57
+    get = size.get if isinstance(size, dict) else partial(getattr, size)
+    return processor, (get("shortest_edge"), get("longest_edge"))
 
 
 @pytest.mark.parametrize("family,fixture", [("qwen2_5_vl", "tiny_model"), ("qwen3_vl", "tiny_model_qwen3")])
