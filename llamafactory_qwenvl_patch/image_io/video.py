@@ -152,13 +152,14 @@ def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
 
 
 def read_clip(video: Any, policy: VideoPolicy, frame_list_fps: float,
-              transform: Callable[[Any], Any] | None = None) -> tuple[list[Any], VideoPlan]:
+              transform: Callable[[Any], Any] | None = None, clip: Clip | None = None) -> tuple[list[Any], VideoPlan]:
     """The sampled frames of a clip, each the RGB image the encoder sees (the policy's frame), and the plan. With
     ``transform``, each sampled frame (a decoded PIL image, or a frame list's item as given) is ``transform(frame)``
     instead, applied as it is decoded so that only what it returns is kept (``qwenvl-prep draw`` keeps original-size
-    frames one at a time)."""
+    frames one at a time). ``clip``: the video's ``probe`` when the caller has it already (its packets are not read
+    again)."""
     video = rewindable(video)
-    clip = probe(video, frame_list_fps)
+    clip = clip or probe(video, frame_list_fps)
     plan = clip.plan(policy)
     frame_policy = policy.frame_policy
 

@@ -214,30 +214,32 @@ def _entry_item(kind: str, values: Any, entry: dict) -> Item:
     if not isinstance(values, list) or len(values) != arity:
         raise AnswerError(f"{kind} must be a list of {arity} numbers, got {values!r}")
     label = entry.get("label")
-    return Item(kind, tuple(_number(v) for v in values), None if label is None else str(label))
+    return Item(kind, tuple(read_number(v) for v in values), None if label is None else str(label))
 
 
 def _token_item(text: str, site: _Site) -> Item:
     match = _BOX_TOKENS.match(text, site.start)
     try:
-        coords = tuple(_number(float(v)) for v in match.groups())
+        coords = tuple(read_number(float(v)) for v in match.groups())
     except ValueError:
         raise AnswerError(f"box {match.group(0)!r} has a non-number") from None
     ref = _REF.search(text[: site.start])
     return Item("bbox_2d", coords, ref.group(1).strip() if ref else None)
 
 
-def _number(value: Any) -> float:
+def read_number(value: Any, what: str = "coordinate") -> float:
+    """A JSON number as written (``json_text.Number`` or a plain one) as a finite float; AnswerError naming ``what``
+    for a bool, a string, an overflowing or a non-finite value (coordinates here, times in ``temporal``)."""
     if isinstance(value, Number):
         value = value.value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AnswerError(f"coordinate {value!r} is not a number")
+        raise AnswerError(f"{what} {value!r} is not a number")
     try:
         number = float(value)
     except OverflowError:
-        raise AnswerError(f"coordinate {str(value)[:20]}... is too large") from None
+        raise AnswerError(f"{what} {str(value)[:20]}... is too large") from None
     if not math.isfinite(number):
-        raise AnswerError(f"coordinate {value!r} is not finite")
+        raise AnswerError(f"{what} {value!r} is not finite")
     return number
 
 

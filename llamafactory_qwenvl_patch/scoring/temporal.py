@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from llamafactory_qwenvl_patch.frame.video import TIME_EPSILON
 from llamafactory_qwenvl_patch.scoring import json_text
-from llamafactory_qwenvl_patch.scoring.answers import AnswerError, json_values
-from llamafactory_qwenvl_patch.scoring.json_text import JSONTextError, Number
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, json_values, read_number
+from llamafactory_qwenvl_patch.scoring.json_text import JSONTextError
 from llamafactory_qwenvl_patch.scoring.metrics import iou
 
 SPAN_KEY, TIME_KEY, BOX_KEY = "span", "time", "bbox_2d"
@@ -80,20 +80,6 @@ def _has_key(key: str) -> Callable[[Any], bool]:
     return wanted
 
 
-def _seconds(value: Any, what: str) -> float:
-    if isinstance(value, Number):
-        value = value.value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AnswerError(f"{what} {value!r} is not a number")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise AnswerError(f"{what} {str(value)[:20]}... is too large") from None
-    if not math.isfinite(number):
-        raise AnswerError(f"{what} {value!r} is not finite")
-    return number
-
-
 def parse_spans(text: str) -> list[Span]:
     """Every ``span`` of an answer as (start, end) seconds, in text order, as written (an inverted span stays
     inverted); [] when it has none; AnswerError when one is not two numbers or span-like text cannot be read."""
@@ -104,7 +90,7 @@ def parse_spans(text: str) -> list[Span]:
                 pair = obj[SPAN_KEY]
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise AnswerError(f"span must be a list of 2 numbers (start, end seconds), got {pair!r}")
-                spans.append((_seconds(pair[0], "span start"), _seconds(pair[1], "span end")))
+                spans.append((read_number(pair[0], "span start"), read_number(pair[1], "span end")))
     return spans
 
 
@@ -122,7 +108,7 @@ def parse_track(text: str) -> list[TrackBox]:
             if not isinstance(box, list) or len(box) != 4:
                 raise AnswerError(f"a track entry needs bbox_2d as a list of 4 numbers, got {box!r}")
             label = obj.get("label")
-            track.append(TrackBox(_seconds(obj[TIME_KEY], "time"), tuple(_seconds(v, "coordinate") for v in box),
+            track.append(TrackBox(read_number(obj[TIME_KEY], "time"), tuple(read_number(v, "coordinate") for v in box),
                                   None if label is None else str(label)))
     return track
 

@@ -68,7 +68,7 @@ class VideoChecker:
             found: Clip | str = probe(video, self.list_fps)
             found.plan(self.policy)
             if self.full_decode:
-                read_clip(video, self.policy, self.list_fps)
+                read_clip(video, self.policy, self.list_fps, clip=found)
         except (ImageError, PolicyError) as exc:
             found = str(exc)
         else:

@@ -63,7 +63,7 @@ def _tiles(sample: Sample, stamp: Stamp, frame: str) -> tuple[list[np.ndarray], 
         pixels = cv2.cvtColor(np.asarray(image.convert("RGB")), cv2.COLOR_RGB2BGR)
         return cv2.resize(pixels, size, interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_NEAREST)
 
-    tiles, plan = read_clip(video, policy, fps, tile)
+    tiles, plan = read_clip(video, policy, fps, tile, clip=clip)
     keep = [k for k in range(len(plan.times)) if k == 0 or plan.times[k] != plan.times[k - 1]]  # not the padding
 
     def mapped(items: list[Item]) -> list[list[float]]:

@@ -112,13 +112,14 @@ class Predictor:
         """Answer several (clip, prompt) pairs in one ``generate``: each clip sampled, sized and clocked by the
         folder's video policy (``frame.video``), the processor told not to resample or resize; boxes mapped back to
         the clip's pixels (times, in seconds, stay as the model wrote them)."""
-        from llamafactory_qwenvl_patch.image_io.video import probe, read_clip
+        from llamafactory_qwenvl_patch.image_io.video import probe, read_clip, rewindable
 
         fps = frame_list_fps or self.frame_list_fps
         clips, texts, metadata, plans, sizes = [], [], [], [], []
         for video, prompt in jobs:
-            frames, plan = read_clip(video, self.video_policy, fps)
-            clip = probe(video, fps)
+            video = rewindable(video)
+            clip = probe(video, fps)  # the clip's size for mapping boxes back, and the plan's input
+            frames, plan = read_clip(video, self.video_policy, fps, clip=clip)
             messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
             texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
             clips.append(frames)
