@@ -1,11 +1,8 @@
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,36 +26,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # processors and chat templates import.
 OLD_TRANSFORMERS = ["transformers==4.49.0", "pillow==11.3.0", "Jinja2==3.1.6"]
 ROOT = Path(__file__).resolve().parents[1]
-SIDE_ENV = ROOT / ".venv-tf449"  # gitignored; built once, reused by later runs
 TF457_ENV = ROOT / ".venv-tf457"  # the second tested set (constraints-tf457.txt), built by the README's test command
 
 
 @pytest.fixture(scope="session")
 def old_transformers() -> Path:
-    """A side environment with transformers 4.49.0: the flat-layout reader. Built from the package registry the
-    first time (in a temp folder, then renamed, so an interrupted build is not reused) and kept beside the repo's
-    ``.venv`` for every later test run."""
-    python = SIDE_ENV / "bin" / "python"
-    probe = "import PIL, jinja2, transformers; print(transformers.__version__)"
-    with open(SIDE_ENV.parent / ".venv-tf449.lock", "w") as lock:  # test workers share it: one builds, the rest wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        _build_side_env(python, probe)
-    return python
+    """A side environment with transformers 4.49.0: the flat-layout reader, built from the package registry the
+    first time and reused by every later run (``helpers.side_env``)."""
+    def install(venv: Path) -> None:
+        result = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *OLD_TRANSFORMERS],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
 
-
-def _build_side_env(python: Path, probe: str) -> None:
-    version = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
-    if version is None or version.stdout.strip() != OLD_TRANSFORMERS[0].split("==")[1]:
-        shutil.rmtree(SIDE_ENV, ignore_errors=True)  # missing, broken or another version: build it again
-        build = Path(tempfile.mkdtemp(prefix=".venv-tf449.", dir=SIDE_ENV.parent))
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(build)], check=True)
-            result = subprocess.run([str(build / "bin" / "python"), "-m", "pip", "install", "-q", *OLD_TRANSFORMERS],
-                                    capture_output=True, text=True)
-            assert result.returncode == 0, result.stderr[-2000:]
-            os.replace(build, SIDE_ENV)
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
+    return helpers.side_env("transformers-4.49.0", "import PIL, jinja2, transformers; print(transformers.__version__)",
+                            "4.49.0", install)
 
 
 @pytest.fixture(scope="session")

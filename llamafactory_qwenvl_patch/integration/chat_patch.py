@@ -65,29 +65,17 @@ def patch_chat_model(chat_module: ModuleType) -> None:
     chat_model_cls.astream_chat = astream_chat_pinned
 
 
-LF_DATA_URL_TYPES = ("png", "jpg", "jpeg", "gif", "bmp")  # api/chat.py's base64 pattern in LF 0.9.5
-
-
-def _unread_data_urls(request: Any) -> list[str]:
-    """The media types of image data URLs that LF's API would not decode (``data:image/webp``: LF then tries it as
-    a web address and answers "Only HTTP/HTTPS URLs are allowed")."""
-    found = []
-    for message in getattr(request, "messages", None) or []:
-        content = getattr(message, "content", None)
-        for item in content if isinstance(content, list) else []:
-            url = getattr(getattr(item, "image_url", None), "url", None)
-            if getattr(item, "type", None) == "image_url" and isinstance(url, str) and url.startswith("data:"):
-                kind = url[5:].split(";", 1)[0].split(",", 1)[0]
-                if not (kind.startswith("image/") and kind[6:] in LF_DATA_URL_TYPES):
-                    found.append(kind or "typeless")
-    return found
-
-
 def patch_api_chat(api_chat: ModuleType) -> None:
     """The OpenAI-style API: a request whose image is unreadable or refused by the pinned policy is a 400 with the
-    reason, checked before the response starts (so streaming requests get it too); the server stays up."""
+    reason, checked before the response starts (so streaming requests get it too); the server stays up. Local media
+    paths are read only inside SAFE_MEDIA_PATH, by resolved path, with one answer for every refusal; media
+    placeholders typed as text are a 400 (LF: a 500)."""
     lf_compat.require(api_chat, ["_process_request", "create_chat_completion_response",
                                  "create_stream_chat_completion_response"])
+    common = lf_compat.require_module("llamafactory.api.common", ["SAFE_MEDIA_PATH", "ALLOW_LOCAL_FILES"])
+    constants = lf_compat.require_module("llamafactory.extras.constants",
+                                         ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER"])
+    placeholders = (constants.IMAGE_PLACEHOLDER, constants.VIDEO_PLACEHOLDER, constants.AUDIO_PLACEHOLDER)
 
     def validate(request: Any, chat_model: Any) -> None:
         frame = _frame_of(chat_model)
@@ -98,14 +86,26 @@ def patch_api_chat(api_chat: ModuleType) -> None:
         from PIL import UnidentifiedImageError
 
         from llamafactory_qwenvl_patch.image_io.images import ImageError
+        from llamafactory_qwenvl_patch.integration.api_checks import (
+            LF_DATA_URL_TYPES, MEDIA_REFUSED, literal_placeholders, refused_local_media, unread_data_urls,
+        )
         from llamafactory_qwenvl_patch.integration.serving import check_images, check_videos
 
-        unread = _unread_data_urls(request)
+        unread = unread_data_urls(request)
         if unread:
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
                                 detail=f"an image sent as a {unread[0]} data URL: LLaMA-Factory's API reads data URLs "
                                        f"of {', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web "
                                        "address); send it as PNG or JPEG")
+        if refused_local_media(request, common.SAFE_MEDIA_PATH, common.ALLOW_LOCAL_FILES) is not None:
+            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=MEDIA_REFUSED)
+        typed = literal_placeholders(request, placeholders)
+        if typed:
+            index, tag = typed[0]
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"message {index} holds {tag} as text: LLaMA-Factory reads it as a media slot "
+                                       "and finds no media for it; send media as content parts (image_url, video_url, "
+                                       f"audio_url) and leave {tag} out of the text")
         try:
             # LF's _process_request pops the system message off the request it is given: a copy keeps the request
             # LF's own handler then reads whole (issue 41, item 1: a pinned server dropped every system prompt)

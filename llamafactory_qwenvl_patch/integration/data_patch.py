@@ -72,9 +72,12 @@ def patch_data_loader(data_loader: ModuleType) -> None:
 
             plugin = getattr(template, "mm_plugin", None)
             if dataset is not None and isinstance(plugin, _PinnedStills):
-                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_images
+                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_images, check_dataset_records
 
                 check_dataset_images(dataset, plugin.policy)
+                if stage == "sft":
+                    check_dataset_records(dataset, template, args[0] if args else kwargs.get("tokenizer"), data_args,
+                                          plugin.policy)
             return get_preprocessed(dataset, data_args, training_args, stage, template, *args, **kwargs)
 
         return wrapper

@@ -6,6 +6,7 @@ that its frame changes."""
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from types import MethodType, ModuleType
 from typing import Any, Callable
 
@@ -15,8 +16,33 @@ from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bo
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.patching import _replace
 
-# the folders a pinned processor was saved into during ``export_model`` (None outside an export)
-_EXPORTED: ContextVar[list[str] | None] = ContextVar("qwenvl_exported", default=None)
+@dataclass
+class ExportWatch:
+    """LF's ``export_model`` catches every error of the tokenizer and processor saves and only logs "Cannot save
+    tokenizer": a pinned export would then end with exit 0 and a folder without its frame. The loader and the saves
+    record here what was pinned, saved and what failed, so the export's wrapper can fail by name."""
+
+    pinned: list[str] = field(default_factory=list)  # export_dir of each pinned load
+    saved: list[str] = field(default_factory=list)  # folders the pinned processor was saved into
+    failed: list[tuple[str, str, BaseException]] = field(default_factory=list)  # (folder, what, error)
+
+
+# what a pinned ``export_model`` loaded and saved (None outside an export)
+_EXPORTED: ContextVar[ExportWatch | None] = ContextVar("qwenvl_exported", default=None)
+
+
+def _recorded_save(what: str, save: Callable) -> Callable:
+    """``save`` (a bound ``save_pretrained``) that records its failure in the export watch before raising."""
+    def wrapper(save_directory: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return save(save_directory, *args, **kwargs)
+        except Exception as exc:
+            watch = _EXPORTED.get()
+            if watch is not None:
+                watch.failed.append((str(save_directory), what, exc))
+            raise
+
+    return wrapper
 
 
 def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
@@ -25,9 +51,9 @@ def _save_pretrained_pinned(self: Any, save_directory: str, *args: Any, **kwargs
     self.image_processor.save_pretrained(save_directory)
     write_policy_record(save_directory, self.qwenvl_policy, getattr(self, "qwenvl_video_policy", None),
                         getattr(self, "qwenvl_frame_list_fps", None))
-    exported = _EXPORTED.get()
-    if exported is not None:
-        exported.append(str(save_directory))
+    watch = _EXPORTED.get()
+    if watch is not None:
+        watch.saved.append(str(save_directory))
     return result
 
 
@@ -42,7 +68,7 @@ def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
     policy = ResizePolicy.from_processor(image_processor, model_args.image_min_pixels, model_args.image_max_pixels)
     set_image_processor_bounds(image_processor, policy)
     processor.qwenvl_policy = policy
-    processor.save_pretrained = MethodType(_save_pretrained_pinned, processor)
+    processor.save_pretrained = _recorded_save("processor", MethodType(_save_pretrained_pinned, processor))
     _log_active(policy)
     return policy
 
@@ -169,6 +195,10 @@ def patch_model_loader(loader: ModuleType) -> None:
                 processor.qwenvl_frame_list_fps = tokenizer.qwenvl_frame_list_fps = frame_list_fps_of(model_args,
                                                                                                       video)
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
+                watch = _EXPORTED.get()
+                if watch is not None and getattr(model_args, "export_dir", None):
+                    watch.pinned.append(str(model_args.export_dir))
+                    tokenizer.save_pretrained = _recorded_save("tokenizer", tokenizer.save_pretrained)
             else:
                 _warn_unpinned(model_args)
             return module

@@ -143,3 +143,29 @@ def check_dataset_images(dataset: Any, policy: ResizePolicy) -> None:
             f"{len(problems)} image problem(s) in the training data (sample = 0-based index in the merged "
             f"dataset):\n  {listed}{more}\nFix or drop these samples (`qwenvl-prep check` lists them too)."
         )
+
+
+def check_dataset_records(dataset: Any, template: Any, tokenizer: Any, data_args: Any, policy: ResizePolicy) -> None:
+    """Raise DatasetRecordError listing records with misplaced or miscounted media placeholders, or whose image
+    tokens ``cutoff_len`` would cut (``preflight_records``); streaming datasets are skipped."""
+    from llamafactory_qwenvl_patch.integration import lf_compat
+    from llamafactory_qwenvl_patch.integration.preflight_records import DatasetRecordError, record_problems
+
+    column_names = getattr(dataset, "column_names", None) or []
+    if "_prompt" not in column_names or not hasattr(dataset, "__len__"):
+        return
+    constants = lf_compat.require_module("llamafactory.extras.constants",
+                                         ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER"])
+    utils = lf_compat.require_module("llamafactory.data.processor.processor_utils", ["infer_seqlen"])
+    lf_compat.require(template, ["encode_multiturn", "mm_plugin"])
+    lf_compat.require(template.mm_plugin, ["image_token", "vision_bos_token", "vision_eos_token"])
+    tags = {"image": constants.IMAGE_PLACEHOLDER, "video": constants.VIDEO_PLACEHOLDER,
+            "audio": constants.AUDIO_PLACEHOLDER}
+    problems = [f"sample {index} ({_prompt_excerpt(prompt)!r}): {problem}" for index, prompt, problem
+                in record_problems(dataset, template, tokenizer, data_args, policy, tags, utils.infer_seqlen)]
+    if problems:
+        listed = "\n  ".join(problems[:MAX_LISTED])
+        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        raise DatasetRecordError(
+            f"{len(problems)} record problem(s) in the training data (sample = 0-based index in the merged "
+            f"dataset):\n  {listed}{more}\nFix or drop these samples (`qwenvl-prep check` lists them too).")

@@ -4,11 +4,12 @@ read it in the training frame."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.integration import lf_compat
-from llamafactory_qwenvl_patch.integration.model_patch import _EXPORTED
+from llamafactory_qwenvl_patch.integration.model_patch import _EXPORTED, ExportWatch
 from llamafactory_qwenvl_patch.integration.patching import _replace
 
 
@@ -44,21 +45,48 @@ def patch_tuner(tuner: ModuleType) -> None:
 
 
 def _make_export(export_model: Callable) -> Callable:
-    """``llamafactory-cli export`` of a pinned run: once LF has written the folder, put it in the portable layout
-    (transformers 4.49 to 5.x and vLLM 0.11 read it, in the training frame). Unpinned exports stay stock."""
+    """``llamafactory-cli export`` of a pinned run: once LF has written the folder, check that the frame's files
+    landed (LF only logs a failed tokenizer or processor save) and put it in the portable layout (transformers 4.49
+    to 5.x and vLLM read it, in the training frame). Unpinned exports stay stock."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        exported: list[str] = []
-        token = _EXPORTED.set(exported)
+        watch = ExportWatch()
+        token = _EXPORTED.set(watch)
         try:
             result = export_model(*args, **kwargs)
         finally:
             _EXPORTED.reset(token)
-        for folder in dict.fromkeys(exported):
+        problem = export_problem(watch)
+        if problem:
+            raise ExportError(problem)
+        for folder in dict.fromkeys(watch.saved):
             _portable_export(folder)
         return result
 
     return wrapper
+
+
+class ExportError(RuntimeError):
+    """A pinned export whose frame files did not all land."""
+
+
+FRAME_FILES = ("qwenvl_policy.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def export_problem(watch: ExportWatch) -> str | None:
+    """What a pinned export lacks, naming the folder, the file and LF's swallowed error; None when complete."""
+    for folder in dict.fromkeys(watch.pinned):
+        failed = [(what, exc) for where, what, exc in watch.failed if where == folder]
+        missing = [name for name in FRAME_FILES if not (Path(folder) / name).is_file()]
+        if not failed and not missing and folder in watch.saved:
+            continue
+        cause = "; ".join(f"the {what} save failed: {type(exc).__name__}: {exc}" for what, exc in failed)
+        lacks = f"it lacks {', '.join(missing)}" if missing else "the pinned processor was not saved"
+        return (f"export to {folder} is incomplete: {lacks}{' (' + cause + ')' if cause else ''}. LF only logs "
+                "\"Cannot save tokenizer\" here; without these files the folder loads in the stock frame, not the "
+                "training one, so it must not be served. Free those paths (or choose another export_dir) and "
+                "export again.")
+    return None
 
 
 def _portable_export(folder: str) -> None:
