@@ -45,12 +45,17 @@ def test_default_fields_demo_learns_to_read(tmp_path):
     assert grpo["mean_fields_reward"] >= sft["mean_fields_reward"] - GRPO_TOLERANCE, summary
     # The blank control: confident answers on blank pages, sampled at GRPO's temperature (every blank page is the same
     # grey in one frame, so the greedy rate is one bit), fall by more than twice the sampling noise of the difference
-    # (Agresti-Caffo: one confident and one other answer added to each count, so that 4 of 256 -> 0 is not a fall).
+    # (Agresti-Caffo: one confident and one other answer added to each count, so that 4 of 256 -> 0 is not a fall)
+    # where SFT left any to remove (a rate above that noise); where SFT already abstains (docs/fields.md: seeds 1
+    # and 2, and seed 0 on some CPUs, since the run's numbers vary), GRPO must not add confident answers beyond it.
     sampled, n = summary["blank_confident_rate_sampled"], summary["blank_samples"]
     assert n >= 4 * summary["held_out_pages"]
     sft, grpo = ((sampled[k] * n + 1) / (n + 2) for k in ("sft", "grpo"))
     noise = 2 * math.sqrt((sft * (1 - sft) + grpo * (1 - grpo)) / (n + 2))
-    assert grpo < sft - noise, summary
+    if sft > noise:
+        assert grpo < sft - noise, summary
+    else:
+        assert grpo <= sft + noise, summary
     assert summary["grpo_blank_confident_rate"] and all(r is not None for r in summary["grpo_blank_confident_rate"])
     assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["max_pixels"] == STAGES[-1]
     assert len((out / "predictions-grpo.jsonl").read_text().splitlines()) == summary["held_out_pages"]

@@ -246,8 +246,18 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
     truth["grids"] = policy_grids(28)
     assert new == truth
     assert read_with(old_transformers, folder) == [truth]
+    import numpy as np
     import torch
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoVideoProcessor
+
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
+
+    # the video frame too (issue 40): a reader without the plugin resizes each frame to the recorded video policy's
+    video, frames = folder_video_policy(folder), np.zeros((4, 480, 640, 3), np.uint8)
+    grids = {name: AutoVideoProcessor.from_pretrained(source)(videos=[frames], return_tensors="pt")["video_grid_thw"]
+             for name, source in (("export", folder), ("source", tiny_model))}
+    want = [2, *(side // 14 for side in video.frame_size(480, 640))]
+    assert grids["export"].tolist() == [want] and grids["source"].tolist() != [want], grids
 
     ids = torch.tensor([truth["ids"][0]])
     before = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)

