@@ -37,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from llamafactory_qwenvl_patch.frame.keys import frame_key
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
 TEMPORAL_PATCH = 2
@@ -79,15 +80,11 @@ class VideoPolicy:
     @classmethod
     def from_lf_keys(cls, keys: dict[str, object], factor: int, clock: str) -> "VideoPolicy":
         """The policy of LF's video keys (``video_min_pixels``, ``video_max_pixels``, ``video_fps``,
-        ``video_maxlen``; LF's defaults for those missing) for a family's factor and clock."""
-        values = {**LF_VIDEO_DEFAULTS, **{k: v for k, v in keys.items() if k in LF_VIDEO_DEFAULTS and v is not None}}
-        try:
-            return cls(int(values["video_min_pixels"]), int(values["video_max_pixels"]), factor,
-                       float(values["video_fps"]), int(values["video_maxlen"]), clock)
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, PolicyError):
-                raise
-            raise PolicyError(f"the video keys {values} are not numbers ({exc})") from None
+        ``video_maxlen``; LF's defaults for those missing) for a family's factor and clock; each value as LF uses it
+        (``frame_key``: ``1.6e4`` is 16000, a null or a quoted number a FrameKeyError naming the key)."""
+        values = {key: frame_key(key, keys.get(key, default)) for key, default in LF_VIDEO_DEFAULTS.items()}
+        return cls(values["video_min_pixels"], values["video_max_pixels"], factor, values["video_fps"],
+                   values["video_maxlen"], clock)
 
     @property
     def frame_policy(self) -> ResizePolicy:

@@ -49,6 +49,13 @@ class GRPOCollator:
         return self.collator(stripped), meta
 
 
+def blankable(feature: dict[str, Any]) -> bool:
+    """Whether a prompt gets the blank-image control: it has images and no videos. A video beside blanked images
+    would still show the scene, so the copy would measure nothing; blanking a clip (same length, size and clock) is
+    not built."""
+    return bool(feature.get("images")) and not feature.get("videos")
+
+
 def blank_copy(feature: dict[str, Any]) -> dict[str, Any]:
     """The same prompt with every image blanked (same size, same image tokens), marked for the blank control."""
     return dict(feature, images=[blank_like(image) for image in feature["images"]], grpo_blank=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo.collate import blank_copy
+from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
 from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
 from llamafactory_qwenvl_patch.grpo.rewards import confident_answer
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
@@ -39,7 +39,7 @@ class MetricsMixin:
         for inputs in self.get_eval_dataloader(dataset):
             features = inputs["grpo_features"]
             if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
-                features = features + [blank_copy(f) for f in features if f.get("images")]
+                features = features + [blank_copy(f) for f in features if blankable(f)]
             batch, meta = self._collate(features)
             texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
             rows += list(zip(meta, texts))

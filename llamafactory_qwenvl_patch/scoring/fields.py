@@ -7,7 +7,8 @@ items are matched one-to-one to the answer's list so that order does not matter)
 has it filled and ``EQUAL`` more when its value equals the reference's after normalisation; an answer that is exactly
 one JSON value of the reference's type (bare or in one code fence) earns ``FORMAT``. Numbers compare by value and
 dates by calendar day when the reference is clearly one (see ``as_number`` and ``as_date``); other text compares
-case-, width- and whitespace-insensitively.
+case-, width- and whitespace-insensitively. A field written as an abstention (``is_abstention``: a rule over the
+words, not a list of phrases) is empty; an answer that repeats a key is a parse failure, as in every answer parser.
 """
 
 from __future__ import annotations
@@ -39,8 +40,20 @@ _MISSING = object()
 _MAX_STARTS = 16  # JSON start positions tried in prose; bounds the work on long hostile outputs
 _MAX_VALUE_CHARS = 64  # longer text is never a number or a date (and regexes stay linear)
 _MAX_EXTRA_ITEMS = 4  # answer items considered for matching, in multiples of the reference's list length
-ABSTENTIONS = frozenset({"n/a", "na", "none", "null", "unknown", "not visible", "not found", "unreadable",
-                         "illegible", "-", "?", "not available", "cannot read", "can't read"})
+# Abstentions (``is_abstention``, docs/fields.md): words that say a value is absent on their own, negations that need
+# a word after them ("not legible"; a bare "No" is a yes/no answer), and the words such phrases are made of.
+ABSENT_WORDS = frozenset({"none", "nothing", "na", "nk", "null", "nil", "unknown", "unk", "missing", "absent",
+                          "blank", "empty", "illegible", "unreadable", "unclear", "unavailable", "unspecified",
+                          "unidentified", "undetermined"})
+NEGATIONS = frozenset({"no", "not", "cannot", "cant", "couldnt", "unable", "isnt", "wasnt", "dont", "doesnt"})
+PHRASE_WORDS = frozenset({"legible", "readable", "visible", "available", "found", "present", "given", "applicable",
+                          "provided", "shown", "specified", "stated", "detected", "known", "listed", "identified",
+                          "recognised", "recognized", "determined", "clear", "read", "seen", "see", "value", "data",
+                          "information", "info", "entry", "field", "be", "is", "was", "to", "can", "could", "do",
+                          "does", "know", "i", "it"})
+ABSTENTION_WORDS = ABSENT_WORDS | NEGATIONS | PHRASE_WORDS
+_WORD = re.compile(r"[^\W_]+")  # a run of letters and digits
+_APOSTROPHES = re.compile(r"['’ʼ`´]")  # dropped, so "can't" is one word: "cant"
 
 
 def normalize(text: Any) -> str:
@@ -95,13 +108,36 @@ def as_date(value: Any) -> dt.date | None:
     return None
 
 
+def _words(text: str) -> list[str]:
+    """The words of a text, case-folded (NFKC): runs of letters and digits, apostrophes dropped; a whitespace-free
+    chunk of one-letter runs is one word, so ``N/A``, ``n.a.`` and ``#N/A`` are all ``na``."""
+    text = _APOSTROPHES.sub("", unicodedata.normalize("NFKC", text).casefold())
+    out: list[str] = []
+    for chunk in text.split():
+        runs = _WORD.findall(chunk)
+        out += ["".join(runs)] if len(runs) > 1 and all(len(run) == 1 for run in runs) else runs
+    return out
+
+
+def is_abstention(text: str) -> bool:
+    """Text that says "no value here" rather than giving one: no words at all (blank, ``-``, ``—``, ``?``), or only
+    words of ``ABSTENTION_WORDS`` with at least one of ``ABSENT_WORDS`` (``unk``, ``none found``) or a negation and
+    another word (``not legible``, ``can't read``). Any other word or any digit makes a value: ``No. 5 Main St``,
+    ``Nothing Ltd``, ``NA-123``, ``0``, and a bare ``No`` (a yes/no answer)."""
+    found = _words(text)
+    if not all(word in ABSTENTION_WORDS for word in found):
+        return False
+    return not found or any(word in ABSENT_WORDS for word in found) or (
+        len(found) > 1 and any(word in NEGATIONS for word in found))
+
+
 def is_empty(value: Any) -> bool:
-    """No content: null, blank text, an abstention such as ``N/A`` or ``unknown`` (``ABSTENTIONS``), or a
+    """No content: null, an abstention (``is_abstention``: blank text, ``N/A``, ``—``, ``not legible``), or a
     container whose leaves are all empty."""
     if value is None or value is _MISSING:
         return True
     if isinstance(value, str):
-        return not value.strip() or normalize(value) in ABSTENTIONS
+        return is_abstention(value)
     if isinstance(value, dict):
         return all(is_empty(v) for v in value.values())
     if isinstance(value, list):
@@ -122,22 +158,26 @@ def values_equal(reference: Any, answer: Any) -> bool:
     return normalize(reference) == normalize(answer)
 
 
-class _TooDeep(Exception):
-    """A JSON value nested deeper than ``json_text.MAX_DEPTH``: the walks below recurse once per level."""
+class _Refused(Exception):
+    """JSON that cannot be taken as written: nested deeper than ``json_text.MAX_DEPTH`` (the walks below recurse once
+    per level), or with a repeated key (``json.loads`` keeps the last value; every answer parser refuses it)."""
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=json_text.unique_keys)
 
 
 def _bounded(value: Any) -> Any:
     if json_text.depth(value) > json_text.MAX_DEPTH:
-        raise _TooDeep
+        raise _Refused
     return value
 
 
 def _json(text: str) -> Any:
-    """``json.loads``, ``_MISSING`` when the text is not JSON."""
+    """The JSON value of ``text`` (Python's numbers), ``_MISSING`` when the text is not JSON."""
     try:
-        return _bounded(json.loads(text))
-    except RecursionError:
-        raise _TooDeep from None
+        return _bounded(_DECODER.decode(text))
+    except (RecursionError, json_text.DuplicateKeyError):
+        raise _Refused from None
     except ValueError:
         return _MISSING
 
@@ -145,10 +185,10 @@ def _json(text: str) -> Any:
 def find_json(text: str) -> tuple[Any, bool] | None:
     """(the JSON value of an answer, whether the answer is exactly that value): a code fence, the whole text, or
     else the first object or array embedded in prose; None when there is none, or when it nests deeper than
-    ``json_text.MAX_DEPTH`` (a parse failure, never a RecursionError)."""
+    ``json_text.MAX_DEPTH`` or repeats a key (a parse failure, never a RecursionError)."""
     try:
         return _find_json(text)
-    except _TooDeep:
+    except _Refused:
         return None
 
 
@@ -162,13 +202,12 @@ def _find_json(text: str) -> tuple[Any, bool] | None:
     value = _json(stripped)
     if value is not _MISSING:
         return value, True
-    decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"[\[{]", text)][:_MAX_STARTS]
     for start in starts:
         try:
-            return _bounded(decoder.raw_decode(text, start)[0]), False
-        except RecursionError:
-            raise _TooDeep from None
+            return _bounded(_DECODER.raw_decode(text, start)[0]), False
+        except (RecursionError, json_text.DuplicateKeyError):
+            raise _Refused from None
         except ValueError:
             continue
     return None

@@ -70,7 +70,9 @@ class Number:
         return hash(self.text)
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An ``object_pairs_hook`` that refuses a repeated key (``DuplicateKeyError``) instead of keeping its last value;
+    for readers that want Python's own numbers too (the field scores)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -83,8 +85,9 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")  # Python's json reads NaN and Infinity; JSON has neither
 
 
-_STRICT = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=Number, parse_int=Number, parse_constant=_constant)
-_LENIENT = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=Number, parse_int=Number)
+_STRICT = json.JSONDecoder(object_pairs_hook=unique_keys, parse_float=Number, parse_int=Number,
+                           parse_constant=_constant)
+_LENIENT = json.JSONDecoder(object_pairs_hook=unique_keys, parse_float=Number, parse_int=Number)
 
 
 def depth(value: Any) -> int:

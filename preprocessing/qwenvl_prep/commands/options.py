@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from llamafactory_qwenvl_patch.frame.keys import FrameKeyError, frame_key
 
 if TYPE_CHECKING:
     from llamafactory_qwenvl_patch.frame.stamp import Stamp
@@ -28,8 +29,8 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
 
     from qwenvl_prep.lf.run_spec import spec_from_flags, spec_from_yaml
 
-    video_keys = {key: getattr(args, key, None) for key in VIDEO_FLAGS}
-    given = [flag for key, flag in VIDEO_FLAGS.items() if video_keys[key] is not None]
+    video_keys = {key: getattr(args, key) for key in VIDEO_FLAGS if getattr(args, key, None) is not None}
+    given = [VIDEO_FLAGS[key] for key in video_keys]
     if args.from_yaml:
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with --from-yaml: the video policy is the YAML's "
@@ -62,6 +63,26 @@ def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) ->
         if not (math.isfinite(value) and (positive or (zero_allowed and value == 0))):
             raise argparse.ArgumentTypeError(f"{flag} takes a number {bound}{note}, got {text!r}")
         return value
+
+    return parse
+
+
+def frame_flag(key: str) -> Callable[[str], int | float]:
+    """An argparse type for the flag of a frame key: its text as a number (``1e6`` too, as a YAML or LF's
+    ``key=value`` override reads it), then the frame keys' one rule (``frame.keys.frame_key``)."""
+
+    def parse(text: str) -> int | float:
+        value: object = text
+        for number in (int, float):
+            try:
+                value = number(text)
+                break
+            except ValueError:
+                continue
+        try:
+            return frame_key(key, value)
+        except FrameKeyError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
@@ -113,8 +134,11 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("resize policy (the run's frame)")
     group.add_argument("--from-yaml", metavar="TRAIN.yaml", help="read image_min_pixels, image_max_pixels, template "
                        "and the model family from the LLaMA-Factory training YAML (recommended)")
-    group.add_argument("--min-pixels", type=int, help="pinned image_min_pixels (without --from-yaml)")
-    group.add_argument("--max-pixels", type=int, help="pinned image_max_pixels (without --from-yaml)")
+    group.add_argument("--min-pixels", type=frame_flag("image_min_pixels"),
+                       help="pinned image_min_pixels (without --from-yaml; a whole number, 1e6 included, as "
+                       "LLaMA-Factory reads it)")
+    group.add_argument("--max-pixels", type=frame_flag("image_max_pixels"),
+                       help="pinned image_max_pixels (without --from-yaml)")
     group.add_argument("--family", choices=list(FAMILIES),
                        help="model family: Qwen2.5-VL trains on absolute model-frame pixels, Qwen2-VL, Qwen3-VL and "
                        "Qwen3.5 on relative 0-1000 (default: from the YAML's model config or template, else "
@@ -123,12 +147,14 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         "video policy (the run's video frame and sampling)", "With --from-yaml, the YAML's video_min_pixels, "
         "video_max_pixels, video_fps and video_maxlen (LLaMA-Factory's defaults 256, 65536, 2.0 and 128 for those it "
         "omits); without it, these flags (the same defaults)")
-    video.add_argument("--video-min-pixels", type=count(1), help="pinned video_min_pixels (without --from-yaml)")
-    video.add_argument("--video-max-pixels", type=count(1), help="pinned video_max_pixels (without --from-yaml)")
-    video.add_argument("--video-fps", type=finite("--video-fps", zero_allowed=False),
-                       help="pinned video_fps (without --from-yaml)")
-    video.add_argument("--video-maxlen", type=count(2), help="pinned video_maxlen (without --from-yaml)")
-    video.add_argument("--frame-list-fps", type=finite("--frame-list-fps", zero_allowed=False), metavar="FPS",
+    video.add_argument("--video-min-pixels", type=frame_flag("video_min_pixels"),
+                       help="pinned video_min_pixels (without --from-yaml)")
+    video.add_argument("--video-max-pixels", type=frame_flag("video_max_pixels"),
+                       help="pinned video_max_pixels (without --from-yaml)")
+    video.add_argument("--video-fps", type=frame_flag("video_fps"), help="pinned video_fps (without --from-yaml)")
+    video.add_argument("--video-maxlen", type=frame_flag("video_maxlen"),
+                       help="pinned video_maxlen (without --from-yaml)")
+    video.add_argument("--frame-list-fps", type=frame_flag("qwenvl_frame_list_fps"), metavar="FPS",
                        help="the rate videos given as frame lists (lists of image paths) were taken at; their frame "
                        "times, and so every time label, follow from it (default: the YAML's qwenvl_frame_list_fps, "
                        "else video_fps)")

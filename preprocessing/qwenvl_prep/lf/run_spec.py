@@ -4,7 +4,6 @@ explicit flags."""
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_for_template, resolve_family
+from llamafactory_qwenvl_patch.frame.keys import frame_key, frame_keys
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
@@ -35,16 +35,22 @@ class RunSpec:
 
 
 def load_yaml(path: str | os.PathLike) -> dict:
+    """The training YAML as LLaMA-Factory reads it (``read_args``: OmegaConf, interpolations left as written), so
+    that every value means here what it means in training: ``1e6`` is the float 1000000.0 there, where PyYAML reads
+    the text '1e6'."""
+    from omegaconf import DictConfig, OmegaConf
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+        config = OmegaConf.load(Path(path).absolute())
     except FileNotFoundError:
         raise ValueError(f"training YAML {path} not found") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"training YAML {path} does not parse: {exc}") from None
-    if not isinstance(data, dict):
+    except OSError as exc:  # also OmegaConf's "Invalid loaded object type: int" for a YAML that is one scalar
+        raise ValueError(f"training YAML {path} cannot be read as a mapping of keys: {exc}") from None
+    if not isinstance(config, DictConfig):
         raise ValueError(f"training YAML {path} is not a mapping of keys")
-    return data
+    return OmegaConf.to_container(config)
 
 
 def _split(value: object) -> tuple[str, ...]:
@@ -60,18 +66,16 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
     template = config.get("template")
     model = config.get("model_name_or_path")
     family = FAMILIES[family] if family else resolve_family(model, template)
-    policy = ResizePolicy(
-        int(config.get("image_min_pixels", LF_DEFAULT_MIN_PIXELS)),
-        int(config.get("image_max_pixels", LF_DEFAULT_MAX_PIXELS)),
-        family.factor,
-    )
+    keys = frame_keys(config)
+    policy = ResizePolicy(keys.get("image_min_pixels", LF_DEFAULT_MIN_PIXELS),
+                          keys.get("image_max_pixels", LF_DEFAULT_MAX_PIXELS), family.factor)
     dataset_dir = config.get("dataset_dir", "data")
     if dataset_dir and not os.path.isabs(dataset_dir):
         dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir
-    video = VideoPolicy.from_lf_keys(config, family.factor, family.video_clock)
+    video = VideoPolicy.from_lf_keys(keys, family.factor, family.video_clock)
     return RunSpec(
         stamp=Stamp(policy, family.coords, family.name, video=video,
-                    frame_list_fps=frame_list_fps(config.get("qwenvl_frame_list_fps"), video)),
+                    frame_list_fps=frame_list_fps(keys.get("qwenvl_frame_list_fps"), video)),
         template=template,
         cutoff_len=int(config["cutoff_len"]) if "cutoff_len" in config else 2048,
         patched=bool(config.get("qwenvl_patch", False)),
@@ -96,15 +100,7 @@ def spec_from_flags(min_pixels: int, max_pixels: int, family: str, video_keys: d
 
 def frame_list_fps(value: object, video: VideoPolicy) -> float:
     """The rate a run reads frame lists at: ``qwenvl_frame_list_fps``, else ``video_fps`` (as the plugin does)."""
-    if value is None or value == "":
-        return float(video.fps)
-    try:
-        fps = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"qwenvl_frame_list_fps must be a number, got {value!r}") from None
-    if not (math.isfinite(fps) and fps > 0):
-        raise ValueError(f"qwenvl_frame_list_fps must be a finite number > 0, got {value!r}")
-    return fps
+    return float(video.fps) if value is None else float(frame_key("qwenvl_frame_list_fps", value))
 
 
 @functools.lru_cache(maxsize=None)
