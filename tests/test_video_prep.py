@@ -362,3 +362,28 @@ def test_a_stamped_video_dataset_is_retargeted_through_the_clip(tmp_path, media,
     before = [b["bbox_2d"] for b in json.loads(records(first)[0]["messages"][1]["content"])]
     after = [b["bbox_2d"] for b in json.loads(records(bigger)[0]["messages"][1]["content"])]
     assert after == [retarget_coords(box, "model", old, "model", new, HW) for box in before]
+
+
+def test_check_counts_each_qwen3_group_with_its_stamp(tiny_model_qwen3, media):
+    """Qwen3's video tokens are, per group, its ``<t seconds>`` stamp, vision start, its frame tokens and vision end
+    (what the pinned plugin writes): check counted only the frame tokens and one start/end pair (~9 tokens a group
+    short). Its count equals the tokenizer's count of the plugin's structure."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from qwenvl_prep.pipeline.check_video import VideoChecker
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_qwen3 / "tokenizer.json"))
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
+    family = FAMILIES["qwen3_vl"]
+    video = VideoPolicy(256, 64 * 32 * 32, family.factor, 2.0, 128, family.video_clock)
+    run = Stamp(ResizePolicy(256, 64 * 32 * 32, family.factor), family.coords, family.name, video=video)
+    clip = str(media / "clip.mp4")
+    tokens, problems = VideoChecker(run, run, count_text=count).scan(
+        SimpleNamespace(videos=[clip, clip], index=0))
+    plan = probe(clip, 2.0).plan(video)
+    pads = video.frame_tokens(64, 96)
+    structure = "".join(f"{stamp}<|vision_start|>{'<|video_pad|>' * pads}<|vision_end|>" for stamp in plan.stamp_texts)
+    assert problems == [] and plan.groups > 1
+    assert tokens == 2 * count(structure) > 2 * (plan.groups * pads + 2)

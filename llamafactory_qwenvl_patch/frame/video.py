@@ -188,6 +188,11 @@ class VideoPlan:
                 for g in range(self.groups)]
 
     @property
+    def stamp_texts(self) -> list[str]:
+        """Each group's stamp as LF's Qwen3-VL plugin writes it before the group's vision tokens (one decimal)."""
+        return [f"<{stamp:.1f} seconds>" for stamp in self.stamps]
+
+    @property
     def frames_indices(self) -> list[float]:
         """``video_metadata.frames_indices`` for transformers' Qwen3-VL processor, given with ``fps`` =
         ``METADATA_FPS``: the sampled times themselves, so its stamps (each index over fps, each pair's mean) are

@@ -79,7 +79,7 @@ class PinnedVideos:
         grid = [[plan.groups, height // patch, width // patch] for plan, (height, width) in zip(plans, sizes)]
         return {"video_grid_thw": torch.tensor(grid, dtype=torch.long).reshape(-1, 3),
                 "video_metadata": [SimpleNamespace(frames_indices=plan.frames_indices, fps=METADATA_FPS,
-                                                   stamps=plan.stamps) for plan in plans]}
+                                                   stamp_texts=plan.stamp_texts) for plan in plans]}
 
     def _get_mm_inputs(self, images: list[Any], videos: list[Any], audios: list[Any], processor: Any
                        ) -> dict[str, Any]:
@@ -125,10 +125,9 @@ class PinnedVideoStamps(PinnedVideos):
                 num_images += 1
             while _mm_plugin.VIDEO_PLACEHOLDER in content:
                 grid = video_meta["video_grid_thw"][num_videos]
-                stamps = video_meta["video_metadata"][num_videos].stamps
+                stamps = video_meta["video_metadata"][num_videos].stamp_texts
                 seqlen = int(grid[1:].prod()) // video_merge
-                structure = "".join(f"<{stamps[g]:.1f} seconds>{bos}{self.video_token * seqlen}{eos}"
-                                    for g in range(int(grid[0])))
+                structure = "".join(f"{stamps[g]}{bos}{self.video_token * seqlen}{eos}" for g in range(int(grid[0])))
                 content = content.replace(_mm_plugin.VIDEO_PLACEHOLDER, structure, 1)
                 num_videos += 1
             message["content"] = content

@@ -130,7 +130,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
     count_text = _text_counter(model)
     cutoff = spec.cutoff_len or 2048
     to_decode: list[tuple[int, str]] = []
-    videos = VideoChecker(spec.stamp, data_stamp, full_decode)
+    videos = VideoChecker(spec.stamp, data_stamp, full_decode, count_text)
 
     def problem(sample: int, image: str | None, message: str) -> None:
         report.problems.append({"sample": sample, "image": image, "error": message})

@@ -6,7 +6,7 @@ under the run's video policy, and a single-video record's labels inside the clip
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, check_box, check_point
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
@@ -43,6 +43,7 @@ class VideoChecker:
     run: Stamp
     data: Stamp
     full_decode: bool = False
+    count_text: Callable[[str], int] = lambda text: len(text) // 3 + 1  # the tokenizer's count, where check has one
     videos: int = 0
     notes: list[dict] = field(default_factory=list)
     _clips: dict[Any, Clip | str] = field(default_factory=dict)
@@ -112,7 +113,11 @@ class VideoChecker:
                 continue
             clips.append(clip)
             plan = clip.plan(self.policy)
-            tokens += plan.tokens(self.policy.frame_tokens(clip.height, clip.width)) + 2
+            tokens += plan.tokens(self.policy.frame_tokens(clip.height, clip.width))
+            if self.policy.clock == "stamps":  # Qwen3: each group is its stamp, vision start, its tokens, vision end
+                tokens += sum(self.count_text(text) + 2 for text in plan.stamp_texts)
+            else:
+                tokens += 2
         if len(sample.videos) == 1 and len(clips) == 1:
             problems += [(clips[0].name, f"video {clips[0].name}: {p}") for p in self._label_problems(sample, clips[0])]
         return tokens, problems
