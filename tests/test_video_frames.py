@@ -1,6 +1,6 @@
 """Videos through LF's real get_dataset and collator, with the model's own M-RoPE: every frame group has the policy's
-grid and token count, and sits at its real time on the model's clock (Qwen2.5-VL's temporal positions, Qwen3-VL and
-Qwen3.5's ``<t seconds>`` stamps), for mp4, webm, mkv and frame lists, several videos in one message and videos in
+grid and token count, and sits at its real time on the model's clock (Qwen2.5-VL's temporal positions in seconds,
+Qwen2-VL's group index, Qwen3-VL and Qwen3.5's ``<t seconds>`` stamps), for mp4, webm, mkv and frame lists, several videos in one message and videos in
 later turns; stock LF does not."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from llamafactory_qwenvl_patch.image_io.video import probe
 pytestmark = pytest.mark.slow  # LF's dataset pipeline and a tiny model per family
 
 VIDEO_MIN, VIDEO_MAX = 3136, 65536
-TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink", "qwen3_5": "qwen3_5_nothink"}
+TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink",
+             "qwen3_5": "qwen3_5_nothink"}
 COLUMNS = {"messages": "messages", "videos": "videos"}
 
 
@@ -85,8 +86,8 @@ def check_grids(batch: dict, expected: list, vpad: int) -> None:
     assert int((batch["input_ids"] == vpad).sum()) == sum(g * h * w // 4 for g, h, w in grid)
 
 
-@pytest.mark.parametrize("family,fixture", [("qwen2_5_vl", "tiny_model"), ("qwen3_vl", "tiny_model_qwen3"),
-                                            ("qwen3_5", "tiny_model_qwen3_5")])
+@pytest.mark.parametrize("family,fixture", [("qwen2_5_vl", "tiny_model"), ("qwen2_vl", "tiny_model_qwen2"),
+                                            ("qwen3_vl", "tiny_model_qwen3"), ("qwen3_5", "tiny_model_qwen3_5")])
 def test_every_frame_group_in_its_frame_and_at_its_time(request, family, fixture, clips, tmp_path):
     model_dir = request.getfixturevalue(fixture)
     batches, texts, model = collate(model_dir, clips, tmp_path / "out", family, "clips")
@@ -103,6 +104,14 @@ def test_every_frame_group_in_its_frame_and_at_its_time(request, family, fixture
                 per_group = h * w // 28 // 28
                 firsts = temporal[start:start + plan.groups * per_group:per_group]
                 assert (firsts - firsts[0]).tolist() == [round(tps * t) for t in plan.group_starts]
+                start += plan.groups * per_group
+        elif family == "qwen2_vl":  # M-RoPE counts groups: group g of each video at temporal position g
+            temporal = batch["position_ids"][0, 0][batch["input_ids"][0] == vpad]
+            start = 0
+            for plan, (h, w), _ in expected:
+                per_group = h * w // 28 // 28
+                firsts = temporal[start:start + plan.groups * per_group:per_group]
+                assert (firsts - firsts[0]).tolist() == list(range(plan.groups))
                 start += plan.groups * per_group
         else:  # the stamps before each group: each video's own, in order
             stamps = re.findall(r"<([\d.]+) seconds>", text)
