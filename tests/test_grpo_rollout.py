@@ -269,3 +269,12 @@ def test_run_generation_config_replaces_the_checkpoints_during_generate():
     with pytest.raises(RuntimeError), generation_config_of(model, ours):
         raise RuntimeError("generate failed")
     assert model.generation_config is checkpoint
+
+
+def test_the_blank_control_takes_prompts_with_images_and_no_videos():
+    """A video beside blanked images would still show the scene: such prompts get no blank copy."""
+    from llamafactory_qwenvl_patch.grpo.collate import blankable
+
+    assert blankable({"images": ["a.jpg"]}) and blankable({"images": ["a.jpg"], "videos": []})
+    assert not blankable({"images": ["a.jpg"], "videos": ["c.mp4"]})
+    assert not blankable({"videos": ["c.mp4"]}) and not blankable({"images": []})

@@ -7,6 +7,7 @@ collator builds them under ``qwenvl_patch: true``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_grpo_shared_prefix as shared_tests
@@ -87,7 +88,8 @@ def video_trainer(request, clip_files, monkeypatch, tmp_path):
 def test_video_log_probs_and_gradients_match_the_repeated_layout(video_trainer, family, mode, tmp_path):
     trainer, processor = video_trainer(family, mode, "true", tmp_path)
     batch = shared_tests.prompt_batch(processor, [0, 4, 1, 2])
-    assert videos_per_sample(batch["input_ids"], trainer.video_id, batch["video_grid_thw"]) == [1, 2, 1, 1]
+    assert videos_per_sample(batch["input_ids"], trainer.video_id, batch["video_grid_thw"],
+                             trainer.video_merge_length) == [1, 2, 1, 1]
     if family == "qwen2_5_vl":
         assert len(batch["second_per_grid_ts"]) == 5 and all(v == int(v) for v in batch["second_per_grid_ts"])
     shared = shared_tests.logps_and_grads(trainer, processor, [0, 4, 1, 2])
@@ -145,12 +147,11 @@ def spread(completions, *, model_sizes, orig_sizes, resize_policy, **kw):
 '''
 
 
-def test_grpo_cli_on_video_prompts(tiny_model_qwen3_5, tmp_path):
-    """``llamafactory-cli train`` with ``stage: grpo`` on a video dataset (the hybrid Qwen3.5, shared prefix on by
-    default): it trains, rewards get each prompt's frame, and the checkpoint carries the video policy."""
+def video_dataset(tmp_path: Path) -> Path:
+    """Four span-answer video records and the reward that checks each prompt's frame."""
     import json
 
-    from helpers import read_log, run_cli, train_config, write_sharegpt
+    from helpers import write_sharegpt
 
     data = tmp_path / "data"
     data.mkdir()
@@ -162,16 +163,46 @@ def test_grpo_cli_on_video_prompts(tiny_model_qwen3_5, tmp_path):
                         "videos": [f"v{i}.mp4"]})
     write_sharegpt(data, "toy", records, {"messages": "messages", "videos": "videos"})
     (tmp_path / "r.py").write_text(REWARDS)
+    return data
+
+
+def video_grpo_run(model: Path, template: str, tmp_path: Path, **overrides: Any) -> tuple[list[dict], Path, str]:
+    """``llamafactory-cli train`` with ``stage: grpo`` on ``video_dataset``: (logged steps, output folder, log)."""
+    from helpers import read_log, run_cli, train_config
+
+    data = video_dataset(tmp_path)
     out = tmp_path / "out"
-    config = train_config(tiny_model_qwen3_5, data, out, stage="grpo", template="qwen3_5_nothink", max_steps=2,
+    config = train_config(model, data, out, stage="grpo", template=template, max_steps=2,
                           save_steps=2, grpo_num_generations=3, max_new_tokens=8, temperature=1.0,
                           reward_funcs=f"format,{tmp_path / 'r.py'}:spread", video_min_pixels=2048,
-                          video_max_pixels=12288, video_maxlen=16, per_device_train_batch_size=2)
+                          video_max_pixels=12288, video_maxlen=16, per_device_train_batch_size=2, **overrides)
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path / "run")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "grpo_shared_prefix: on" in result.stdout + result.stderr
     steps = [entry for entry in read_log(out) if "reward" in entry]
     assert len(steps) == 2 and all(entry["rewards/spread/errors"] == 0 for entry in steps)
+    return steps, out, result.stdout + result.stderr
+
+
+def test_grpo_cli_on_video_prompts(tiny_model_qwen3_5, tmp_path):
+    """``llamafactory-cli train`` with ``stage: grpo`` on a video dataset (the hybrid Qwen3.5, shared prefix on by
+    default): it trains, rewards get each prompt's frame, and the checkpoint carries the video policy."""
+    import json
+
+    _, out, log = video_grpo_run(tiny_model_qwen3_5, "qwen3_5_nothink", tmp_path)
+    assert "grpo_shared_prefix: on" in log
     record = json.loads((out / "qwenvl_policy.json").read_text())
     assert record["video"] == {"min_pixels": 2048, "max_pixels": 12288, "factor": 32, "fps": 2.0, "max_frames": 16,
                                "clock": "stamps", "frame_list_fps": 2.0}  # frame lists: video_fps, as LF assumes
+
+
+@pytest.mark.vllm
+def test_grpo_cli_on_video_prompts_with_vllm_rollouts(tmp_path):
+    """The same run with ``grpo_rollout_backend: vllm`` on a ``--size small`` Qwen3-VL: vLLM samples each video
+    prompt from the frames the plugin decoded for the loss, in the training clock (the engine checks grids, pads
+    and stamps on every batch), and its log-probs are the training model's."""
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", "qwen3_vl", size="small")
+    steps, _, _ = video_grpo_run(model, "qwen3_vl_nothink", tmp_path, grpo_rollout_backend="vllm")
+    assert all(entry["vllm/logp_diff/mean"] < 1e-3 for entry in steps)

