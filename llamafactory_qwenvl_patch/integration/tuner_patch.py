@@ -1,6 +1,7 @@
 """Patches ``llamafactory.train.tuner``, where LF picks a stage's workflow and runs ``export_model``: ``stage: grpo``
-runs the plugin's workflow, and a pinned export is rewritten in the portable layout so older transformers and vLLM
-read it in the training frame."""
+runs the plugin's workflow, the other stages' checkpoints get the complete-marker in a guarded run
+(``checkpoint_guard``), and a pinned export is rewritten in the portable layout so older transformers and vLLM read
+it in the training frame."""
 
 from __future__ import annotations
 
@@ -26,17 +27,24 @@ def _stage_of(args: Any) -> str | None:
 
 
 def patch_tuner(tuner: ModuleType) -> None:
-    """Route ``stage: grpo`` to our workflow (``run_exp`` and the Ray worker look the function up at call time), and
-    make a pinned export portable."""
+    """Route ``stage: grpo`` to our workflow (``run_exp`` and the Ray worker look the function up at call time), give
+    LF's stages the complete-marker (inert unless ``run_guard`` guards the run) and rotation that keeps a complete
+    checkpoint, and make a pinned export portable."""
     lf_compat.require(tuner, ["_training_function", "export_model"])
+    from llamafactory_qwenvl_patch.integration.checkpoint_guard import CompleteCheckpoints, guard_rotation
+    from llamafactory_qwenvl_patch.integration.run_guard import training_run
+
+    guard_rotation()
 
     def make(training_function: Callable) -> Callable:
         def wrapper(config: dict[str, Any]) -> None:
-            if _stage_of(config.get("args")) != "grpo":
-                return training_function(config)
-            from llamafactory_qwenvl_patch.grpo.workflow import grpo_training_function
+            with training_run():
+                if _stage_of(config.get("args")) != "grpo":
+                    config["callbacks"] = [*(config.get("callbacks") or []), CompleteCheckpoints()]
+                    return training_function(config)
+                from llamafactory_qwenvl_patch.grpo.workflow import grpo_training_function
 
-            return grpo_training_function(config)
+                return grpo_training_function(config)
 
         return wrapper
 
