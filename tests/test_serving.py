@@ -342,3 +342,41 @@ def test_a_pinned_server_keeps_the_system_prompt_and_names_a_bad_video(servers, 
             {"role": "user", "content": "describe <image> please"}])
     assert "message 0 holds <image> as text" in caught.value.response.json()["detail"]
     assert tokens(pinned, False) > 0  # still serving
+
+
+@pytest.mark.slow
+def test_a_qwen3_video_request_is_served_in_the_recorded_video_frame_and_clock(tiny_model_qwen3, tmp_path):
+    """Issue 40 for Qwen3-VL through LF's API: a folder whose record carries a video policy (no key in the serving
+    YAML) answers a video request with exactly its training structure, each group's ``<t seconds>`` stamp, vision
+    start, the policy's pads and vision end (the prompt's tokens counted against the tokenizer's count of it)."""
+    import shutil
+
+    from helpers import write_clip
+    from transformers import AutoTokenizer
+
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video, write_policy_record
+    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+    from llamafactory_qwenvl_patch.image_io.video import read_clip
+
+    folder = Path(shutil.copytree(tiny_model_qwen3, tmp_path / "pinned"))
+    write_policy_record(folder, ResizePolicy(MIN, MAX, 32), VideoPolicy(256, 64 * 32 * 32, 32, 2.0, 16, "stamps"))
+    media = tmp_path / "media"
+    media.mkdir()
+    clip = write_clip(media / "clip.webm", 4, 10, 320, 180, "libvpx")
+    video, fps = folder_video(folder)
+    _, plan = read_clip(str(clip), video, fps)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pads = "<|video_pad|>" * video.frame_tokens(180, 320)
+    structure = "".join(f"{stamp}<|vision_start|>{pads}<|vision_end|>" for stamp in plan.stamp_texts)
+    server = Server(tmp_path / "api", {"model_name_or_path": str(folder), "template": "qwen3_vl_nothink",
+                                       "infer_backend": "huggingface", "trust_remote_code": True}, media)
+    try:
+        def tokens(content: list) -> int:
+            return server.client.chat.completions.create(model="test", temperature=0, max_tokens=1, messages=[
+                {"role": "user", "content": content}]).usage.prompt_tokens
+
+        text_only = tokens([{"type": "text", "text": PROMPT}])
+        with_video = tokens([{"type": "video_url", "video_url": {"url": str(clip)}}, {"type": "text", "text": PROMPT}])
+    finally:
+        server.stop()
+    assert plan.groups > 2 and with_video == text_only + len(tokenizer(structure, add_special_tokens=False)["input_ids"])
