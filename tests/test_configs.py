@@ -85,6 +85,13 @@ def test_whole_numbers_in_float_keys_are_read_as_floats():
     ("grpo_stop_on_reward_failure", "false", "must be true or false"),
     ("reward_funcs", ["iou", "format"], "reward_funcs must be a string.*comma-separated"),
     ("reward_weights", 1, "reward_weights must be a string"),
+    ("grpo_advantage_estimator", "reinforce++", "grpo_advantage_estimator must be one of grpo, rloo"),
+    ("grpo_vllm_is_mode", "sequence", "grpo_vllm_is_mode must be one of token_truncate"),
+    ("grpo_cispo_cap", 0, r"grpo_cispo_cap must be in \(0, inf\)"),
+    ("grpo_delta", 1.0, r"grpo_delta must be in \(1, inf\)"),
+    ("grpo_delta", 1.1, r"grpo_delta \(1.1\) must be above 1 \+ grpo_epsilon_high"),
+    ("grpo_overlong_buffer", 0, r"grpo_overlong_buffer must be in \[1, inf\)"),
+    ("grpo_entropy_coef", float("nan"), "grpo_entropy_coef must be a finite number"),
 ])
 def test_grpo_keys_are_read_as_their_type_and_range(key, value, message):
     """Issue 33, class 6: LF hands the YAML's values on as they are; a string number reached torch, a string
@@ -133,3 +140,14 @@ def test_inverted_clip_range_and_non_finite_weights_are_refused():
     for weights in ("nan,1", "inf,1", "x,1"):
         with pytest.raises(ValueError, match="reward_weights: .* not a"):
             load_rewards("iou,format", weights)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"grpo_advantage_estimator": "rloo", "grpo_scale_rewards": "none"}, "rloo has its own scale"),
+    ({"grpo_advantage_estimator": "reinforce_plus_plus", "grpo_scale_rewards": "batch"}, "has its own scale"),
+    ({"grpo_loss_type": "cispo", "grpo_delta": 2.0}, "cispo bounds its weight with grpo_cispo_cap"),
+])
+def test_variant_keys_that_contradict_each_other_are_refused(values, message):
+    """Issue 42: a key that would be silently ignored by the chosen variant is named instead."""
+    with pytest.raises(ValueError, match=message):
+        lf_parsed({"stage": "grpo", "reward_funcs": "iou", **values})

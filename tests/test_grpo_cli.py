@@ -67,7 +67,7 @@ def grpo_config(tiny_model, data_dir, out, rewards_file, **overrides):
 
 
 METRICS = ["loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/mean",
-           "completion_length/max", "parse_failures", "rewards/iou/mean", "rewards/format/std"]
+           "completion_length/max", "parse_failures", "rewards/iou/mean", "rewards/format/std", "entropy"]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,10 @@ def lora_run(setup, tiny_model):
     root, data_dir = setup
     out = root / "lora"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", grpo_log_completions=True,
-                         reward_funcs=f"iou,format,{root / 'my_rewards.py'}:one,{root / 'my_rewards.py'}:boom",
-                         reward_weights="1,1,0.5,1", val_size=0.5, eval_strategy="steps", eval_steps=3,
+                         reward_funcs=f"iou,format,{root / 'my_rewards.py'}:one,{root / 'my_rewards.py'}:boom,"
+                                      "click,overlong",
+                         reward_weights="1,1,0.5,1,0,0", val_size=0.5, eval_strategy="steps", eval_steps=3,
+                         grpo_advantage_estimator="rloo", grpo_overlong_buffer=4,
                          grpo_stop_on_reward_failure=False,
                          per_device_eval_batch_size=2, do_eval=True, enable_torch_profiler=True,
                          profiler_with_stack=False)
@@ -94,6 +96,10 @@ def test_lora_grpo_logs_metrics_weights_and_errors(lora_run):
         assert all(name in row for name in METRICS), sorted(row)
         assert row["reward"] == pytest.approx(0.5)  # 0 (iou) + 0 (format) + 0.5 * 1 (one) + 0 (boom raised)
         assert row["rewards/boom/errors"] == 4  # every completion of the step, counted, training went on
+        # issue 42: the overlong reward (weight 0 here) and, in a run rewarded for clicks, the click monitors
+        assert -1 <= row["rewards/overlong/mean"] <= 0
+        assert 0 <= row["monitor/click_multi_point_rate"] <= 1 and 0 <= row["monitor/click_same_point_group_rate"] <= 1
+    assert any(row["rewards/overlong/mean"] < 0 for row in steps)  # 12 new tokens, the last 4 punished
     assert (out / "checkpoint-3" / "adapter_model.safetensors").exists()
     assert json.loads((out / "checkpoint-3" / "preprocessor_config.json").read_text())["size"]["longest_edge"] == \
         256 * 28 * 28
@@ -165,7 +171,7 @@ def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
         for key in ("reward", "reward_std", "completion_length/mean"):
             if key in theirs:
                 assert ours[key] == theirs[key], key
-        for key in ("loss", "kl"):
+        for key in ("loss", "kl", "entropy"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
@@ -173,9 +179,10 @@ def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
 def test_zero3_two_ranks(setup, tiny_model, tiny_model_qwen3_5, family):
     """ZeRO-3 on 2 ranks, the shared prefix (on by default) against the repeated layout; Qwen3.5's linear-attention
-    layers run their packed forward on parameters ZeRO-3 gathers per module."""
+    layers run their packed forward on parameters ZeRO-3 gathers per module; Qwen2.5-VL with CISPO and an entropy
+    bonus (issue 42)."""
     root, data_dir = setup
-    model, extra = tiny_model, {}
+    model, extra = tiny_model, dict(grpo_loss_type="cispo", grpo_entropy_coef=0.01)
     if family == "qwen3_5":
         model, extra = tiny_model_qwen3_5, dict(template="qwen3_5_nothink", image_min_pixels=64 * 32 * 32,
                                                 image_max_pixels=256 * 32 * 32,
@@ -290,8 +297,9 @@ def test_sft_adapter_is_the_reference(setup, tiny_model, sft_adapter, create_new
 @pytest.mark.slow
 def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_factory):
     """Batch of 4 mixed-size images, G 4, gradient accumulation 2, each rollout optimised twice (clipping acts),
-    dapo, on a model that samples <|image_pad|> at half the positions unless suppressed (defect 6) and ships a
-    near-greedy generation_config.json (defect 4)."""
+    dapo with two-sided clipping, REINFORCE++ advantages and an entropy bonus (issue 42: the shared prefix equal to
+    the repeated layout with every one of them), on a model that samples <|image_pad|> at half the positions unless
+    suppressed (defect 6) and ships a near-greedy generation_config.json (defect 4)."""
     root, data_dir = setup
     sizes = [(640, 480), (1920, 1080), (333, 777), (1024, 768), (300, 300), (800, 200), (500, 1500), (1200, 900)]
     write_sharegpt(data_dir, "mixed", [grounding_record(save_image(data_dir / f"m{i}.jpg", *s))
@@ -304,7 +312,8 @@ def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_
                              save_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              grpo_num_iterations=2, grpo_loss_type="dapo", learning_rate=5e-2, grpo_epsilon=0.02,
                              grpo_log_completions=True, reward_funcs=f"{root / 'my_rewards.py'}:spread",
-                             grpo_shared_prefix=shared)
+                             grpo_shared_prefix=shared, grpo_delta=1.5, grpo_advantage_estimator="reinforce_plus_plus",
+                             grpo_entropy_coef=0.01)
         result = run_cli(["llamafactory-cli", "train"], config, root / f"mixed-run-{shared}")
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert ("grpo_shared_prefix: on" in result.stdout + result.stderr) == (shared == "auto")
@@ -316,6 +325,7 @@ def test_mixed_batch_accumulation_and_rollout_reuse(setup, tiny_model, tmp_path_
     assert steps[0]["clip_ratio"] == 0.0  # first pass over the rollout is on-policy
     assert steps[1]["clip_ratio"] > 0  # second pass after an update: ratios leave [1 - eps, 1 + eps]
     assert steps[0]["vision_tokens_cut"] == 0
+    assert all(row["entropy"] > 0 for row in steps)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 8 * 4  # one rollout of 8 prompts for both steps
     assert not any(token in row["completion"] for token in VISION_TOKENS for row in rows)  # placeholders suppressed

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.loss import advantages, policy_loss
+from llamafactory_qwenvl_patch.grpo.advantages import group_advantages as advantages
+from llamafactory_qwenvl_patch.grpo.loss import LossConfig, policy_loss
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, load_rewards
 
 REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0]
@@ -56,7 +57,7 @@ def hand_per_token():
 
 def run(loss_type, total_tokens=None):
     t = torch.tensor
-    return policy_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK), BETA, CLIP, CLIP, loss_type, 2, total_tokens)
+    return policy_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK), LossConfig(BETA, CLIP, CLIP, loss_type, 2), total_tokens)
 
 
 def test_clipping_and_kl_by_hand():
@@ -87,7 +88,8 @@ def test_each_loss_type_by_hand(loss_type):
 
 def test_gradient_flows_through_ratio():
     logps = torch.tensor(LOGPS, requires_grad=True)
-    parts = policy_loss(logps, torch.tensor(OLD), None, torch.tensor(ADV), torch.tensor(MASK), 0.0, CLIP, CLIP, "bnpo", 2)
+    parts = policy_loss(logps, torch.tensor(OLD), None, torch.tensor(ADV), torch.tensor(MASK),
+                        LossConfig(0.0, CLIP, CLIP, "bnpo", 2))
     parts.loss.backward()
     assert logps.grad[2, 0].item() == pytest.approx(-0.5 / 11)  # d(-ratio*A)/dlogp = -A at ratio 1
     assert logps.grad[2, 1].item() == 0.0  # padding

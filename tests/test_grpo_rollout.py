@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.loss import micro_batch_counts, policy_loss, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.advantages import zero_std_groups
+from llamafactory_qwenvl_patch.grpo.loss import LossConfig, micro_batch_counts, policy_loss, step_normalizers
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward, load_rewards, score
 from llamafactory_qwenvl_patch.grpo.rollout import completion_mask, cut_at_tokens, decode_kept, prompt_text
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
@@ -57,7 +58,7 @@ def simulate_step(micro_batches, world_size, grad_accum, loss_type="dapo"):
     for i, (logps, mask, adv) in enumerate(micro_batches):
         logps = logps.clone().requires_grad_(True)
         token_norm, seq_norm = norms[i % len(norms)].tolist()
-        loss = policy_loss(logps, logps.detach(), None, adv, mask, 0.0, 0.2, 0.2, loss_type, logps.size(1),
+        loss = policy_loss(logps, logps.detach(), None, adv, mask, LossConfig(0.0, 0.2, 0.2, loss_type, logps.size(1)),
                            token_norm, seq_norm).loss / grad_accum
         loss.backward()
         grads.append(logps.grad / world_size)
@@ -70,7 +71,7 @@ def one_batch(micro_batches, loss_type="dapo"):
     logps = torch.cat([pad(lp) for lp, _, _ in micro_batches]).requires_grad_(True)
     mask = torch.cat([pad(m) for _, m, _ in micro_batches])
     adv = torch.cat([a for _, _, a in micro_batches])
-    policy_loss(logps, logps.detach(), None, adv, mask, 0.0, 0.2, 0.2, loss_type, width).loss.backward()
+    policy_loss(logps, logps.detach(), None, adv, mask, LossConfig(0.0, 0.2, 0.2, loss_type, width)).loss.backward()
     return logps.grad
 
 
@@ -92,7 +93,7 @@ def test_dapo_is_a_token_mean_over_the_whole_step_under_accumulation():
     assert torch.allclose(grads[1], reference[3:, :2], atol=1e-7)
     for (lp, m, a), ratio, rows in zip(batches, (0.571, 4.0), (slice(0, 3), slice(3, 6))):
         x = lp.clone().requires_grad_(True)  # the old normaliser: this micro-batch's own tokens
-        (policy_loss(x, x.detach(), None, a, m, 0.0, 0.2, 0.2, "dapo", 14).loss / 2).backward()
+        (policy_loss(x, x.detach(), None, a, m, LossConfig(0.0, 0.2, 0.2, "dapo", 14)).loss / 2).backward()
         used = m.bool()
         measured = (x.grad[used] / reference[rows, :lp.size(1)][used]).mean().item()
         assert measured == pytest.approx(ratio, abs=1e-3)
@@ -118,9 +119,9 @@ def test_sequence_importance_is_one_ratio_per_sequence():
     logps = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
     old = torch.tensor([[-1.5, -1.5], [-1.0, -1.0]])
     mask = torch.ones(2, 2)
-    token = policy_loss(logps, old, None, torch.tensor([1.0, 1.0]), mask, 0.0, 0.2, 0.2, "grpo", 2)
-    seq = policy_loss(logps, old, None, torch.tensor([1.0, 1.0]), mask, 0.0, 0.2, 0.2, "grpo", 2,
-                      importance="sequence")
+    token = policy_loss(logps, old, None, torch.tensor([1.0, 1.0]), mask, LossConfig(0.0, 0.2, 0.2, "grpo", 2))
+    seq = policy_loss(logps, old, None, torch.tensor([1.0, 1.0]), mask,
+                      LossConfig(0.0, 0.2, 0.2, "grpo", 2, importance="sequence"))
     assert token.clip_ratio == pytest.approx(0.25)  # exp(0.5) > 1.2 on one token
     assert seq.clip_ratio == 0.0  # the sequence's mean log-ratio is 0
     assert seq.loss.item() == pytest.approx(-1.0)

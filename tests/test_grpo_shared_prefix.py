@@ -131,7 +131,9 @@ def make_trainer(model_dir, mode: dict, shared: str, tmp_path, batch: int = 2, a
         grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type="grpo", grpo_scale_rewards="group",
         grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
         grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
-        grpo_shared_prefix=shared, grpo_stop_on_reward_failure=True)
+        grpo_shared_prefix=shared, grpo_stop_on_reward_failure=True,
+        grpo_advantage_estimator="grpo", grpo_cispo_cap=5.0, grpo_delta=None, grpo_entropy_coef=0.0,
+        grpo_overlong_buffer=None)
 
     def reward(completions, **_):
         return [len(c) / 10 + (zlib.crc32(c.encode()) % 7) / 7 for c in completions]  # the same in every process
@@ -168,7 +170,7 @@ def logps_and_grads(trainer, processor, indices: list[int]):
     trainer.model.train()
     trainer.model.zero_grad()
     with trainer._shared_attention():
-        logps = trainer._token_logps(trainer.model, trainer._forward_inputs(batch, ids, mask), ids)
+        logps = trainer._token_logps(trainer.model, trainer._forward_inputs(batch, ids, mask), ids)[0]
         (logps * mask).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return logps.detach(), mask.bool(), grads

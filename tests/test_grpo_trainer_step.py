@@ -23,7 +23,9 @@ def finetuning(loss_type: str, **overrides) -> SimpleNamespace:
                grpo_epsilon=0.2, grpo_epsilon_high=0.2, grpo_loss_type=loss_type, grpo_scale_rewards="group",
                grpo_skip_zero_std_groups=False, grpo_mask_truncated=False, grpo_importance_sampling="token",
                grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
-               grpo_shared_prefix="auto", grpo_stop_on_reward_failure=True),
+               grpo_shared_prefix="auto", grpo_stop_on_reward_failure=True,
+        grpo_advantage_estimator="grpo", grpo_cispo_cap=5.0, grpo_delta=None, grpo_entropy_coef=0.0,
+        grpo_overlong_buffer=None),
         **overrides})
 
 

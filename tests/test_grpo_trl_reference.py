@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamafactory_qwenvl_patch.grpo.loss import policy_loss
+from llamafactory_qwenvl_patch.grpo.loss import LossConfig, policy_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 EPS_LOW, EPS_HIGH, BETA, MAX_LEN = 0.2, 0.28, 0.04, 6
@@ -58,8 +58,8 @@ def case(seed):
 def test_matches_trl_compute_loss(trl_trainer_class, loss_type, importance, seed):
     logps, old, ref, adv, mask = case(seed)
     ours_in = logps.clone().requires_grad_(True)
-    ours = policy_loss(ours_in, old, ref, adv, mask, BETA, EPS_LOW, EPS_HIGH, loss_type, MAX_LEN,
-                       importance=importance)
+    ours = policy_loss(ours_in, old, ref, adv, mask,
+                       LossConfig(BETA, EPS_LOW, EPS_HIGH, loss_type, MAX_LEN, importance))
     ours.loss.backward()
     trl_in = logps.clone().requires_grad_(True)
     inputs = {"prompt_ids": torch.zeros(6, 2, dtype=torch.long), "prompt_mask": torch.ones(6, 2, dtype=torch.long),

@@ -335,16 +335,20 @@ def grpo_run(tiny_model, root, data_dir, name, env=None, **overrides):
 @pytest.mark.parametrize("finetuning_type", ["lora", "full"])
 def test_llamafactory_cli_grpo_on_vllm_matches_hf(small_model, grpo_data, finetuning_type):
     """``stage: grpo`` with ``grpo_rollout_backend: vllm`` through ``llamafactory-cli train`` (batch 2, GA 2):
-    vLLM samples the training model's distribution (log-prob gap ~0), the truncated IS correction runs, and the
-    rewards agree with the hf backend's on the same seed within sampling noise."""
+    vLLM samples the training model's distribution (log-prob gap ~0, logged every step with verl's KL estimates),
+    the importance correction runs (the default sequence_mask, and token_truncate), and the rewards agree with the
+    hf backend's on the same seed within sampling noise."""
     root, data_dir = grpo_data
     extra = {"finetuning_type": finetuning_type, "learning_rate": 1e-5 if finetuning_type == "full" else 1e-4}
+    mode = {"full": {"grpo_vllm_is_mode": "token_truncate"}}.get(finetuning_type, {})
     vllm_steps = grpo_run(small_model, root, data_dir, f"vllm-{finetuning_type}", grpo_rollout_backend="vllm",
-                          grpo_vllm_is_correction=True, **extra)
+                          **mode, **extra)
     hf_steps = grpo_run(small_model, root, data_dir, f"hf-{finetuning_type}", **extra)
     assert len(vllm_steps) == len(hf_steps) == 3
     for row in vllm_steps:
-        assert row["vllm/logp_diff/mean"] < 1e-3 and 0.5 < row["vllm/is_weight/mean"] <= 2.0
+        assert row["vllm/logp_diff/mean"] < 1e-3 and 0.5 < row["vllm/is_weight/mean"] <= 3.0
+        assert abs(row["vllm/mismatch/kl"]) < 1e-3 and 0 <= row["vllm/mismatch/k3_kl"] < 1e-3
+        assert row["vllm/is_masked_ratio"] == 0 and row["vllm/is_weight/min"] <= row["vllm/is_weight/max"]
         assert row["vllm/sync_seconds"] > 0  # one sync per optimiser step, timed
     means = [[row["rewards/length/mean"] for row in steps] for steps in (vllm_steps, hf_steps)]
     stds = [[row["rewards/length/std"] for row in steps] for steps in (vllm_steps, hf_steps)]
@@ -364,6 +368,7 @@ def test_two_ranks_each_with_its_engine(small_model, grpo_data):
     steps = grpo_run(small_model, root, data_dir, "vllm-2ranks", grpo_rollout_backend="vllm",
                      per_device_train_batch_size=1, gradient_accumulation_steps=1, env=torchrun_env(2))
     assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
+    assert all(abs(row["vllm/mismatch/kl"]) < 1e-3 for row in steps)  # both ranks' tokens
 
 
 @pytest.mark.slow

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
-from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.advantages import ESTIMATORS, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES
 from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN as BUILTIN_REWARDS
+from llamafactory_qwenvl_patch.grpo.sampler_correction import IS_MODES
 from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
@@ -33,6 +35,10 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_vllm_gpu_memory_utilization": (0, 1, False, True),
     "grpo_vllm_tensor_parallel_size": (1, math.inf, True, False),
     "grpo_vllm_is_cap": (0, math.inf, False, False),
+    "grpo_cispo_cap": (0, math.inf, False, False),
+    "grpo_delta": (1, math.inf, False, False),
+    "grpo_entropy_coef": (-math.inf, math.inf, False, False),
+    "grpo_overlong_buffer": (1, math.inf, True, False),
 }
 
 
@@ -108,7 +114,30 @@ def extend_finetuning_arguments(base: type) -> type:
             default=None, metadata={"help": "Upper clip epsilon (default: grpo_epsilon)."}
         )
         grpo_loss_type: str = field(default="grpo", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
-        grpo_scale_rewards: str = field(default="group", metadata={"help": f"One of {', '.join(SCALE_REWARDS)}."})
+        grpo_cispo_cap: float = field(
+            default=5.0, metadata={"help": "cispo: upper bound of the stop-gradient importance weight (trl's "
+                                   "epsilon_high under cispo; ScaleRL recommends 5)."}
+        )
+        grpo_delta: float | None = field(
+            default=None, metadata={"help": "Two-sided clipping: upper bound of the ratio where the advantage is "
+                                    "negative (INTELLECT-2; > 1 + grpo_epsilon_high). None = off."}
+        )
+        grpo_entropy_coef: float = field(
+            default=0.0, metadata={"help": "Entropy bonus: the loss minus this x the completions' mean per-token "
+                                   "entropy. 0 = off (the entropy is logged either way)."}
+        )
+        grpo_advantage_estimator: str = field(
+            default="grpo", metadata={"help": f"One of {', '.join(ESTIMATORS)}: group mean/std (GRPO), "
+                                      "leave-one-out baseline (RLOO), batch-whitened (REINFORCE++), or group mean "
+                                      "then batch-whitened (REINFORCE++-baseline)."}
+        )
+        grpo_overlong_buffer: int | None = field(
+            default=None, metadata={"help": "overlong reward: the last this many of max_new_tokens are the soft "
+                                    "punishment zone (DAPO's L_cache; default a fifth of max_new_tokens)."}
+        )
+        grpo_scale_rewards: str = field(
+            default="group", metadata={"help": f"One of {', '.join(SCALE_REWARDS)} (the grpo estimator's scale)."}
+        )
         grpo_num_iterations: int = field(
             default=1, metadata={"help": "Optimisation passes over each rollout batch (mu); clipping acts when > 1."}
         )
@@ -156,11 +185,15 @@ def extend_finetuning_arguments(base: type) -> type:
                                         "training processes."}
         )
         grpo_vllm_is_correction: bool = field(
-            default=False, metadata={"help": "vllm backend: weight each token by min(p_train / p_vllm, cap) "
-                                     "(truncated importance sampling)."}
+            default=True, metadata={"help": "vllm backend: correct the loss for the sampler's log-probs with "
+                                    "importance weights p_train / p_vllm (grpo_vllm_is_mode)."}
+        )
+        grpo_vllm_is_mode: str = field(
+            default="sequence_mask", metadata={"help": f"vllm backend: one of {', '.join(IS_MODES)}: a ratio per "
+                                               "token or per completion, truncated at the cap or masked above it."}
         )
         grpo_vllm_is_cap: float = field(
-            default=2.0, metadata={"help": "vllm backend: cap of the importance weight."}
+            default=3.0, metadata={"help": "vllm backend: cap of the importance weight."}
         )
         grpo_shared_prefix: str = field(
             default="auto",
@@ -195,9 +228,20 @@ def extend_finetuning_arguments(base: type) -> type:
             for key, value, allowed in (("grpo_loss_type", self.grpo_loss_type, LOSS_TYPES),
                                         ("grpo_scale_rewards", self.grpo_scale_rewards, SCALE_REWARDS),
                                         ("grpo_importance_sampling", self.grpo_importance_sampling,
-                                         IMPORTANCE_LEVELS)):
+                                         IMPORTANCE_LEVELS),
+                                        ("grpo_advantage_estimator", self.grpo_advantage_estimator, ESTIMATORS),
+                                        ("grpo_vllm_is_mode", self.grpo_vllm_is_mode, IS_MODES)):
                 if value not in allowed:
                     raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+            if self.grpo_advantage_estimator != "grpo" and self.grpo_scale_rewards != "group":
+                raise ValueError(f"grpo_scale_rewards: {self.grpo_scale_rewards} scales the grpo estimator's "
+                                 f"advantages; {self.grpo_advantage_estimator} has its own scale (see docs/grpo.md)")
+            if self.grpo_delta is not None and self.grpo_delta <= 1 + self.grpo_epsilon_high:
+                raise ValueError(f"grpo_delta ({self.grpo_delta}) must be above 1 + grpo_epsilon_high "
+                                 f"({1 + self.grpo_epsilon_high}): below it, it clips inside the trust region")
+            if self.grpo_delta is not None and self.grpo_loss_type == "cispo":
+                raise ValueError("grpo_delta bounds the clipped surrogate's ratio; cispo bounds its weight with "
+                                 "grpo_cispo_cap")
             if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
                 raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                                  f"got {self.grpo_rollout_backend!r}")

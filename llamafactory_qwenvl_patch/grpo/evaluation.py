@@ -23,10 +23,11 @@ VIDEO_PAD = "<|video_pad|>"  # a video prompt's text as the rewards read it (ima
 
 
 def eval_metrics(meta: Sequence[SampleMeta], texts: Sequence[str], rewards: Sequence[Reward],
-                 resize_policy: ResizePolicy | None, coords: str, prefix: str) -> dict[str, float]:
+                 resize_policy: ResizePolicy | None, coords: str, prefix: str,
+                 lengths: tuple[Sequence[int], int, int | None] | None = None) -> dict[str, float]:
     """``{prefix}_reward``, ``{prefix}_rewards/<name>/mean``, the grounding metrics and the field metrics of one
-    greedy answer per prompt."""
-    columns, shared = reward_inputs(meta, 1, resize_policy, coords)
+    greedy answer per prompt. ``lengths``: (each answer's tokens, max_new_tokens, the overlong buffer)."""
+    columns, shared = reward_inputs(meta, 1, resize_policy, coords, *(lengths or ()))
     metrics: dict[str, Any] = {f"{prefix}_samples": float(len(texts))}
     total = torch.zeros(len(texts))
     for reward in rewards:

@@ -1,4 +1,5 @@
-"""GRPO math as pure tensor functions: group-relative advantages, step normalisers and the clipped loss."""
+"""GRPO math as pure tensor functions: step normalisers and the policy loss (the advantages are in
+``advantages``)."""
 
 from __future__ import annotations
 
@@ -6,37 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 IMPORTANCE_LEVELS = ("token", "sequence")
-
-
-def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
-               batch_std: float | None = None) -> torch.Tensor:
-    """(r - group mean), divided by the group std (``group``), the batch std (``batch``) or nothing (``none``).
-
-    ``rewards`` holds consecutive groups of ``group_size`` completions of the same prompt. ``batch_std`` is the std
-    over the global batch (all ranks); by default the std of ``rewards``.
-    """
-    if scale not in SCALE_REWARDS:
-        raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}")
-    grouped = rewards.view(-1, group_size)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
-    if scale == "group":
-        std = grouped.std(dim=1, unbiased=True).repeat_interleave(group_size) if group_size > 1 else torch.ones_like(rewards)
-        return centred / (std + eps)
-    if scale == "batch":
-        if batch_std is None:
-            batch_std = float(rewards.std(unbiased=True)) if rewards.numel() > 1 else 0.0
-        return centred / (batch_std + eps)
-    return centred
-
-
-def zero_std_groups(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
-    """(N,) bool: the completion belongs to a group whose rewards are all equal (no learning signal)."""
-    grouped = rewards.view(-1, group_size)
-    flat = (grouped.max(dim=1).values - grouped.min(dim=1).values) <= tol
-    return flat.repeat_interleave(group_size)
 
 
 def micro_batch_counts(masks: list[torch.Tensor]) -> torch.Tensor:
@@ -63,6 +35,42 @@ class LossParts:
     loss: torch.Tensor
     kl: float
     clip_ratio: float
+    entropy: float | None = None  # mean per-token entropy of the completions, when given
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The run's loss keys. ``cispo_cap``: CISPO's upper bound of the importance weight (trl's ``epsilon_high``
+    under ``cispo``); ``delta``: the ratio's upper bound for negative advantages (two-sided clipping), None = off;
+    ``entropy_coef``: the entropy bonus, 0 = off."""
+
+    beta: float = 0.04
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    loss_type: str = "grpo"
+    max_completion_length: int = 1
+    importance: str = "token"
+    cispo_cap: float = 5.0
+    delta: float | None = None
+    entropy_coef: float = 0.0
+
+
+def _surrogate(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config: LossConfig
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token policy loss, clipped tokens) of the ratio's objective.
+
+    ``cispo``: -sg(min(ratio, cap)) x A x log p (MiniMax-M1; trl's form, whose bound is the ratio itself); the
+    others: PPO's clipped surrogate, with ``delta`` capping the unclipped ratio (INTELLECT-2; trl applies it after
+    the clipped copy is made, so it only binds where A < 0).
+    """
+    if config.loss_type == "cispo":
+        capped = torch.clamp(ratio, max=config.cispo_cap)
+        return -capped.detach() * a * logps, (ratio > config.cispo_cap).expand_as(logps)
+    clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high)
+    unclipped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
+    per_token = -torch.min(unclipped * a, clipped * a).expand_as(logps)
+    is_clipped = ((ratio < 1 - config.eps_low) & (a < 0)) | ((ratio > 1 + config.eps_high) & (a > 0))
+    return per_token, is_clipped.expand_as(logps)
 
 
 def policy_loss(
@@ -71,62 +79,63 @@ def policy_loss(
     ref_logps: torch.Tensor | None,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    beta: float,
-    eps_low: float,
-    eps_high: float,
-    loss_type: str,
-    max_completion_length: int,
+    config: LossConfig,
     token_normalizer: float | None = None,
     seq_normalizer: float | None = None,
-    importance: str = "token",
     sampling_weights: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
 ) -> LossParts:
-    """Clipped surrogate with an optional k3 KL term, aggregated per ``loss_type``.
+    """The policy objective with an optional k3 KL term and entropy bonus, aggregated per ``config.loss_type``.
 
-    Shapes: (N, T) for log-probs and ``mask`` (1 for completion tokens that enter the loss), (N,) for ``adv``.
-    ``importance``: ``token`` ratios (GRPO) or one ratio per sequence from its mean log-ratio (GSPO).
+    Shapes: (N, T) for log-probs, ``mask`` (1 for completion tokens that enter the loss) and ``entropies``, (N,) for
+    ``adv``. ``config.importance``: ``token`` ratios (GRPO) or one ratio per sequence from its mean log-ratio (GSPO).
     ``grpo``: mean over each sequence's tokens, summed over sequences and divided by ``seq_normalizer`` (default:
-    the sequences of this batch that enter the loss); ``bnpo``: token mean over this batch; ``dapo``: token sum over
-    ``token_normalizer`` (default: this batch's tokens); ``dr_grpo``: token sum over N * max_completion_length.
-    ``step_normalizers`` gives the normalisers that make ``grpo`` and ``dapo`` means over a whole optimiser step.
-    ``sampling_weights`` (N, T): truncated importance weights for a sampler that is not the training model (vLLM),
-    applied to the policy term before the KL term is added, as trl does.
+    the sequences of this batch that enter the loss); ``bnpo``: token mean over this batch; ``dapo`` and ``cispo``:
+    token sum over ``token_normalizer`` (default: this batch's tokens); ``dr_grpo``: token sum over N x
+    max_completion_length. ``step_normalizers`` gives the normalisers that make ``grpo``, ``dapo`` and ``cispo``
+    means over a whole optimiser step.
+    ``sampling_weights`` (N, T) or (N, 1): importance weights for a sampler that is not the training model (vLLM,
+    ``sampler_correction``), applied to the policy term before the KL term is added, as trl does.
+    The entropy bonus subtracts ``entropy_coef`` x the token mean of ``entropies`` over ``token_normalizer`` (trl's
+    bonus is a mean over each micro-batch; over the step it is exact whatever the micro-batch sizes).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
-    if importance not in IMPORTANCE_LEVELS:
-        raise ValueError(f"grpo_importance_sampling must be one of {', '.join(IMPORTANCE_LEVELS)}, got {importance!r}")
+    if config.loss_type not in LOSS_TYPES:
+        raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {config.loss_type!r}")
+    if config.importance not in IMPORTANCE_LEVELS:
+        raise ValueError(f"grpo_importance_sampling must be one of {', '.join(IMPORTANCE_LEVELS)}, "
+                         f"got {config.importance!r}")
     mask = mask.to(logps.dtype)
     seq_tokens = mask.sum(dim=1)
     log_ratio = logps - old_logps
-    if importance == "sequence":
+    if config.importance == "sequence":
         log_ratio = ((log_ratio * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).unsqueeze(1)
-    ratio = torch.exp(log_ratio)
-    a = adv.unsqueeze(1)
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
-    per_token = -torch.min(unclipped, clipped).expand_as(logps)
+    per_token, is_clipped = _surrogate(torch.exp(log_ratio), adv.unsqueeze(1), logps, config)
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = torch.zeros_like(logps)
-    if ref_logps is not None and beta != 0:
+    if ref_logps is not None and config.beta != 0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
+        per_token = per_token + config.beta * kl
     tokens = mask.sum().clamp(min=1.0)
     summed = (per_token * mask).sum()
-    if loss_type == "grpo":
+    if config.loss_type == "grpo":
         kept = float((seq_tokens > 0).sum().clamp(min=1))
         loss = ((per_token * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).sum() / (seq_normalizer or kept)
-    elif loss_type == "bnpo":
+    elif config.loss_type == "bnpo":
         loss = summed / tokens
-    elif loss_type == "dapo":
+    elif config.loss_type in ("dapo", "cispo"):
         loss = summed / (token_normalizer or tokens)
     else:
-        loss = summed / (per_token.size(0) * max_completion_length)
-    is_clipped = (((ratio < 1 - eps_low) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))).expand_as(logps)
+        loss = summed / (per_token.size(0) * config.max_completion_length)
+    entropy = None
+    if entropies is not None:
+        entropy = float((entropies.detach() * mask).sum() / tokens)
+        if config.entropy_coef != 0:
+            loss = loss - config.entropy_coef * (entropies * mask).sum() / (token_normalizer or tokens)
     return LossParts(
         loss=loss,
         kl=float((kl.detach() * mask).sum() / tokens),
         clip_ratio=float((is_clipped.to(mask.dtype) * mask).sum() / tokens),
+        entropy=entropy,
     )

@@ -1,8 +1,8 @@
 """Verifiable rewards (pure functions; the video ones in ``video_rewards``) and the loader for ``reward_funcs``.
 
 The reward API: ``fn(completions, *, references, prompts, orig_sizes, model_sizes, resize_policy, indices, metas,
-coords) -> list[float]``, one entry per completion; ``reward_inputs`` builds the keywords and docs/grpo.md
-("Your own reward") says what each holds. Built-ins never raise on garbage; a custom reward that raises or returns
+coords, completion_lengths, max_completion_length, overlong_buffer) -> list[float]``, one entry per completion;
+``reward_inputs`` builds the keywords and docs/grpo.md ("Your own reward") says what each holds. Built-ins never raise on garbage; a custom reward that raises or returns
 NaN scores 0 for the completions concerned (found by scoring the batch again one completion at a time), and each is
 counted.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, frame_extent, map_coords
+from llamafactory_qwenvl_patch.grpo.length_rewards import overlong_reward
 from llamafactory_qwenvl_patch.grpo.video_rewards import VIDEO_REWARDS, video_format_ok
 from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
@@ -220,6 +221,7 @@ BUILTIN: dict[str, RewardFunc] = {
     "click_dense": click_dense_reward,
     "det_f1": det_f1_reward,
     "box_sanity": box_sanity_reward,
+    "overlong": overlong_reward,
     **VIDEO_REWARDS,
 }
 
@@ -384,10 +386,11 @@ def score(reward: Reward, completions: list[str], columns: dict[str, list], shar
     return Scored([0.0 if bad else v for v, bad in zip(values, errors)], errors, failure)
 
 
-def reward_inputs(meta: Sequence[Any], repeat: int, resize_policy: Any, coords: str
-                  ) -> tuple[dict[str, list], dict[str, Any]]:
+def reward_inputs(meta: Sequence[Any], repeat: int, resize_policy: Any, coords: str,
+                  lengths: Sequence[int] | None = None, max_completion_length: int | None = None,
+                  overlong_buffer: int | None = None) -> tuple[dict[str, list], dict[str, Any]]:
     """The reward keywords for prompts ``meta`` (``SampleMeta``): per-completion columns (each prompt's values
-    ``repeat`` times) and the values shared by every completion."""
+    ``repeat`` times; ``completion_lengths`` in tokens) and the values shared by every completion."""
     columns = dict(
         references=[m.reference for m in meta for _ in range(repeat)],
         prompts=[m.prompt for m in meta for _ in range(repeat)],
@@ -395,5 +398,7 @@ def reward_inputs(meta: Sequence[Any], repeat: int, resize_policy: Any, coords: 
         model_sizes=[m.model_hw for m in meta for _ in range(repeat)],
         indices=[m.index for m in meta for _ in range(repeat)],
         metas=[m.meta for m in meta for _ in range(repeat)],
+        completion_lengths=list(lengths) if lengths is not None else [None] * (len(meta) * repeat),
     )
-    return columns, dict(resize_policy=resize_policy, coords=coords)
+    return columns, dict(resize_policy=resize_policy, coords=coords, max_completion_length=max_completion_length,
+                         overlong_buffer=overlong_buffer)

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, frame_extent
-from llamafactory_qwenvl_patch.grpo.loss import zero_std_groups
+from llamafactory_qwenvl_patch.grpo.advantages import zero_std_groups
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
+from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally, detections
 from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally, meta_duration, reference_kind, try_parse_spans
 
@@ -160,9 +161,16 @@ def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch
 
 
 def add_monitors(tally: MonitorTally, spans: SpanMonitorTally, texts: list[str], meta: list[SampleMeta],
-                 generations: int, coords: str) -> None:
+                 generations: int, coords: str, clicks: ClickMonitorTally | None = None) -> None:
     """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame (a
-    box track is not a many-box answer: it is left out), and the span monitors of those with reference spans."""
+    box track is not a many-box answer: it is left out), the span monitors of those with reference spans and, given
+    ``clicks`` (a run rewarded for clicks), the click monitors of every group whose prompt has an image."""
+    if clicks is not None:
+        for start in range(0, len(texts), generations):
+            sample = meta[start // generations]
+            if sample.orig_hw is not None and sample.model_hw is not None and reference_kind(sample.reference) is None:
+                clicks.add_group(texts[start:start + generations],
+                                 frame_extent(coords, sample.orig_hw, sample.model_hw))
     for i, text in enumerate(texts):
         sample = meta[i // generations]
         kind = reference_kind(sample.reference)

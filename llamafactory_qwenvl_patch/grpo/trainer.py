@@ -24,6 +24,7 @@ from transformers import GenerationConfig, Trainer
 from llamafactory_qwenvl_patch.frame.mrope import needs_token_types
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo import shared_prefix
+from llamafactory_qwenvl_patch.grpo.loss import LossConfig
 from llamafactory_qwenvl_patch.grpo.rewards import Reward
 from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
 from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
@@ -33,8 +34,12 @@ from llamafactory_qwenvl_patch.grpo.trainer_checkpoint import (
 from llamafactory_qwenvl_patch.grpo.trainer_metrics import MetricsMixin
 from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
 from llamafactory_qwenvl_patch.grpo.trainer_step import StepMixin
+from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
+
+
+CLICK_REWARDS = ("click", "click_dense")
 
 
 class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
@@ -69,6 +74,10 @@ class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Traine
                                               max_new_tokens=sampling["max_new_tokens"], **common)
         self.max_new_tokens = self.generation_config.max_new_tokens
         self.temperature = float(self.generation_config.temperature)
+        fa = finetuning_args
+        self.loss_config = LossConfig(fa.grpo_beta, fa.grpo_epsilon, fa.grpo_epsilon_high, fa.grpo_loss_type,
+                                      self.max_new_tokens, fa.grpo_importance_sampling, fa.grpo_cispo_cap,
+                                      fa.grpo_delta, fa.grpo_entropy_coef)
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
         self.image_id = config.image_token_id
@@ -80,6 +89,8 @@ class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Traine
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._monitors = MonitorTally()  # detection-hack counts since the last log
         self._span_monitors = SpanMonitorTally()  # and the span hacks'
+        clicks = any(reward.name in CLICK_REWARDS for reward in reward_funcs)
+        self._click_monitors = ClickMonitorTally() if clicks else None  # and, in a run rewarded for clicks, theirs
         self._buffer: list[MicroBatch] | None = None
         self._micro_step = 0
         self._reported_rewards: set[str] = set()

@@ -4,6 +4,7 @@ ranks."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -13,6 +14,7 @@ from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
 from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
 from llamafactory_qwenvl_patch.grpo.rewards import confident_answer
 from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
@@ -41,14 +43,15 @@ class MetricsMixin:
             if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
                 features = features + [blank_copy(f) for f in features if blankable(f)]
             batch, meta = self._collate(features)
-            texts = self._completions(self._sample(model, batch, meta, greedy=True)[0])[3]
-            rows += list(zip(meta, texts))
+            _, mask, _, texts, _ = self._completions(self._sample(model, batch, meta, greedy=True)[0])
+            rows += list(zip(meta, texts, mask.sum(dim=1).tolist()))
         # drop even_batches padding: one row per (record, blank or not)
-        unique = {(sample.index, sample.blank): (sample, text) for sample, text in gather_object(rows)}
-        meta = [sample for sample, _ in unique.values() if not sample.blank]
-        texts = [text for sample, text in unique.values() if not sample.blank]
-        metrics = eval_metrics(meta, texts, self.reward_funcs, self.resize_policy, self.coords, metric_key_prefix)
-        blank = [confident_answer(text, sample.reference) for sample, text in unique.values() if sample.blank]
+        unique = {(row[0].index, row[0].blank): row for row in gather_object(rows)}
+        real = [row for row in unique.values() if not row[0].blank]
+        metrics = eval_metrics([row[0] for row in real], [row[1] for row in real], self.reward_funcs,
+                               self.resize_policy, self.coords, metric_key_prefix,
+                               ([row[2] for row in real], self.max_new_tokens, self.fa.grpo_overlong_buffer))
+        blank = [confident_answer(text, sample.reference) for sample, text, _ in unique.values() if sample.blank]
         if blank:
             metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
         self.log(metrics)
@@ -73,34 +76,46 @@ class MetricsMixin:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _reduced_metrics(self) -> dict[str, float]:
-        """Every metric collected since the last log over all ranks: counters summed, the rest averaged over every
-        value any rank collected. Ranks may hold different names (a rank whose rollouts had no reference boxes has
-        no monitors), so the names are gathered first and each rank sends a sum and a count per name."""
+        """Every metric collected since the last log over all ranks: counters summed, ``/max`` and ``/min`` the
+        extreme of every value any rank collected, the rest averaged over them. Ranks may hold different names (a
+        rank whose rollouts had no reference boxes has no monitors), so the names are gathered first and each rank
+        sends a sum, a count and its extremes per name."""
         names = sorted(self._metrics)
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             names = sorted(set().union(*gather_object([names])))
         values = [self._metrics.get(name, []) for name in names]
-        totals = torch.tensor([[float(sum(v)), float(len(v))] for v in values], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, reduction="sum")
+        totals = torch.tensor([[float(sum(v)), float(len(v)), max(v, default=-math.inf), min(v, default=math.inf)]
+                               for v in values], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1 and names:
+            sums = self.accelerator.reduce(totals[:, :2].contiguous(), reduction="sum")
+            high = self.accelerator.gather(totals[:, 2].contiguous()).view(-1, len(names)).max(dim=0).values
+            low = self.accelerator.gather(totals[:, 3].contiguous()).view(-1, len(names)).min(dim=0).values
+            totals = torch.cat([sums, high[:, None], low[:, None]], dim=1)
         out = {}
-        for name, (total, count) in zip(names, totals.tolist()):
+        for name, (total, count, high, low) in zip(names, totals.tolist()):
             if name.endswith(COUNTERS):
                 out[name] = round(total, 6)
+            elif count and name.endswith("/max"):
+                out[name] = round(high, 6)
+            elif count and name.endswith("/min"):
+                out[name] = round(low, 6)
             elif count:
                 out[name] = round(total / count, 6)
         return out
 
     def _monitor_metrics(self) -> dict[str, float]:
-        """The detection and span monitors since the last log, from every rank's counts merged (exact rates)."""
-        tallies = [self._monitors, self._span_monitors]
+        """The detection, span and click monitors since the last log, from every rank's counts merged (exact
+        rates)."""
+        tallies = [self._monitors, self._span_monitors, self._click_monitors or ClickMonitorTally()]
         self._monitors, self._span_monitors = MonitorTally(), SpanMonitorTally()
+        if self._click_monitors is not None:
+            self._click_monitors = ClickMonitorTally()
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
-            merged = [MonitorTally(), SpanMonitorTally()]
+            merged = [MonitorTally(), SpanMonitorTally(), ClickMonitorTally()]
             for parts in gather_object([tallies]):
                 for total, part in zip(merged, parts):
                     total.merge(part)

@@ -17,7 +17,10 @@ from llamafactory_qwenvl_patch.frame.mrope import token_types
 from llamafactory_qwenvl_patch.grpo import shared_prefix
 from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
 from llamafactory_qwenvl_patch.grpo.gather_budget import zero3_budget
-from llamafactory_qwenvl_patch.grpo.loss import advantages, micro_batch_counts, step_normalizers, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.advantages import (
+    batch_moments, group_advantages, outcome_values, rloo_advantages, whitened, zero_std_groups,
+)
+from llamafactory_qwenvl_patch.grpo.loss import micro_batch_counts, step_normalizers
 from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.rewards import Scored, confident_answer, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import (
@@ -200,8 +203,9 @@ class RolloutMixin:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         return inputs
 
-    def _score(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
-        columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords)
+    def _score(self, texts: list[str], meta: list[SampleMeta], lengths: list[int]) -> torch.Tensor:
+        columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords, lengths,
+                                        self.max_new_tokens, self.fa.grpo_overlong_buffer)
         total = torch.zeros(len(texts))
         results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
         self._report_reward_failures(results)
@@ -281,7 +285,7 @@ class RolloutMixin:
             self._metrics["vision_tokens_cut"].append(float(cut))
             inputs = self._forward_inputs(batch, ids, attention)
             with torch.no_grad(), self._shared_attention():
-                old = self._token_logps(model, inputs, ids) if self.off_policy else None
+                old = self._token_logps(model, inputs, ids)[0] if self.off_policy else None
                 ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
             parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
                               old=old, ref=ref, sampling=sampling_logps))
@@ -291,12 +295,10 @@ class RolloutMixin:
         blank = torch.tensor([m.blank for m in meta for _ in range(G)], device=device)
         real_meta = [m for m in meta if not m.blank]
         real_texts = [t for t, b in zip(texts, blank.tolist()) if not b]
-        rewards = self._score(real_texts, real_meta).to(device)
-        batch_std = None
-        if self.fa.grpo_scale_rewards == "batch" and self.accelerator.num_processes > 1:
-            batch_std = float(self.accelerator.gather(rewards).std())
+        lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
+        rewards = self._score(real_texts, real_meta, [int(n) for n in lengths[~blank].tolist()]).to(device)
         adv = torch.zeros(len(texts), device=device)
-        adv[~blank] = advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
+        adv[~blank] = self._advantages(rewards, lengths[~blank])
         every_reward = adv.clone()
         every_reward[~blank] = rewards
         if blank.any():  # baseline 0, not group-relative: a model that answers every blank image gets a signal
@@ -315,9 +317,9 @@ class RolloutMixin:
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
-        lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
         stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
-        add_monitors(self._monitors, self._span_monitors, real_texts, real_meta, G, self.coords)
+        add_monitors(self._monitors, self._span_monitors, real_texts, real_meta, G, self.coords,
+                     self._click_monitors)
         for key, value in stats.items():
             self._metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)
@@ -327,6 +329,24 @@ class RolloutMixin:
                            advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
                 for j, part in enumerate(parts)]
+
+    def _advantages(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The advantages of ``grpo_advantage_estimator`` (``advantages``); the batch statistics (``batch`` scale,
+        REINFORCE++'s whitening) are over the global batch, every rank's completions."""
+        G, estimator = self.num_generations, self.fa.grpo_advantage_estimator
+        several = self.accelerator.num_processes > 1
+        if estimator == "grpo":
+            batch_std = None
+            if self.fa.grpo_scale_rewards == "batch" and several:
+                batch_std = float(self.accelerator.gather(rewards).std())
+            return group_advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
+        if estimator == "rloo":
+            return rloo_advantages(rewards, G)
+        values = outcome_values(rewards, G, estimator)
+        moments = batch_moments(values, lengths).to(rewards.device)
+        if several:
+            moments = self.accelerator.reduce(moments, reduction="sum")
+        return whitened(values, moments)
 
     def _warn_if_flat(self, stats: dict[str, float], texts: list[str], meta: list[SampleMeta]) -> None:
         """Say so when GRPO cannot learn: in every group all completions got the same reward, so every advantage

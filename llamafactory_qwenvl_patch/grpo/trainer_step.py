@@ -12,6 +12,8 @@ from llamafactory_qwenvl_patch.grpo import shared_prefix
 from llamafactory_qwenvl_patch.grpo.loss import policy_loss
 from llamafactory_qwenvl_patch.grpo.reference import reference_context
 from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
+from llamafactory_qwenvl_patch.grpo.sampler_correction import importance_weights, mismatch
+from llamafactory_qwenvl_patch.grpo.token_stats import row_logps_and_entropy
 
 
 class StepMixin:
@@ -40,35 +42,43 @@ class StepMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro: MicroBatch = inputs["grpo"]
-        logps = self._token_logps(model, micro.inputs, micro.completion_ids)
+        logps, entropies = self._token_logps(model, micro.inputs, micro.completion_ids, entropy=True,
+                                             entropy_grad=self.fa.grpo_entropy_coef != 0)
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
         weights = self._sampling_weights(old, micro) if micro.sampling_logps is not None else None
-        parts = policy_loss(logps, old, micro.ref_logps, micro.advantages, micro.mask, self.fa.grpo_beta,
-                            self.fa.grpo_epsilon, self.fa.grpo_epsilon_high, self.fa.grpo_loss_type,
-                            self.max_new_tokens, micro.token_normalizer, micro.seq_normalizer,
-                            self.fa.grpo_importance_sampling, weights)
+        parts = policy_loss(logps, old, micro.ref_logps, micro.advantages, micro.mask, self.loss_config,
+                            micro.token_normalizer, micro.seq_normalizer, weights, entropies)
         self._metrics["kl"].append(parts.kl)
         self._metrics["clip_ratio"].append(parts.clip_ratio)
+        if micro.mask.any():  # every optimiser step, also the later passes over a rollout
+            self._metrics["entropy"].append(parts.entropy)
         return parts.loss
 
     def _sampling_weights(self, old: torch.Tensor, micro: MicroBatch) -> torch.Tensor | None:
-        """Log how far vLLM's sampling log-probs are from the training model's (first pass over a rollout) and, with
-        ``grpo_vllm_is_correction``, the truncated importance weights min(p_train / p_vllm, cap) per token."""
+        """Log how far vLLM's sampling log-probs are from the training model's (first pass over a rollout:
+        ``vllm/mismatch/*`` and ``vllm/logp_diff/*``) and, with ``grpo_vllm_is_correction``, the importance weights
+        of ``grpo_vllm_is_mode`` (``sampler_correction``)."""
         mask = micro.mask.bool()
         if self._first_pass and mask.any():
-            diff = (old - micro.sampling_logps).abs()[mask]
-            self._metrics["vllm/logp_diff/mean"].append(float(diff.mean()))
-            self._metrics["vllm/logp_diff/max"].append(float(diff.max()))
+            for key, value in mismatch(old, micro.sampling_logps, mask).items():
+                self._metrics[f"vllm/{key}" if key.startswith("logp_diff") else f"vllm/mismatch/{key}"].append(value)
         if not self.fa.grpo_vllm_is_correction:
             return None
-        weights = torch.exp(old - micro.sampling_logps).clamp(max=self.fa.grpo_vllm_is_cap)
+        weights = importance_weights(old, micro.sampling_logps, mask, self.fa.grpo_vllm_is_mode,
+                                     self.fa.grpo_vllm_is_cap)
         if self._first_pass and mask.any():
-            self._metrics["vllm/is_weight/mean"].append(float(weights[mask].mean()))
+            kept = weights.expand_as(old)[mask]
+            self._metrics["vllm/is_weight/mean"].append(float(kept.mean()))
+            self._metrics["vllm/is_weight/min"].append(float(kept.min()))
+            self._metrics["vllm/is_weight/max"].append(float(kept.max()))
+            self._metrics["vllm/is_masked_ratio"].append(float((kept == 0).double().mean()))
         return weights
 
-    def _token_logps(self, model: Any, inputs: dict[str, Any], completion_ids: torch.Tensor) -> torch.Tensor:
-        """Log-probs of the completion tokens under softmax(logits / T) with the vision tokens suppressed, i.e. the
-        distribution that was sampled. A shared-prefix forward must run inside ``_shared_attention``."""
+    def _token_logps(self, model: Any, inputs: dict[str, Any], completion_ids: torch.Tensor, entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and with ``entropy``, entropies) of the completion tokens under softmax(logits / T) with the
+        vision tokens suppressed, i.e. the distribution that was sampled (``token_stats``). A shared-prefix forward
+        must run inside ``_shared_attention``."""
         layout = inputs.get(shared_prefix.KWARG)
         keep = completion_ids.size(1) + 1 if layout is None else layout.keep
         logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
@@ -76,18 +86,13 @@ class StepMixin:
             logits = logits[:, -keep:] if layout is None else logits[:, keep]
         logits = logits[:, :-1, :] if layout is None else shared_prefix.unpack_logits(logits, layout)
         banned = torch.tensor(self.suppressed, device=logits.device, dtype=torch.long)
-        # Row by row in float32: a full-vocabulary log_softmax of every completion at once costs G x T x V floats.
-        rows = []
-        for row_logits, row_ids in zip(logits, completion_ids):
-            row_logits = row_logits.float() / self.temperature
-            if len(banned):
-                row_logits = row_logits.index_fill(1, banned, float("-inf"))
-            chosen = torch.gather(row_logits, 1, row_ids.unsqueeze(-1)).squeeze(-1)
-            rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
-        return torch.stack(rows)
+        rows = [row_logps_and_entropy(row_logits, row_ids, banned, self.temperature, entropy, entropy_grad)
+                for row_logits, row_ids in zip(logits, completion_ids)]
+        logps = torch.stack([row for row, _ in rows])
+        return logps, torch.stack([row for _, row in rows]) if entropy else None
 
     def _reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._token_logps(self.ref_model, inputs, ids)
+            return self._token_logps(self.ref_model, inputs, ids)[0]
         with reference_context(self.accelerator.unwrap_model(model)):
-            return self._token_logps(model, inputs, ids)
+            return self._token_logps(model, inputs, ids)[0]

@@ -7,6 +7,7 @@ Every function works in one frame, whatever it is: the caller passes the point a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.scoring.answers import bare_point, try_parse_items
@@ -62,3 +63,53 @@ def truth_box(reference: str, meta: Any, from_orig: Callable[[Sequence[float]], 
         if item.kind == "bbox_2d":
             return item.coords
     return None
+
+
+CENTRE_TOLERANCE = 0.02  # a click within 2% of the frame's side from its centre, per axis, is a centre click
+
+
+@dataclass
+class ClickMonitorTally:
+    """Running counts behind the click-hack monitors of a batch: answers naming more than one point or box where
+    one click is asked (only the first counts, see ``click_point``), clicks outside the image, groups whose every
+    sample clicks the same point, and clicks on the image's centre (the constant answer a collapsed policy gives).
+    Rates are of answers with a click, except the group rate (of groups)."""
+
+    answers: int = 0
+    clicks: int = 0
+    multi_point: int = 0
+    outside: int = 0
+    centre: int = 0
+    groups: int = 0
+    same_point_groups: int = 0
+
+    def add_group(self, texts: Sequence[str], extent: tuple[float, float]) -> None:
+        """The completions of one prompt, in a frame of ``extent`` (width, height) in the answers' units."""
+        width, height = extent
+        points = []
+        for text in texts:
+            self.answers += 1
+            self.multi_point += len(try_parse_items(text) or []) > 1
+            point = click_point(text)
+            points.append(point)
+            if point is None:
+                continue
+            self.clicks += 1
+            self.outside += not (0 <= point[0] <= width and 0 <= point[1] <= height)
+            self.centre += (abs(point[0] - width / 2) <= CENTRE_TOLERANCE * width
+                            and abs(point[1] - height / 2) <= CENTRE_TOLERANCE * height)
+        self.groups += 1
+        self.same_point_groups += len(points) > 1 and points[0] is not None and all(p == points[0] for p in points)
+
+    def merge(self, other: "ClickMonitorTally") -> None:
+        """Add another tally's counts (another rank's): rates stay exact, not means of means."""
+        for name in ("answers", "clicks", "multi_point", "outside", "centre", "groups", "same_point_groups"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {
+            "click_multi_point_rate": self.multi_point / self.answers if self.answers else None,
+            "click_outside_rate": self.outside / self.clicks if self.clicks else None,
+            "click_centre_rate": self.centre / self.clicks if self.clicks else None,
+            "click_same_point_group_rate": self.same_point_groups / self.groups if self.groups else None,
+        }
