@@ -39,6 +39,11 @@ def spread_rel1000(completions, *, model_sizes, resize_policy, coords, **kw):
     return [(zlib.crc32(c.encode()) % 100) / 100 for c in completions]
 
 
+def spread_odd(completions, *, indices, **kw):
+    """Flat for even records (every completion 0.5), spread for odd ones: dynamic sampling has groups to swap."""
+    return [0.5 if i % 2 == 0 else (zlib.crc32(c.encode()) % 100) / 100 for c, i in zip(completions, indices)]
+
+
 def self_iou(completions, *, references, **kw):
     """1 when the reference, as rewards receive it, scores IoU 1 against itself."""
     from llamafactory_qwenvl_patch.grpo.rewards import iou_reward
@@ -179,10 +184,11 @@ def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
 def test_zero3_two_ranks(setup, tiny_model, tiny_model_qwen3_5, family):
     """ZeRO-3 on 2 ranks, the shared prefix (on by default) against the repeated layout; Qwen3.5's linear-attention
-    layers run their packed forward on parameters ZeRO-3 gathers per module; Qwen2.5-VL with CISPO and an entropy
-    bonus (issue 42)."""
+    layers run their packed forward on parameters ZeRO-3 gathers per module; Qwen2.5-VL with CISPO, an entropy
+    bonus and dynamic sampling (issue 42: the ranks resample in step)."""
     root, data_dir = setup
-    model, extra = tiny_model, dict(grpo_loss_type="cispo", grpo_entropy_coef=0.01)
+    model, extra = tiny_model, dict(grpo_loss_type="cispo", grpo_entropy_coef=0.01, grpo_dynamic_sampling=True,
+                                    reward_funcs=f"format,{root / 'my_rewards.py'}:spread_odd")
     if family == "qwen3_5":
         model, extra = tiny_model_qwen3_5, dict(template="qwen3_5_nothink", image_min_pixels=64 * 32 * 32,
                                                 image_max_pixels=256 * 32 * 32,
@@ -203,6 +209,9 @@ def test_zero3_two_ranks(setup, tiny_model, tiny_model_qwen3_5, family):
     assert len(steps) == 3 and steps[-1]["kl"] > 0
     assert (root / f"z3-{family}-auto" / "checkpoint-3" / "adapter_model.safetensors").exists()
     assert_same_training(steps, logs["false"])
+    if family == "qwen2_5_vl":
+        assert sum(row["dynamic/replaced_groups"] for row in steps) > 0
+        assert all(row["frac_reward_zero_std"] < 1 for row in steps)
 
 
 @pytest.mark.slow
@@ -392,3 +401,30 @@ def test_qwen3_5_shared_prefix_equals_the_repeated_layout(setup, tiny_model_qwen
         assert (adapters["auto"][name] - tensor).abs().max() <= 1e-5, name
         moved += bool(tensor.abs().max() > 1e-4 and "lora_B" in name)
     assert moved > 0
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_as_the_same_run(setup, tiny_model):
+    """Issue 42, item 3: a run with dynamic sampling stopped at its checkpoint and resumed draws the same fresh
+    prompts, samples the same completions and ends with the same adapter as the run that went straight through."""
+    import torch
+    from safetensors.torch import load_file
+
+    root, data_dir = setup
+    settings = dict(grpo_dynamic_sampling=True, reward_funcs=f"format,{root / 'my_rewards.py'}:spread_odd",
+                    grpo_log_completions=True, max_steps=4, save_steps=2, lr_scheduler_type="constant",
+                    learning_rate=5e-2)
+    whole, cut = root / "dynamic-whole", root / "dynamic-cut"
+    for out, extra in ((whole, {}), (cut, {"max_steps": 2}),
+                       (cut, {"resume_from_checkpoint": str(cut / "checkpoint-2")})):
+        config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", **{**settings, **extra})
+        result = run_cli(["llamafactory-cli", "train"], config, root / f"{out.name}-run")
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    timing = ("elapsed_time", "remaining_time", "throughput", "total_steps", "percentage")  # the cut run's plan: 2
+    logs = [[{k: v for k, v in row.items() if k not in timing} for row in read_log(out) if "loss" in row]
+            for out in (whole, cut)]
+    assert [row["current_steps"] for row in logs[1]] == [1, 2, 3, 4] and logs[0] == logs[1]
+    assert sum(row["dynamic/replaced_groups"] for row in logs[0][2:]) > 0  # after the resume too
+    assert (whole / "completions.jsonl").read_text() == (cut / "completions.jsonl").read_text()
+    expected, got = (load_file(out / "adapter_model.safetensors") for out in (whole, cut))
+    assert all(torch.equal(expected[name], got[name]) for name in expected)

@@ -133,7 +133,7 @@ def make_trainer(model_dir, mode: dict, shared: str, tmp_path, batch: int = 2, a
         grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
         grpo_shared_prefix=shared, grpo_stop_on_reward_failure=True,
         grpo_advantage_estimator="grpo", grpo_cispo_cap=5.0, grpo_delta=None, grpo_entropy_coef=0.0,
-        grpo_overlong_buffer=None)
+        grpo_overlong_buffer=None, grpo_dynamic_sampling=False, grpo_max_resample=4)
 
     def reward(completions, **_):
         return [len(c) / 10 + (zlib.crc32(c.encode()) % 7) / 7 for c in completions]  # the same in every process

@@ -25,7 +25,7 @@ def finetuning(loss_type: str, **overrides) -> SimpleNamespace:
                grpo_log_completions=False, grpo_blank_image_ratio=0.0, grpo_blank_image_penalty=1.0,
                grpo_shared_prefix="auto", grpo_stop_on_reward_failure=True,
         grpo_advantage_estimator="grpo", grpo_cispo_cap=5.0, grpo_delta=None, grpo_entropy_coef=0.0,
-        grpo_overlong_buffer=None),
+        grpo_overlong_buffer=None, grpo_dynamic_sampling=False, grpo_max_resample=4),
         **overrides})
 
 
@@ -197,3 +197,42 @@ def test_blank_image_groups_are_penalised_against_a_zero_baseline(tiny_model, tm
     assert torch.allclose(micro.advantages[:G], expected, atol=1e-4)
     assert trainer._metrics["blank/confident_rate"] == [0.5]
     assert trainer._metrics["reward"] == [pytest.approx(float(fields.mean()))]  # real groups only
+
+
+def half_flat(completions, *, indices, **_):
+    """Prompt 0's completions all score alike (a flat group); prompt 1's differ."""
+    return [0.5 if index == 0 else len(c) / 10 for c, index in zip(completions, indices)]
+
+
+def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts(tiny_model, tmp_path):
+    """Issue 42, item 3: prompt 0's flat group is swapped for the group of a freshly drawn prompt 1 whose rewards
+    differ; the swapped part is collated again, its completions are the donor's rows, and every group now learns."""
+    from llamafactory_qwenvl_patch.grpo.dynamic_sampling import fresh_indices
+
+    trainer = fixed_trainer(tiny_model, tmp_path / "dynamic", 2, 1,
+                            finetuning("dapo", grpo_dynamic_sampling=True, grpo_max_resample=4,
+                                       grpo_shared_prefix="false"), reward=half_flat)
+    [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0}, {"grpo_index": 1}])
+    draws = [fresh_indices(2, 2, 0, 0, 0, attempt) for attempt in range(4)]
+    attempts = next(n for n in range(1, 5) if 1 in draws[n - 1])
+    assert trainer._metrics["dynamic/replaced_groups"] == [1.0] and trainer._metrics["dynamic/short_groups"] == [0.0]
+    assert trainer._metrics["dynamic/resampled_batches"] == [float(attempts)]
+    stop, pad = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>"), trainer.tokenizer.pad_token_id
+    expected = completions(stop, pad)[1]
+    width = micro.completion_ids.size(1)
+    for rows in (micro.completion_ids[:G], micro.completion_ids[G:]):  # both groups are prompt 1's now
+        assert torch.equal(rows[:, :expected.size(1)], expected) and (rows[:, expected.size(1):width] == pad).all()
+    prompt = trainer.tokenizer.encode("Be brief!")
+    assert all(row[-len(prompt):].tolist() == prompt for row in micro.inputs["input_ids"][:, :-width])
+    assert (micro.advantages.view(2, G).std(dim=1) > 0).all()
+
+
+def test_dynamic_sampling_says_when_the_batch_comes_up_short(tiny_model, tmp_path):
+    def constant(completions, **_):
+        return [0.0] * len(completions)
+
+    trainer = fixed_trainer(tiny_model, tmp_path / "short", 2, 1,
+                            finetuning("dapo", grpo_dynamic_sampling=True, grpo_max_resample=2), reward=constant)
+    [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0}, {"grpo_index": 1}])
+    assert trainer._metrics["dynamic/short_groups"] == [2.0] and trainer._metrics["dynamic/resampled_batches"] == [2.0]
+    assert micro.completion_ids.size(0) == 2 * G and not micro.advantages.any()

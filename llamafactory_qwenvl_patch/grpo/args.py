@@ -39,6 +39,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_delta": (1, math.inf, False, False),
     "grpo_entropy_coef": (-math.inf, math.inf, False, False),
     "grpo_overlong_buffer": (1, math.inf, True, False),
+    "grpo_max_resample": (1, math.inf, True, False),
 }
 
 
@@ -153,7 +154,16 @@ def extend_finetuning_arguments(base: type) -> type:
             default=False, metadata={"help": "Completions that hit max_new_tokens without a stop token get no loss."}
         )
         grpo_skip_zero_std_groups: bool = field(
-            default=False, metadata={"help": "Groups whose rewards are all equal get no loss (DAPO dynamic sampling)."}
+            default=False, metadata={"help": "Groups whose rewards are all equal get no loss."}
+        )
+        grpo_dynamic_sampling: bool = field(
+            default=False, metadata={"help": "DAPO's dynamic sampling: groups whose rewards are all equal are "
+                                     "replaced by groups of freshly drawn prompts until the batch is full or "
+                                     "grpo_max_resample is spent."}
+        )
+        grpo_max_resample: int = field(
+            default=4, metadata={"help": "Dynamic sampling: extra micro-batches of prompts sampled at most per "
+                                 "rollout (each per_device_train_batch_size prompts per rank)."}
         )
         no_cheat_min_length_ratio: float = field(
             default=0.25, metadata={"help": "no_cheat: answers shorter than this share of the reference are hacks."}

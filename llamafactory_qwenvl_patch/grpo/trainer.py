@@ -8,7 +8,8 @@ optimises its stored micro-batch with the clipped surrogate. With ``grpo_num_ite
 optimised again and the ratio to the old log-probs (and clipping) acts.
 
 The trainer is put together from one mixin per concern: ``trainer_rollout`` (sampling and scoring a rollout),
-``trainer_step`` (the loss on a stored micro-batch), ``trainer_metrics`` (evaluation and logging) and
+``trainer_refill`` (DAPO's dynamic sampling), ``trainer_step`` (the loss on a stored micro-batch),
+``trainer_metrics`` (evaluation and logging) and
 ``trainer_checkpoint`` (resuming as the same run).
 """
 
@@ -32,6 +33,7 @@ from llamafactory_qwenvl_patch.grpo.trainer_checkpoint import (
     CheckpointMixin, _require_trainer_hooks, _Resumable, _SamplerEpoch,
 )
 from llamafactory_qwenvl_patch.grpo.trainer_metrics import MetricsMixin
+from llamafactory_qwenvl_patch.grpo.trainer_refill import RefillMixin
 from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
 from llamafactory_qwenvl_patch.grpo.trainer_step import StepMixin
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
@@ -42,7 +44,7 @@ from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 CLICK_REWARDS = ("click", "click_dense")
 
 
-class GRPOTrainer(RolloutMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
+class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
                  suppress_token_ids: list[int], processor: Any, tokenizer: Any, vllm_engine: Any = None,

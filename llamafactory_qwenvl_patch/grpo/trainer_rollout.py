@@ -203,11 +203,18 @@ class RolloutMixin:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         return inputs
 
-    def _score(self, texts: list[str], meta: list[SampleMeta], lengths: list[int]) -> torch.Tensor:
+    def _reward_results(self, texts: list[str], meta: list[SampleMeta], lengths: list[int]) -> list[Scored]:
+        """Each reward's values for ``texts`` (G per prompt of ``meta``), failures included."""
         columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords, lengths,
                                         self.max_new_tokens, self.fa.grpo_overlong_buffer)
+        return [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+
+    def _score(self, texts: list[str], meta: list[SampleMeta], lengths: list[int],
+               results: list[Scored] | None = None) -> torch.Tensor:
+        """The weighted total reward of each completion, with each reward's metrics logged; ``results``: already
+        computed (dynamic sampling scores each part as it is sampled)."""
         total = torch.zeros(len(texts))
-        results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+        results = results if results is not None else self._reward_results(texts, meta, lengths)
         self._report_reward_failures(results)
         for reward, scored in zip(self.reward_funcs, results):
             clean = torch.tensor(scored.values)
@@ -271,24 +278,39 @@ class RolloutMixin:
             self._metrics["blank/confident_rate"].append(sum(confident) / len(confident))
         return torch.tensor([-penalty if c else 0.0 for c in confident], dtype=torch.float32)
 
+    def _sample_part(self, model: Any, features: list[dict[str, Any]]) -> dict[str, Any]:
+        """One micro-batch's prompts collated, sampled G times each and cut into completions."""
+        batch, meta = self._collate(features)
+        if "image_grid_thw" in batch:
+            self._check_blank_frame(batch, meta)
+        sampled, sampling_logps = self._sample(model, batch, meta)
+        ids, attention, stopped, texts, cut = self._completions(sampled)
+        self._metrics["vision_tokens_cut"].append(float(cut))
+        return dict(features=features, batch=batch, meta=meta, texts=texts, ids=ids, attention=attention,
+                    stopped=stopped, sampling=sampling_logps)
+
+    def _finish_part(self, model: Any, part: dict[str, Any]) -> None:
+        """The training inputs of a sampled micro-batch, and its old and reference log-probs where needed."""
+        inputs = self._forward_inputs(part["batch"], part["ids"], part["attention"])
+        with torch.no_grad(), self._shared_attention():
+            part["old"] = self._token_logps(model, inputs, part["ids"])[0] if self.off_policy else None
+            part["ref"] = self._reference_logps(model, inputs, part["ids"]) if self.fa.grpo_beta != 0 else None
+        part["inputs"] = inputs
+        del part["batch"], part["features"]  # held by ``inputs`` where still needed
+
     def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
         G, spg = self.num_generations, self.steps_per_generation
         per_micro = len(features) // spg
         model.train()
-        parts = []
+        parts, scored = [], None
         for j in range(spg):
-            batch, meta = self._collate(self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j))
-            if "image_grid_thw" in batch:
-                self._check_blank_frame(batch, meta)
-            sampled, sampling_logps = self._sample(model, batch, meta)
-            ids, attention, stopped, texts, cut = self._completions(sampled)
-            self._metrics["vision_tokens_cut"].append(float(cut))
-            inputs = self._forward_inputs(batch, ids, attention)
-            with torch.no_grad(), self._shared_attention():
-                old = self._token_logps(model, inputs, ids)[0] if self.off_policy else None
-                ref = self._reference_logps(model, inputs, ids) if self.fa.grpo_beta != 0 else None
-            parts.append(dict(meta=meta, texts=texts, ids=ids, attention=attention, stopped=stopped, inputs=inputs,
-                              old=old, ref=ref, sampling=sampling_logps))
+            parts.append(self._sample_part(model, self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j)))
+            if not self.fa.grpo_dynamic_sampling:  # sample, then the log-probs, part by part (the RNG's order)
+                self._finish_part(model, parts[-1])
+        if self.fa.grpo_dynamic_sampling:
+            parts, scored = self._refill(model, parts, per_micro)
+            for part in parts:
+                self._finish_part(model, part)
         meta = [m for part in parts for m in part["meta"]]
         texts = [t for part in parts for t in part["texts"]]
         device = parts[0]["ids"].device
@@ -296,7 +318,7 @@ class RolloutMixin:
         real_meta = [m for m in meta if not m.blank]
         real_texts = [t for t, b in zip(texts, blank.tolist()) if not b]
         lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
-        rewards = self._score(real_texts, real_meta, [int(n) for n in lengths[~blank].tolist()]).to(device)
+        rewards = self._score(real_texts, real_meta, [int(n) for n in lengths[~blank].tolist()], scored).to(device)
         adv = torch.zeros(len(texts), device=device)
         adv[~blank] = self._advantages(rewards, lengths[~blank])
         every_reward = adv.clone()

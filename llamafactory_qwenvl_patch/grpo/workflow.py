@@ -21,7 +21,7 @@ def _log_callback_class():
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
                           "parse_failures", "truncated_ratio", "vision_tokens_cut", "groups_skipped", "blank/", "vllm/",
-                          "memory/", "monitor/", "entropy", "eval_")
+                          "memory/", "monitor/", "entropy", "dynamic/", "eval_")
 
         def __init__(self) -> None:
             super().__init__()

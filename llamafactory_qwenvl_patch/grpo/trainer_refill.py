@@ -1,0 +1,87 @@
+"""DAPO's dynamic sampling in ``GRPOTrainer`` (``grpo_dynamic_sampling``): the flat groups of a sampled rollout are
+swapped for groups of freshly drawn prompts before its training inputs are built (rules in ``dynamic_sampling``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llamafactory_qwenvl_patch.grpo.dynamic_sampling import fresh_indices, flat_groups, pick_scored, stack_rows
+from llamafactory_qwenvl_patch.grpo.rewards import Scored
+
+
+class RefillMixin:
+    def _scored_part(self, part: dict[str, Any]) -> dict[str, Any]:
+        """A sampled part's real (not blank-copy) prompts, each reward's values over their completions and which
+        prompts' groups are flat (one total reward for every completion)."""
+        G = self.num_generations
+        real = [i for i, sample in enumerate(part["meta"]) if not sample.blank]
+        rows = [i * G + g for i in real for g in range(G)]
+        lengths = part["attention"].sum(dim=1).tolist()
+        results = self._reward_results([part["texts"][r] for r in rows], [part["meta"][i] for i in real],
+                                       [int(lengths[r]) for r in rows])
+        total = torch.zeros(len(rows))
+        for reward, scored in zip(self.reward_funcs, results):
+            total += reward.weight * torch.tensor(scored.values)
+        return dict(part=part, real=real, results=results, flat=flat_groups(total, G) if rows else [])
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.accelerator.num_processes == 1:
+            return flag
+        value = torch.tensor([int(flag)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(value, reduction="sum").item())
+
+    def _refill(self, model: Any, parts: list[dict[str, Any]], per_micro: int
+                ) -> tuple[list[dict[str, Any]], list[Scored]]:
+        """The sampled ``parts`` with their flat groups replaced by non-flat groups of fresh prompts (at most
+        ``grpo_max_resample`` extra micro-batches of prompts), and each reward's values over the final real
+        completions in order."""
+        G = self.num_generations
+        sources = [self._scored_part(part) for part in parts]
+        slots = [(j, k) for j, source in enumerate(sources) for k, flat in enumerate(source["flat"]) if flat]
+        candidates: list[tuple[int, int]] = []
+        attempts = 0
+        while attempts < self.fa.grpo_max_resample and self._any_rank(len(slots) > len(candidates)):
+            indices = fresh_indices(len(self.train_dataset), per_micro, self.args.seed, self.args.process_index,
+                                    self._micro_step, attempts)
+            attempts += 1
+            sources.append(self._scored_part(self._sample_part(model, [self.train_dataset[i] for i in indices])))
+            candidates += [(len(sources) - 1, k) for k, flat in enumerate(sources[-1]["flat"]) if not flat]
+        swaps = dict(zip(slots, candidates))
+        refilled = [self._swapped(sources, j, swaps) if any(slot[0] == j for slot in swaps) else part
+                    for j, part in enumerate(parts)]
+        rows = []
+        for j in range(len(parts)):
+            for k in range(len(sources[j]["real"])):
+                source, kk = swaps.get((j, k), (j, k))
+                rows += [(source, kk * G + g) for g in range(G)]
+        self._metrics["dynamic/replaced_groups"].append(float(len(swaps)))
+        self._metrics["dynamic/short_groups"].append(float(len(slots) - len(swaps)))
+        self._metrics["dynamic/resampled_batches"].append(float(attempts))
+        return refilled, pick_scored([source["results"] for source in sources], rows)
+
+    def _swapped(self, sources: list[dict[str, Any]], j: int, swaps: dict[tuple[int, int], tuple[int, int]]
+                 ) -> dict[str, Any]:
+        """Part ``j`` with each swapped prompt (and its G sampled completions) taken from its source part; the
+        prompts are collated again, so every tensor of the part comes from one collation."""
+        G = self.num_generations
+        part = sources[j]["part"]
+        features, picks = list(part["features"]), [(part, position) for position in range(len(part["meta"]))]
+        for k, position in enumerate(sources[j]["real"]):
+            if (j, k) in swaps:
+                source, kk = swaps[(j, k)]
+                donor, donor_position = sources[source]["part"], sources[source]["real"][kk]
+                features[position] = donor["features"][donor_position]
+                picks[position] = (donor, donor_position)
+        batch, meta = self._collate(features)
+        if "image_grid_thw" in batch:
+            self._check_blank_frame(batch, meta)
+        rows = [(donor, position * G + g) for donor, position in picks for g in range(G)]
+        sampling = None
+        if part["sampling"] is not None:
+            sampling = stack_rows([donor["sampling"][r:r + 1] for donor, r in rows], 0.0)
+        return dict(features=features, batch=batch, meta=meta, texts=[donor["texts"][r] for donor, r in rows],
+                    ids=stack_rows([donor["ids"][r:r + 1] for donor, r in rows], self.tokenizer.pad_token_id),
+                    attention=stack_rows([donor["attention"][r:r + 1] for donor, r in rows], 0),
+                    stopped=torch.stack([donor["stopped"][r] for donor, r in rows]), sampling=sampling)
