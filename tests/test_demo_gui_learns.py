@@ -34,4 +34,6 @@ def test_default_gui_demo_learns_to_click(tmp_path):
     assert set(json.loads(record["meta"])) >= {"bbox_orig", "platform", "data_type"}
     grpo_log = [json.loads(line) for line in (out / "grpo" / "trainer_log.jsonl").read_text().splitlines()]
     assert any("rewards/click/mean" in row and "rewards/click_dense/mean" in row for row in grpo_log)
+    monitors = ("click_multi_point_rate", "click_outside_rate", "click_centre_rate", "click_same_point_group_rate")
+    assert any(all(f"monitor/{name}" in row for name in monitors) for row in grpo_log)  # issue 42, item 8
     assert (out / "drawn" / "gui_eval-contact-sheet-original.jpg").stat().st_size > 0

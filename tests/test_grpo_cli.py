@@ -412,6 +412,7 @@ def test_dynamic_sampling_resumes_as_the_same_run(setup, tiny_model):
 
     root, data_dir = setup
     settings = dict(grpo_dynamic_sampling=True, reward_funcs=f"format,{root / 'my_rewards.py'}:spread_odd",
+                    grpo_advantage_estimator="reinforce_plus_plus_baseline",
                     grpo_log_completions=True, max_steps=4, save_steps=2, lr_scheduler_type="constant",
                     learning_rate=5e-2)
     whole, cut = root / "dynamic-whole", root / "dynamic-cut"

@@ -366,7 +366,8 @@ def test_two_ranks_each_with_its_engine(small_model, grpo_data):
 
     root, data_dir = grpo_data
     steps = grpo_run(small_model, root, data_dir, "vllm-2ranks", grpo_rollout_backend="vllm",
-                     per_device_train_batch_size=1, gradient_accumulation_steps=1, env=torchrun_env(2))
+                     per_device_train_batch_size=1, gradient_accumulation_steps=1, env=torchrun_env(2),
+                     grpo_vllm_is_mode="token_mask")
     assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
     assert all(abs(row["vllm/mismatch/kl"]) < 1e-3 for row in steps)  # both ranks' tokens
 
@@ -381,8 +382,9 @@ def test_zero3_two_ranks_sync_block_by_block(small_model, grpo_data):
     deepspeed = Path(__file__).resolve().parents[1] / "configs" / "ds_z3_cpu_test.json"
     steps = grpo_run(small_model, root, data_dir, "vllm-z3", grpo_rollout_backend="vllm", per_device_train_batch_size=1,
                      gradient_accumulation_steps=1, deepspeed=str(deepspeed), ddp_backend="gloo", use_cpu=None,
-                     env=torchrun_env(2))
+                     env=torchrun_env(2), grpo_vllm_is_mode="sequence_truncate")
     assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
+    assert all(0.9 < row["vllm/is_weight/mean"] < 1.1 for row in steps)
 
 
 def test_each_rank_keeps_its_own_prompts_of_the_group():
