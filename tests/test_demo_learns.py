@@ -10,7 +10,9 @@ import pytest
 from helpers import run_cli
 
 DEMO_PAGE = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"  # the demo tables
-CPU_SPREAD = (0.05, 0.03)  # (Acc@0.5, mean IoU): how far another CPU model may move the seeded numbers
+CPU_SPREAD = (0.20, 0.08)  # (Acc@0.5, mean IoU): how far another CPU model or thread count moved the trained row
+REFERENCE = re.compile(r"Reference\s+run\s+of\s+the\s+learning\s+test:\s+`([^`]+)`,\s+OMP_NUM_THREADS=1:\s+trained\s+"
+                       r"Acc@0\.5\s+([0-9]+\.[0-9]+),\s+mean\s+IoU\s+([0-9]+\.[0-9]+)")
 
 
 def readme_row(label: str) -> tuple[float, float]:
@@ -18,6 +20,13 @@ def readme_row(label: str) -> tuple[float, float]:
     match = re.search(rf"^\| {re.escape(label)} \| ([0-9.]+) \| ([0-9.]+) \|", DEMO_PAGE.read_text(), re.MULTILINE)
     assert match, f"docs/getting-started.md has no demo row {label!r}"
     return float(match.group(1)), float(match.group(2))
+
+
+def this_cpu() -> str:
+    """``model name (cpu family F, model M)`` of this machine's first CPU, as the docs name the reference run's."""
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
+    info = {key.strip(): value.strip() for key, value in info.items()}
+    return f"{info.get('model name', '?')} (cpu family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 @pytest.mark.slow
@@ -36,11 +45,18 @@ def test_default_demo_learns_to_localise(tmp_path):
     assert trained["mean_centre_offset_orig_px"] < baseline["mean_centre_offset_orig_px"]
     assert untrained["acc@0.5"] < baseline["acc@0.5"] and trained["parse_failure_rate"] <= 0.05
     assert summary["sft_loss_first_last"][1] < summary["sft_loss_first_last"][0] / 5
-    # the demo is deterministic for a seed on one machine (its training and predictions run on one torch thread), and
-    # within CPU_SPREAD of the docs' row across CPU models (float kernels differ by instruction set: the row's machine
-    # 0.56 / 0.543, an AVX2 EPYC 0.58 / 0.526): a change that moves its numbers further must update the row
-    for name, label in (("trained", "Qwen2.5-VL trained (SFT + GRPO)"), ("baseline", "Qwen2.5-VL mean-box baseline")):
-        measured = summary["held_out"][name]
-        row = readme_row(label)
-        assert abs(measured["acc@0.5"] - row[0]) <= CPU_SPREAD[0] + 1e-9, (label, row, summary)
-        assert abs(measured["mean_iou"] - row[1]) <= CPU_SPREAD[1] + 1e-9, (label, row, summary)
+    # the demo is deterministic for a seed on one machine and thread count: on the reference run's CPU (one torch
+    # thread, as the test workers run it) the numbers must be the docs' exactly, so a change that moves them updates
+    # the docs; elsewhere float kernels differ (instruction set, reduction order) and only the spread measured across
+    # machines applies. The mean-box baseline does not train: the same everywhere.
+    match = REFERENCE.search(DEMO_PAGE.read_text())
+    assert match, "docs/getting-started.md names no reference run of the learning test"
+    reference = (float(match.group(2)), float(match.group(3)))
+    measured = (round(trained["acc@0.5"], 2), round(trained["mean_iou"], 3))
+    if " ".join(match.group(1).split()) == this_cpu():  # run_cli runs the demo with OMP_NUM_THREADS=1
+        assert measured == reference, summary
+    else:
+        assert abs(measured[0] - reference[0]) <= CPU_SPREAD[0] + 1e-9, summary
+        assert abs(measured[1] - reference[1]) <= CPU_SPREAD[1] + 1e-9, summary
+    row = readme_row("Qwen2.5-VL mean-box baseline")
+    assert (round(baseline["acc@0.5"], 2), round(baseline["mean_iou"], 3)) == row, summary

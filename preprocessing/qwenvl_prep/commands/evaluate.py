@@ -6,24 +6,49 @@ import argparse
 import json
 from pathlib import Path
 
-from qwenvl_prep.commands.options import add_policy_flags, stamped_dataset
+from qwenvl_prep.commands.options import add_policy_flags, count, stamped_dataset
 
 
 def run(args: argparse.Namespace) -> int:
-    """Score the predictions; a table, or JSON with --json."""
-    from qwenvl_prep.plumbing.atomic import write_json
+    """Score the predictions; a table, or JSON with --json; with --report or --compare, intervals too."""
+    from qwenvl_prep.plumbing.atomic import atomic_writer, write_json
+    from qwenvl_prep.pipeline.eval_report import intervals, report_markdown
     from qwenvl_prep.pipeline.evaluate import evaluate, format_table, plot
     from qwenvl_prep.formats.converted import guard_dataset_outputs
 
     ref, stamp = stamped_dataset(args)
-    guard_dataset_outputs(ref, [args.predictions], {"--json-out": args.json_out, "--plot": args.plot})
-    result = evaluate(ref, stamp, args.predictions, by=[f.strip() for f in (args.by or "").split(",") if f.strip()])
+    inputs = [args.predictions] + ([args.compare] if args.compare else [])
+    guard_dataset_outputs(ref, inputs, {"--json-out": args.json_out, "--plot": args.plot, "--report": args.report})
+    by = [f.strip() for f in (args.by or "").split(",") if f.strip()]
+    wanted = args.report is not None or args.compare is not None
+    records: list | None = [] if wanted else None
+    result = evaluate(ref, stamp, args.predictions, by=by, per_record=records)
+    if wanted:
+        other: list | None = None
+        if args.compare:
+            other = []
+            result["compare"] = evaluate(ref, stamp, args.compare, by=by, per_record=other)
+        result["intervals"] = intervals(records, args.bootstrap, args.bootstrap_seed, other)
     if args.json_out:
         write_json(args.json_out, result)
     if args.plot:
         plot(result, args.plot)
+    if args.report:
+        with atomic_writer(args.report) as f:
+            f.write(report_markdown(result, stamp.to_dict(), inputs))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
+
+
+MAX_RESAMPLES = 100_000
+
+
+def resamples(text: str) -> int:
+    """An argparse type: 10 to MAX_RESAMPLES bootstrap resamples (more buys no precision, only time)."""
+    value = count(10)(text)
+    if value > MAX_RESAMPLES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RESAMPLES}, got {value}")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +73,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ev.add_argument("--json-out", type=Path, help="also write the JSON result here")
     ev.add_argument("--plot", type=Path, help="bar chart by image size (PNG)")
+    ev.add_argument("--report", type=Path, metavar="FILE.md",
+                    help="also write a Markdown report: the dataset, each predictions file's model, prompt and "
+                    "settings (as qwenvl-prep predict recorded them), the versions, and per subset n, each metric "
+                    "and its 95%% bootstrap interval (over records)")
+    ev.add_argument("--compare", type=Path, metavar="PREDICTIONS_B",
+                    help="a second predictions file of the same dataset: each metric of both and the paired "
+                    "difference (PREDICTIONS - PREDICTIONS_B) with its interval, from the same resampled records")
+    ev.add_argument("--bootstrap", type=resamples, default=1000, metavar="N",
+                    help="bootstrap resamples for the intervals (default 1000)")
+    ev.add_argument("--bootstrap-seed", type=count(0), default=0, metavar="S", help="their seed (default 0)")
     ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
                     "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     add_policy_flags(ev)

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
                     registries)
     if args.output:
         guard.check(args.output, "-o")
+        guard.check(settings_path(args.output), "-o (its settings file)")
     drawings = []
     if args.draw:
         from qwenvl_prep.pipeline.draw import prediction_paths
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         with atomic_writer(args.output) as f:
             f.write(text)
+        with atomic_writer(settings_path(args.output)) as f:
+            f.write(json.dumps(recorded_settings(args), indent=2, ensure_ascii=False) + "\n")
     else:
         sys.stdout.write(text)
     if args.draw:
@@ -66,6 +69,25 @@ def run(args: argparse.Namespace) -> int:
 
         draw_predictions(rows, drawings)
     return 0
+
+
+def settings_path(output: Path) -> Path:
+    """Where a predictions file's settings are recorded: beside it, for ``eval --report``."""
+    return output.with_name(output.name + ".settings.json")
+
+
+def recorded_settings(args: argparse.Namespace) -> dict[str, object]:
+    """What produced the predictions: the model folder and its recorded frame, the prompt, the sampling settings
+    and the versions."""
+    from llamafactory_qwenvl_patch.frame.policy_record import read_policy_record
+    from qwenvl_prep.pipeline.eval_report import versions
+
+    return {"model_dir": str(Path(args.model_dir).resolve()), "policy": read_policy_record(args.model_dir),
+            "prompt": args.prompt if args.prompt else "the dataset's own prompts",
+            "dataset": str(args.dataset) if args.dataset else None,
+            "settings": {"backend": "hf", "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+                         "temperature": args.temperature, "seed": args.seed or 0},
+            "versions": versions()}
 
 
 def is_video(source: object) -> bool:
@@ -101,7 +123,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pred.add_argument("images", nargs="*", help="image or video files (.mp4, .webm, .mkv, .avi, .mov), with --prompt")
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
-    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout)")
+    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout); the model, prompt, "
+                      "settings and versions are recorded beside it in OUTPUT.settings.json (for eval --report)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=count(1), default=128)
     pred.add_argument("--batch-size", type=count(1), default=8, help="images per generate call (left-padded)")

@@ -53,7 +53,8 @@ def _track_to_orig(where: str, sample: Sample, stamp: Stamp, sizes: dict[Any, tu
     return partial(_to_orig, stamp=stamp, hw=hw, model_hw=stamp.video.frame_size(*hw))
 
 
-def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str] = ()) -> dict[str, Any]:
+def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str] = (),
+             per_record: list[tuple[str | None, Any]] | None = None) -> dict[str, Any]:
     """Grounding records: Acc@0.5 (IoU >= 0.5, one-to-one matching), mean IoU, parse failures and centre offset,
     overall and by size; click accuracy for records with a truth box in ``meta`` (ScreenSpot, RefCOCO); detection
     precision / recall / F1 and COCO mAP; the detection-hack monitors; click and box metrics per value of the ``meta``
@@ -61,7 +62,9 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
     or array answer): per-field accuracy, all-fields-exact, format-valid and parse-failure rates. Video records
     (``video_eval``: the reference is a span or a track): R@1 at tIoU 0.3 / 0.5 / 0.7, mean tIoU and the span
     monitors; per-frame Acc@0.5 and mean IoU of tracks in the clip's pixels; how empty tracks (``[]`` with a
-    video: not in the video) were answered; all per subset with ``by``. Other records are counted and skipped."""
+    video: not in the video) were answered; all per subset with ``by``. Other records are counted and skipped.
+    ``per_record``, when given, receives each scored record's (subset, its own one-record tally), in order: what
+    ``eval_report`` resamples for confidence intervals."""
     grounding, buckets, groups, fields, skipped = GroundingEval(), {}, {}, FieldTally(), 0
     video, video_groups, clip_sizes = VideoEval(), {}, {}
     index = -1
@@ -76,6 +79,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
             video.add(*args)
             if by:
                 video_groups.setdefault(_group(sample.meta, by), VideoEval()).add(*args)
+            _keep(per_record, sample.meta, by, VideoEval(), args)
             continue
         if not is_grounding(sample.items, sample.answer, sample.meta):
             truth = reference_value(sample.answer)
@@ -83,6 +87,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
                 skipped += 1
             else:
                 fields.add(score_fields(text, truth))
+                _keep(per_record, sample.meta, by, FieldTally(), (score_fields(text, truth),))
             continue
         if len(sample.images) != 1:
             raise AlignmentError(f"record {index} of {ref.path} has boxes and {len(sample.images)} images; needs 1")
@@ -95,6 +100,7 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
         buckets.setdefault(_bucket(info.width, info.height), GroundingEval(detection_on=False)).add(*args)
         if by:
             groups.setdefault(_group(sample.meta, by), GroundingEval(detection_on=False)).add(*args)
+        _keep(per_record, sample.meta, by, GroundingEval(detection_on=False), args)
     result: dict[str, Any] = {"dataset": str(ref.path), "predictions": str(predictions), "records": index + 1,
                               "skipped_other": skipped}
     summary = grounding.to_dict()
@@ -114,6 +120,14 @@ def evaluate(ref: DatasetRef, stamp: Stamp, predictions: Path, by: Sequence[str]
     if fields.samples:
         result["fields"] = fields.to_dict()
     return result
+
+
+def _keep(per_record: list[tuple[str | None, Any]] | None, meta: Any, by: Sequence[str], tally: Any,
+          args: tuple) -> None:
+    """The record's own tally, for resampling (``per_record`` given)."""
+    if per_record is not None:
+        tally.add(*args)
+        per_record.append((_group(meta, by) if by else None, tally))
 
 
 def _group(meta: Any, fields: Sequence[str]) -> str:
