@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
 from qwenvl_prep.commands.options import count, finite, seed
+from qwenvl_prep.plumbing.resumable import ResumableOutput
 
 
 def run(args: argparse.Namespace) -> int:
     """Answer every image (in batches), write JSON lines atomically, draw them when asked."""
-    from qwenvl_prep.plumbing.atomic import atomic_writer
     from qwenvl_prep.formats.converted import resolve_dataset
     from qwenvl_prep.plumbing.outputs import Outputs
     from qwenvl_prep.pipeline.predict import Predictor
@@ -36,34 +38,24 @@ def run(args: argparse.Namespace) -> int:
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
                      *(path for source, _, _ in jobs for path in (source if isinstance(source, list) else [source]))],
                     registries)
-    if args.output:
-        guard.check(args.output, "-o")
-        guard.check(settings_path(args.output), "-o (its settings file)")
+    output = ResumableOutput(args.output, recorded_settings(args, jobs)) if args.output else None
+    for path in output.outputs() if output else []:
+        guard.check(path, "-o")
     drawings = []
     if args.draw:
         from qwenvl_prep.pipeline.draw import prediction_paths
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
-    predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
-    from tqdm import tqdm
-
-    rows = []
-    with tqdm(total=len(jobs), desc="predict", unit=" img", disable=None) as bar:
-        for first in range(0, len(jobs), args.batch_size):
-            chunk = jobs[first:first + args.batch_size]
-            for row, (_, _, label) in zip(answer_batch(predictor, chunk, frame_list_fps), chunk):
-                if label is not None:
-                    row["label"] = label
-                rows.append(row)
-            bar.update(len(chunk))
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    if args.output:
-        with atomic_writer(args.output) as f:
-            f.write(text)
-        with atomic_writer(settings_path(args.output)) as f:
-            f.write(json.dumps(recorded_settings(args), indent=2, ensure_ascii=False) + "\n")
+    if output is None:
+        rows = answer_all(Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0), jobs,
+                          args.batch_size, frame_list_fps)
+        sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     else:
-        sys.stdout.write(text)
+        with output:  # a stopped run continues from its last whole batch
+            if output.done < len(jobs):
+                answer_all(Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0), jobs,
+                           args.batch_size, frame_list_fps, output)
+            rows = output.rows()
     if args.draw:
         from qwenvl_prep.pipeline.draw import draw_predictions
 
@@ -71,20 +63,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def settings_path(output: Path) -> Path:
-    """Where a predictions file's settings are recorded: beside it, for ``eval --report``."""
-    return output.with_name(output.name + ".settings.json")
+def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int, frame_list_fps: float | None,
+               output: Any = None) -> list[dict[str, Any]]:
+    """Every job's row, batch by batch (each batch's sampling seeded by its index); with ``output``
+    (``ResumableOutput``), the batches it already holds are skipped and each new one is appended as it is done."""
+    from tqdm import tqdm
+
+    start = output.done if output is not None else 0
+    rows = []
+    with tqdm(total=len(jobs), initial=start, desc="predict", unit=" img", disable=None) as bar:
+        for first in range(start, len(jobs), batch_size):
+            chunk = jobs[first:first + batch_size]
+            predictor.seed_batch(first // batch_size)
+            batch = answer_batch(predictor, chunk, frame_list_fps)
+            for row, (_, _, label) in zip(batch, chunk):
+                if label is not None:
+                    row["label"] = label
+            if output is not None:
+                output.append(batch)
+            rows += batch
+            bar.update(len(chunk))
+    return rows
 
 
-def recorded_settings(args: argparse.Namespace) -> dict[str, object]:
-    """What produced the predictions: the model folder and its recorded frame, the prompt, the sampling settings
-    and the versions."""
+def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]]) -> dict[str, Any]:
+    """What produced the predictions: the model folder and its recorded frame, the prompt, the jobs (their count
+    and a digest of every source and prompt), the sampling settings and the versions. A resumed run must match it
+    key for key."""
     from llamafactory_qwenvl_patch.frame.policy_record import read_policy_record
     from qwenvl_prep.pipeline.eval_report import versions
 
+    digest = hashlib.sha256(json.dumps([[str(s) if not isinstance(s, list) else [str(p) for p in s], prompt]
+                                        for s, prompt, _ in jobs]).encode()).hexdigest()
     return {"model_dir": str(Path(args.model_dir).resolve()), "policy": read_policy_record(args.model_dir),
             "prompt": args.prompt if args.prompt else "the dataset's own prompts",
-            "dataset": str(args.dataset) if args.dataset else None,
+            "dataset": str(Path(args.dataset).resolve()) if args.dataset else None,
+            "jobs": {"count": len(jobs), "sha256": digest},
             "settings": {"backend": "hf", "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
                          "temperature": args.temperature, "seed": args.seed or 0},
             "versions": versions()}
@@ -123,8 +137,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pred.add_argument("images", nargs="*", help="image or video files (.mp4, .webm, .mkv, .avi, .mov), with --prompt")
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
-    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout); the model, prompt, "
-                      "settings and versions are recorded beside it in OUTPUT.settings.json (for eval --report)")
+    pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout), written batch by batch to "
+                      "OUTPUT.partial: a stopped run started again with the same settings continues where it "
+                      "stopped; the model, prompt, settings and versions are recorded in OUTPUT.settings.json (for "
+                      "eval --report)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=count(1), default=128)
     pred.add_argument("--batch-size", type=count(1), default=8, help="images per generate call (left-padded)")

@@ -80,14 +80,23 @@ class Predictor:
         self._generator_seed = seed
         self._seeded = False
 
+    def seed_batch(self, index: int) -> None:
+        """Seed torch's generator for batch ``index`` of a run (sampling only), so a run resumed at a batch samples
+        what the whole run would have sampled there."""
+        if self.temperature > 0:
+            import torch
+
+            torch.manual_seed(self._generator_seed * 1_000_003 + index)
+            self._seeded = True
+
     def __call__(self, image_path: str, prompt: str) -> dict[str, Any]:
         return self.batch([(image_path, prompt)])[0]
 
     def batch(self, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """Answer several (image, prompt) pairs in one left-padded ``generate``: greedy by default, so each answer
         is the one it would get alone, up to float rounding; with a temperature, sampled (top-k and top-p off, the
-        model's own distribution at that temperature) from torch's generator, seeded once with ``seed`` at the first
-        call, so a run of the same jobs in the same batches repeats its answers."""
+        model's own distribution at that temperature) from torch's generator, seeded with ``seed`` at the first
+        call unless ``seed_batch`` seeded it, so a run of the same jobs in the same batches repeats its answers."""
         from PIL import Image
 
         images, texts, sizes = [], [], []
