@@ -18,8 +18,6 @@ def run(args: argparse.Namespace) -> int:
     """Answer every image (in batches), write JSON lines atomically, draw them when asked."""
     from qwenvl_prep.formats.converted import resolve_dataset
     from qwenvl_prep.plumbing.outputs import Outputs
-    from qwenvl_prep.pipeline.predict import Predictor
-
     if args.seed is not None and args.temperature == 0:
         raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
     registries, frame_list_fps = [], None
@@ -47,20 +45,30 @@ def run(args: argparse.Namespace) -> int:
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
     if output is None:
-        rows = answer_all(Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0), jobs,
-                          args.batch_size, frame_list_fps)
+        rows = answer_all(predictor_for(args), jobs, args.batch_size, frame_list_fps)
         sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     else:
         with output:  # a stopped run continues from its last whole batch
             if output.done < len(jobs):
-                answer_all(Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0), jobs,
-                           args.batch_size, frame_list_fps, output)
+                answer_all(predictor_for(args), jobs, args.batch_size, frame_list_fps, output)
             rows = output.rows()
     if args.draw:
         from qwenvl_prep.pipeline.draw import draw_predictions
 
         draw_predictions(rows, drawings)
     return 0
+
+
+def predictor_for(args: argparse.Namespace) -> Any:
+    """The backend's predictor: transformers (default) or offline vLLM."""
+    if args.backend == "vllm":
+        from qwenvl_prep.pipeline.predict_vllm import VLLMPredictor
+
+        return VLLMPredictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0,
+                             args.tensor_parallel_size)
+    from qwenvl_prep.pipeline.predict import Predictor
+
+    return Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
 
 
 def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int, frame_list_fps: float | None,
@@ -99,8 +107,9 @@ def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]]
             "prompt": args.prompt if args.prompt else "the dataset's own prompts",
             "dataset": str(Path(args.dataset).resolve()) if args.dataset else None,
             "jobs": {"count": len(jobs), "sha256": digest},
-            "settings": {"backend": "hf", "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-                         "temperature": args.temperature, "seed": args.seed or 0},
+            "settings": {"backend": args.backend, "max_new_tokens": args.max_new_tokens,
+                         "batch_size": args.batch_size, "temperature": args.temperature, "seed": args.seed or 0,
+                         **({"tensor_parallel_size": args.tensor_parallel_size} if args.backend == "vllm" else {})},
             "versions": versions()}
 
 
@@ -141,6 +150,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "OUTPUT.partial: a stopped run started again with the same settings continues where it "
                       "stopped; the model, prompt, settings and versions are recorded in OUTPUT.settings.json (for "
                       "eval --report)")
+    pred.add_argument("--backend", choices=("hf", "vllm"), default="hf",
+                      help="hf: transformers generate (default; images and videos, adapter folders merged in memory); "
+                      "vllm: offline vLLM in the folder's frame, images only, a merged folder (minutes faster on "
+                      "large sets; scripts/add_vllm.sh installs it)")
+    pred.add_argument("--tensor-parallel-size", type=count(1), default=1,
+                      help="--backend vllm: GPUs the engine spans (default 1)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")
     pred.add_argument("--max-new-tokens", type=count(1), default=128)
     pred.add_argument("--batch-size", type=count(1), default=8, help="images per generate call (left-padded)")

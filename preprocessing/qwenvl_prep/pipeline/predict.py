@@ -40,8 +40,10 @@ def adapter_base(model_dir: Path) -> Path | None:
 MIN_TEMPERATURE = 1e-3
 
 
-class Predictor:
-    """Loads a model folder once; ``__call__`` answers one image and returns boxes in original pixels."""
+class FolderModel:
+    """What both backends read from a model folder before loading weights: its processor, its recorded image and
+    video frames (the frame guard: a processor that disagrees with the record is refused), its family's coordinate
+    convention; and the row each answer becomes, boxes mapped back to original pixels."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int = 0) -> None:
@@ -49,21 +51,13 @@ class Predictor:
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (lower ones "
                              f"sample the greedy answer in effect, and near 1e-35 the scaled logits overflow float32), "
                              f"got {temperature}")
-        import torch
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoProcessor
 
         self.model_dir = Path(model_dir)
-        base = adapter_base(self.model_dir)
+        base = self.base = adapter_base(self.model_dir)
         processor_dir = self.model_dir if (self.model_dir / "preprocessor_config.json").is_file() else base
         self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            base or model_dir, dtype=torch.float32, **folder_experts_load_kwargs(base or model_dir))
-        if base is not None:
-            from peft import PeftModel
-
-            self.model = PeftModel.from_pretrained(self.model, model_dir).merge_and_unload()
-        self.model.eval()
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         family = family_of_model(base or model_dir)
         if family is None:
@@ -79,6 +73,52 @@ class Predictor:
         self.temperature = temperature
         self._generator_seed = seed
         self._seeded = False
+
+    def prompt_text(self, prompt: str) -> str:
+        """The chat-template text of one image and ``prompt``, as training's template writes it."""
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
+             key: str = "image") -> dict[str, Any]:
+        """One output row: the answer, both frames, and each item mapped back to original pixels (for a clip also
+        the whole answer with its boxes in the clip's pixels, ``predict_orig``: a track keeps its times)."""
+        row: dict[str, Any] = {key: str(source), "prompt": prompt, "predict": answer,
+                               "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
+                               "coords": self.convention, "items": [], "parse_error": None}
+
+        def to_orig(item: Any) -> list[float]:
+            return convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
+
+        try:
+            for item in parse_items(answer):
+                row["items"].append({"kind": item.kind, "label": item.label, "model": list(item.coords),
+                                     "orig": to_orig(item)})
+            if key == "video":
+                row["predict_orig"] = parse_answer(answer).rewrite(to_orig)
+        except AnswerError as exc:
+            row["parse_error"] = str(exc)
+        return row
+
+
+class Predictor(FolderModel):
+    """The transformers backend: loads a model folder once (an adapter folder merged into its base); ``__call__``
+    answers one image and returns boxes in original pixels."""
+
+    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
+                 seed: int = 0) -> None:
+        super().__init__(model_dir, max_new_tokens, temperature, seed)
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        base = self.base
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            base or model_dir, dtype=torch.float32, **folder_experts_load_kwargs(base or model_dir))
+        if base is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, model_dir).merge_and_unload()
+        self.model.eval()
 
     def seed_batch(self, index: int) -> None:
         """Seed torch's generator for batch ``index`` of a run (sampling only), so a run resumed at a batch samples
@@ -104,8 +144,7 @@ class Predictor:
             image = model_input_image(image_path, self.policy)
             with Image.open(image_path) as original:
                 sizes.append(((original.height, original.width), (image.height, image.width)))
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-            texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+            texts.append(self.prompt_text(prompt))
             images.append(image)
         inputs = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
         for (image_path, _), grid, (_, model_hw) in zip(jobs, inputs["image_grid_thw"].tolist(), sizes):
@@ -163,24 +202,3 @@ class Predictor:
         with torch.no_grad():
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, **sampling)
         return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-    def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
-             key: str = "image") -> dict[str, Any]:
-        """One output row: the answer, both frames, and each item mapped back to original pixels (for a clip also
-        the whole answer with its boxes in the clip's pixels, ``predict_orig``: a track keeps its times)."""
-        row: dict[str, Any] = {key: str(source), "prompt": prompt, "predict": answer,
-                               "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
-                               "coords": self.convention, "items": [], "parse_error": None}
-
-        def to_orig(item: Any) -> list[float]:
-            return convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
-
-        try:
-            for item in parse_items(answer):
-                row["items"].append({"kind": item.kind, "label": item.label, "model": list(item.coords),
-                                     "orig": to_orig(item)})
-            if key == "video":
-                row["predict_orig"] = parse_answer(answer).rewrite(to_orig)
-        except AnswerError as exc:
-            row["parse_error"] = str(exc)
-        return row

@@ -1,0 +1,55 @@
+"""``qwenvl-prep predict --backend vllm`` (issue 43, items 1-2): offline vLLM in the folder's recorded frame gives
+the HF backend's greedy answers, token for token, and the same frame (image tokens, model size, boxes mapped to
+original pixels) on mixed image sizes, for Qwen2.5-VL and Qwen3-VL (``--size small``: vLLM's CPU attention needs
+its heads); an adapter folder is refused with the command that merges it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli, save_image
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768), (300, 300), (800, 200)]
+
+
+@pytest.mark.parametrize("family, factor", [("qwen2_5_vl", 28), ("qwen3_vl", 32)])
+def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", family, size="small")
+    write_policy_record(model, ResizePolicy(16 * factor * factor, 96 * factor * factor, factor))
+    images = [str(save_image(tmp_path / f"i{k}.jpg", w, h)) for k, (w, h) in enumerate(SIZES)]
+    rows = {}
+    for backend in ("hf", "vllm"):
+        out = tmp_path / f"{backend}.jsonl"
+        result = run_cli(["qwenvl-prep", "predict", str(model), *images, "--prompt", "Where is the cat? Answer in "
+                          "JSON.", "--max-new-tokens", "24", "--batch-size", "3", "--backend", backend, "-o", str(out)],
+                         None, tmp_path, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[backend] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert json.loads(out.with_name(out.name + ".settings.json").read_text())["settings"]["backend"] == backend
+    same = [a["predict"] == b["predict"] for a, b in zip(rows["hf"], rows["vllm"])]
+    # float32 on both sides; a greedy tie broken the other way by another reduction order may change one answer
+    assert sum(same) >= len(SIZES) - 1, [(a["predict"], b["predict"]) for a, b in zip(rows["hf"], rows["vllm"])]
+    for a, b in zip(rows["hf"], rows["vllm"]):
+        assert a["model_size"] == b["model_size"] and a["orig_size"] == b["orig_size"]
+        if a["predict"] == b["predict"]:
+            assert a["items"] == b["items"]
+
+
+def test_an_adapter_folder_is_refused_with_the_merge_command(tiny_model, tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model),
+                                                             "peft_type": "LORA"}))
+    image = save_image(tmp_path / "i.jpg", 320, 240)
+    result = run_cli(["qwenvl-prep", "predict", str(adapter), str(image), "--prompt", "p", "--backend", "vllm"],
+                     None, tmp_path)
+    assert result.returncode == 2 and "llamafactory-cli export" in result.stderr and "--backend hf" in result.stderr
