@@ -175,3 +175,43 @@ def test_click_monitors_count_the_hacks_of_a_group():
     assert found["click_outside_rate"] == pytest.approx(1 / 7)
     assert found["click_centre_rate"] == pytest.approx(3 / 7)
     assert found["click_same_point_group_rate"] == pytest.approx(1 / 3)
+
+
+def test_a_swapped_prompt_takes_its_blank_copy_with_it():
+    """Dynamic sampling with the blank-image control: swapping prompt 0 for a fresh prompt drops prompt 0's blank
+    copy (the blank check compares a copy with its original, which is gone), and keeps prompt 1's."""
+    from types import SimpleNamespace
+
+    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+    from llamafactory_qwenvl_patch.grpo.trainer_refill import RefillMixin
+    from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
+
+    group = 2
+
+    class Assembler(RefillMixin, RolloutMixin):
+        num_generations = group
+        vision_start_id, image_id = 1, 2
+        tokenizer = SimpleNamespace(pad_token_id=0)
+
+        def _collate(self, features):
+            batch = {"input_ids": torch.tensor([[5, 1, 2, 2, 5]] * len(features)),
+                     "image_grid_thw": torch.tensor([[1, 2, 4]] * len(features))}
+            return batch, [SampleMeta(f["grpo_index"], "p", "", (4, 4), blank=f.get("grpo_blank", False))
+                           for f in features]
+
+    def part(features):
+        rows = len(features) * group
+        return dict(features=features, texts=[f"t{i}" for i in range(rows)],
+                    meta=[SampleMeta(f["grpo_index"], "p", "", (4, 4), blank=f.get("grpo_blank", False))
+                          for f in features],
+                    ids=torch.arange(rows * 3).view(rows, 3), attention=torch.ones(rows, 3, dtype=torch.long),
+                    stopped=torch.ones(rows, dtype=torch.bool), sampling=None)
+
+    mine = part([{"grpo_index": 0}, {"grpo_index": 1}, {"grpo_index": 0, "grpo_blank": True},
+                 {"grpo_index": 1, "grpo_blank": True}])
+    donor = part([{"grpo_index": 7}])
+    sources = [dict(part=mine, real=[0, 1], flat=[True, False]), dict(part=donor, real=[0], flat=[False])]
+    swapped = Assembler()._swapped(sources, 0, {(0, 0): (1, 0)})
+    assert [(m.index, m.blank) for m in swapped["meta"]] == [(7, False), (1, False), (1, True)]
+    assert torch.equal(swapped["ids"][:group], donor["ids"])  # the donor's completions, then prompt 1's and its copy's
+    assert torch.equal(swapped["ids"][group:], mine["ids"][[2, 3, 6, 7]])

@@ -7,7 +7,9 @@ Decisions: replacements are drawn uniformly (with replacement) from the whole tr
 with (seed, rank, micro-step, attempt), so a resumed run draws the same ones without extra checkpoint state; each
 attempt samples one micro-batch of prompts on every rank while any rank still has a flat group (ranks sample in
 step: ZeRO-3 generation and tensor-parallel engines are collective); a batch still short when the budget is spent
-keeps its flat groups (zero advantages) and says so in ``dynamic/short_groups``.
+keeps its flat groups (their advantages are 0 with the grpo and rloo estimators; REINFORCE++'s batch whitening
+gives them the batch's offset) and says so in ``dynamic/short_groups``; the blank copy of a prompt swapped out
+leaves with it.
 """
 
 from __future__ import annotations

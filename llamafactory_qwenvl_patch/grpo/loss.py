@@ -65,7 +65,7 @@ def _surrogate(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config
     """
     if config.loss_type == "cispo":
         capped = torch.clamp(ratio, max=config.cispo_cap)
-        return -capped.detach() * a * logps, (ratio > config.cispo_cap).expand_as(logps)
+        return -capped.detach() * a * logps, ((ratio > config.cispo_cap) & (a > 0)).expand_as(logps)  # trl's
     clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high)
     unclipped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
     per_token = -torch.min(unclipped * a, clipped * a).expand_as(logps)

@@ -18,7 +18,7 @@ from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
-COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped")
+COUNTERS = ("errors", "parse_failures", "vision_tokens_cut", "groups_skipped", "replaced_groups", "short_groups")
 COMPLETIONS = "completions.jsonl"
 
 

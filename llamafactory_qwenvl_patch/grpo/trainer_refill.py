@@ -63,17 +63,24 @@ class RefillMixin:
 
     def _swapped(self, sources: list[dict[str, Any]], j: int, swaps: dict[tuple[int, int], tuple[int, int]]
                  ) -> dict[str, Any]:
-        """Part ``j`` with each swapped prompt (and its G sampled completions) taken from its source part; the
+        """Part ``j`` with each swapped prompt (and its G sampled completions) taken from its source part; the blank
+        copy of a prompt swapped out leaves with it (the blank control compares a copy with its original); the
         prompts are collated again, so every tensor of the part comes from one collation."""
         G = self.num_generations
         part = sources[j]["part"]
         features, picks = list(part["features"]), [(part, position) for position in range(len(part["meta"]))]
-        for k, position in enumerate(sources[j]["real"]):
+        real, gone = sources[j]["real"], set()
+        for k, position in enumerate(real):
             if (j, k) in swaps:
                 source, kk = swaps[(j, k)]
                 donor, donor_position = sources[source]["part"], sources[source]["real"][kk]
                 features[position] = donor["features"][donor_position]
                 picks[position] = (donor, donor_position)
+                gone.add(part["meta"][position].index)
+        kept = {part["meta"][position].index for k, position in enumerate(real) if (j, k) not in swaps}
+        keep = [position for position, sample in enumerate(part["meta"])
+                if not (sample.blank and sample.index in gone and sample.index not in kept)]
+        features, picks = [features[p] for p in keep], [picks[p] for p in keep]
         batch, meta = self._collate(features)
         if "image_grid_thw" in batch:
             self._check_blank_frame(batch, meta)

@@ -372,8 +372,10 @@ class RolloutMixin:
 
     def _warn_if_flat(self, stats: dict[str, float], texts: list[str], meta: list[SampleMeta]) -> None:
         """Say so when GRPO cannot learn: in every group all completions got the same reward, so every advantage
-        (and the policy loss) is 0, for ``FLAT_PATIENCE`` rollouts in a row. Once per streak."""
+        (and the policy loss) is 0, for ``FLAT_PATIENCE`` rollouts in a row. Once per streak. (Plain REINFORCE++ has
+        no group baseline: its advantages differ between groups, so it is not told.)"""
         flat = bool(texts) and stats["frac_reward_zero_std"] == 1.0
+        flat = flat and self.fa.grpo_advantage_estimator != "reinforce_plus_plus"
         self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
         if self._flat_rollouts != FLAT_PATIENCE:
             return

@@ -73,7 +73,8 @@ class ClickMonitorTally:
     """Running counts behind the click-hack monitors of a batch: answers naming more than one point or box where
     one click is asked (only the first counts, see ``click_point``), clicks outside the image, groups whose every
     sample clicks the same point, and clicks on the image's centre (the constant answer a collapsed policy gives).
-    Rates are of answers with a click, except the group rate (of groups)."""
+    The multi-point rate is of all answers, the outside and centre rates of answers with a click, the group rate of
+    groups."""
 
     answers: int = 0
     clicks: int = 0
