@@ -14,7 +14,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768), (300, 300), (800, 200)]
+SIZES = [(320, 240), (640, 360), (200, 450), (512, 384), (150, 150), (400, 100)]
 
 
 @pytest.mark.parametrize("family, factor", [("qwen2_5_vl", 28), ("qwen3_vl", 32)])
@@ -22,8 +22,12 @@ def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
     pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
     from qwenvl_prep.demos.tiny_model import build_tiny_model
 
+    from transformers import AutoProcessor
+
     model = build_tiny_model(tmp_path / "model", family, size="small")
-    write_policy_record(model, ResizePolicy(16 * factor * factor, 96 * factor * factor, factor))
+    policy = ResizePolicy.from_processor(AutoProcessor.from_pretrained(model).image_processor)
+    assert policy.factor == factor
+    write_policy_record(model, policy)  # the folder's record and its processor agree, as an export's do
     images = [str(save_image(tmp_path / f"i{k}.jpg", w, h)) for k, (w, h) in enumerate(SIZES)]
     rows = {}
     for backend in ("hf", "vllm"):

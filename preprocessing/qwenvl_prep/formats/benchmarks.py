@@ -161,14 +161,18 @@ class ImageStore:
         return str(path)
 
     def discard(self) -> None:
-        """Remove what this run added (the folder too, if the run made it and it is empty); write nothing after."""
+        """Remove what this run added (the folder too, if the run made it: with the temp files a writer stopped
+        right after making one left in it); write nothing after."""
         with self._lock:
             self._closed = True
             for path in self._added:
                 path.unlink(missing_ok=True)
             self._added.clear()
-            if self._made_folder and self.folder.is_dir() and not any(self.folder.iterdir()):
-                self.folder.rmdir()
+            if self._made_folder and self.folder.is_dir():
+                for stale in self.folder.glob(".*.tmp"):
+                    stale.unlink(missing_ok=True)
+                if not any(self.folder.iterdir()):
+                    self.folder.rmdir()
 
 
 REFCOCO_COLUMNS = ("image", "answer", "bbox")

@@ -38,15 +38,16 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", follow_symlink: bool
     target.parent.mkdir(parents=True, exist_ok=True)
     keep = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o644
     remove_stale_temps(target)
-    with _signals_deferred():  # a SIGTERM between creating the temp file and entering ``try`` would leak it
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
-    try:
+    tmp = None
+    try:  # entered before the temp file exists: a signal handled right after it is made still removes it
+        with _signals_deferred():
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
         os.chmod(tmp, keep)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
