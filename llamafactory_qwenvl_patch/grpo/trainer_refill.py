@@ -21,9 +21,7 @@ class RefillMixin:
         lengths = part["attention"].sum(dim=1).tolist()
         results = self._reward_results([part["texts"][r] for r in rows], [part["meta"][i] for i in real],
                                        [int(lengths[r]) for r in rows])
-        total = torch.zeros(len(rows))
-        for reward, scored in zip(self.reward_funcs, results):
-            total += reward.weight * torch.tensor(scored.values)
+        total = self._weighted_total(results, len(rows))
         return dict(part=part, real=real, results=results, flat=flat_groups(total, G) if rows else [])
 
     def _any_rank(self, flag: bool) -> bool:

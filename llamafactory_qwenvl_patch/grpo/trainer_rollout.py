@@ -213,7 +213,6 @@ class RolloutMixin:
                results: list[Scored] | None = None) -> torch.Tensor:
         """The weighted total reward of each completion, with each reward's metrics logged; ``results``: already
         computed (dynamic sampling scores each part as it is sampled)."""
-        total = torch.zeros(len(texts))
         results = results if results is not None else self._reward_results(texts, meta, lengths)
         self._report_reward_failures(results)
         for reward, scored in zip(self.reward_funcs, results):
@@ -221,7 +220,13 @@ class RolloutMixin:
             self._metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
             self._metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
             self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(scored.errors)))
-            total += reward.weight * clean
+        return self._weighted_total(results, len(texts))
+
+    def _weighted_total(self, results: list[Scored], count: int) -> torch.Tensor:
+        """Each of ``count`` completions' total reward: the rewards' values times their ``reward_weights``."""
+        total = torch.zeros(count)
+        for reward, scored in zip(self.reward_funcs, results):
+            total += reward.weight * torch.tensor(scored.values)
         return total
 
     def _report_reward_failures(self, results: list[Scored]) -> None:

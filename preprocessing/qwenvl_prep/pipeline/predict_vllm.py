@@ -75,7 +75,7 @@ class VLLMPredictor(FolderModel):
                                               skip_special_tokens=True)
         rows = []
         for (image_path, prompt), output, answer, (orig_hw, model_hw) in zip(jobs, outputs, answers, sizes):
-            expected = (model_hw[0] // self.policy.factor) * (model_hw[1] // self.policy.factor)
+            expected = self.policy.image_tokens(*orig_hw)
             found = image_token_counts(list(output.prompt_token_ids or []), self.image_token_id)
             if found != [expected]:
                 raise RuntimeError(f"vLLM's prompt for {image_path} holds image tokens {found}, the folder's frame "
