@@ -148,7 +148,10 @@ def test_retarget_between_policies_matches_converting_from_the_original(h, w, da
     """Labels made for one policy, moved to another, land within a pixel of labels made for it directly."""
     assume(max(h, w) / min(h, w) <= 150)
     low, high = ResizePolicy(64 * 28 * 28, 256 * 28 * 28), ResizePolicy(256 * 28 * 28, 2048 * 28 * 28)
-    low_hw, high_hw = low.model_size(h, w), high.model_size(h, w)
+    try:  # a size whose rounding crosses the processor's ratio limit (5615x38 -> 5628x28) has no labels to move
+        low_hw, high_hw = low.model_size(h, w), high.model_size(h, w)
+    except PolicyError:
+        assume(False)
     x, y = data.draw(st.floats(0, w)), data.draw(st.floats(0, h))
     at_low = convert_coords([x, y], "orig", "model", (h, w), low_hw)
     moved = retarget_coords(at_low, "model", low_hw, "model", high_hw, (h, w))
