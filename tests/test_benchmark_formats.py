@@ -62,7 +62,8 @@ def test_screenspot_points_in_the_model_frame(tmp_path, capsys):
         assert entry["instruction"] in row["messages"][0]["content"]
         meta = json.loads(row["meta"])
         assert meta == {"bbox_orig": [x, y, x + w, y + h], "data_type": entry["data_type"],
-                        "data_source": entry["data_source"]}
+                        "data_source": entry["data_source"], "instruction": entry["instruction"],
+                        "source_format": "screenspot"}  # the instruction, for predict --prompt-preset
 
 
 def test_screenspot_pro_boxes_and_declared_size(tmp_path):
@@ -112,8 +113,40 @@ def test_refcoco_parquet(tmp_path):
                                                                  model_hw)}
     assert "the brown dog" in rows[1]["messages"][0]["content"]
     assert json.loads(rows[2]["meta"])["question_id"] == "2"
+    assert [json.loads(row["meta"])["instruction"] for row in rows] == ["left dog", "the brown dog", "man on the right"]
+    assert {json.loads(row["meta"])["source_format"] for row in rows} == {"refcoco-parquet"}
     _, first, _ = _convert(tmp_path, source, "--refcoco-expressions", "first", "--overwrite")
     assert len(first) == 2
+    # the published prompt of each family that answers in JSON, as convert's labels do
+    _, qwen3, _ = _convert(tmp_path, source, "--prompt-preset", "refcoco", "--family", "qwen3_vl", "--overwrite")
+    assert qwen3[1]["messages"][0]["content"] == ('<image>Locate every object that matches the description "the '
+                                                  'brown dog" in the image. Report bbox coordinates in JSON format.')
+    assert set(_answer_coords(qwen3[1])) == {"bbox_2d"}
+    _, qwen25, _ = _convert(tmp_path, source, "--prompt-preset", "refcoco", "--family", "qwen2_5_vl", "--overwrite")
+    assert qwen25[2]["messages"][0]["content"] == ("<image>Locate man on the right in this image and output the bbox "
+                                                   "coordinates in JSON format.")
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--format", "screenspot", "--family", "qwen2_5_vl"], "convert writes bbox_2d / point_2d JSON labels"),
+    (["--format", "screenspot", "--family", "qwen3_vl"], "no Qwen3-VL ScreenSpot prompt is published"),
+    (["--format", "screenspot", "--family", "qwen2_vl"], "answered with <|box_start|>"),
+    (["--format", "screenspot", "--family", "qwen3_5", "--prompt-preset", "refcoco"], "is for refcoco-parquet input"),
+    (["--format", "screenspot", "--target", "box"], "without --prompt and --target"),
+])
+def test_a_preset_convert_cannot_honour_is_refused(tmp_path, capsys, args, why):
+    """A preset answered otherwise than convert's labels, for another benchmark, for a family no source gives a
+    prompt for, or beside --prompt / --target: one line naming why, and nothing written."""
+    _screens(tmp_path)
+    source = tmp_path / "ss.json"
+    source.write_text(json.dumps([{"img_filename": "desktop.png", "bbox": [10, 10, 50, 20], "instruction": "open",
+                                   "data_type": "text"}]))
+    preset = [] if "--prompt-preset" in args else ["--prompt-preset", "screenspot"]
+    out = tmp_path / "out" / "data.jsonl"
+    code = main(["convert", str(source), "-o", str(out), "--min-pixels", "3136", "--max-pixels", "200704", "-q",
+                 *preset, *args])
+    assert code != 0 and not out.exists()
+    assert why in capsys.readouterr().err
 
 
 def test_refcoco_parquet_needs_its_columns(tmp_path, capsys):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qwenvl_prep.formats.benchmarks import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.formats.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
+from qwenvl_prep.formats.prompt_presets import PRESET_NAMES
 from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS
 from qwenvl_prep.commands.options import add_policy_flags, count, print_summary, spec_from_args
 
@@ -44,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
         input=args.input, output=args.output, target=spec_from_args(args).stamp, input_coords=args.input_coords,
         fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
         skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
-        prompt=args.prompt, refcoco_expressions=args.refcoco_expressions, progress=not args.quiet,
-        overwrite=args.overwrite, coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group,
-                                                   crowd=args.coco_crowd, absent=args.coco_absent),
+        prompt=args.prompt, prompt_preset=args.prompt_preset, refcoco_expressions=args.refcoco_expressions,
+        progress=not args.quiet, overwrite=args.overwrite,
+        coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group, crowd=args.coco_crowd, absent=args.coco_absent),
     )
     summary, code = convert(opts)
     if summary["dropped"]:
@@ -128,6 +129,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes); video-span / video-track "
                       f"template, {{query}} is replaced (default: {VIDEO_PROMPTS['video-span']!r} and "
                       f"{VIDEO_PROMPTS['video-track']!r})")
+    conv.add_argument("--prompt-preset", choices=PRESET_NAMES,
+                      help="ScreenSpot / RefCOCO: the prompt (and target) that Qwen's published numbers for the "
+                      "run's family were measured with, where it is answered in JSON (RefCOCO on Qwen2.5-VL, "
+                      "Qwen3-VL, Qwen3.5); the others are for predict --prompt-preset (docs/evaluation.md lists "
+                      "every preset and its source)")
     conv.add_argument("--refcoco-expressions", choices=["all", "first"], default="all",
                       help="RefCOCO: one record per referring expression (default) or per row (its first)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

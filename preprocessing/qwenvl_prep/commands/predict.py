@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
 from qwenvl_prep.commands.options import count, finite, seed
+from qwenvl_prep.formats.prompt_presets import PRESET_NAMES
+from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
 from qwenvl_prep.plumbing.resumable import ResumableOutput
 
 
@@ -20,7 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from qwenvl_prep.plumbing.outputs import Outputs
     if args.seed is not None and args.temperature == 0:
         raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
-    registries, frame_list_fps = [], None
+    registries, frame_list_fps, preset = [], None, None
+    if args.prompt_preset and not args.dataset:
+        raise ValueError("--prompt-preset asks each record's instruction in the benchmark's words: give --dataset (a "
+                         "ScreenSpot or RefCOCO file converted by qwenvl-prep convert)")
+    if args.prompt_preset and args.prompt:
+        raise ValueError("--prompt-preset is the prompt; give it without --prompt")
     if args.dataset:
         ref = resolve_dataset(str(args.dataset))
         frame_list_fps = ref.stamp.frame_list_fps if ref.stamp is not None else None  # the rate it was converted at
@@ -29,6 +35,12 @@ def run(args: argparse.Namespace) -> int:
         jobs = [(s.videos[0], s.prompt.replace("<video>", "").strip(), s.answer) if s.videos and not s.images
                 else (s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
         registries = [ref.media_dir]
+        if args.prompt_preset:
+            from qwenvl_prep.formats.prompt_presets import preset_for
+            from qwenvl_prep.pipeline.predict import folder_family
+
+            preset = preset_for(args.prompt_preset, folder_family(args.model_dir))
+            jobs = preset_jobs(preset, ref, jobs)
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
@@ -36,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
                      *(path for source, _, _ in jobs for path in (source if isinstance(source, list) else [source]))],
                     registries)
-    output = ResumableOutput(args.output, recorded_settings(args, jobs)) if args.output else None
+    output = ResumableOutput(args.output, recorded_settings(args, jobs, preset)) if args.output else None
     for path in output.outputs() if output else []:
         guard.check(path, "-o")
     drawings = []
@@ -45,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
     if output is None:
-        rows = answer_all(predictor_for(args), jobs, args.batch_size, frame_list_fps)
+        rows = answer_all(predictor_for(args, preset), jobs, args.batch_size, frame_list_fps)
         sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     else:
         with output:  # a stopped run continues from its last whole batch
             if output.done < len(jobs):
-                answer_all(predictor_for(args), jobs, args.batch_size, frame_list_fps, output)
+                answer_all(predictor_for(args, preset), jobs, args.batch_size, frame_list_fps, output)
             rows = output.rows()
     if args.draw:
         from qwenvl_prep.pipeline.draw import draw_predictions
@@ -59,16 +71,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def predictor_for(args: argparse.Namespace) -> Any:
-    """The backend's predictor: transformers (default) or offline vLLM."""
+def preset_jobs(preset: Any, ref: Any, jobs: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
+    """The jobs with each record's instruction asked in the preset's words; ValueError naming the first record that
+    is not of the preset's benchmark or has no recorded instruction."""
+    from qwenvl_prep.formats.benchmarks import FORMAT_KEY, INSTRUCTION_KEY
+    from qwenvl_prep.formats.converted import iter_samples
+    from qwenvl_prep.formats.prompt_presets import BENCHMARK_FORMATS
+
+    formats = BENCHMARK_FORMATS[preset.name]
+    asked = []
+    for sample, (source, _, label) in zip(iter_samples(ref), jobs):
+        meta = sample.meta if isinstance(sample.meta, dict) else {}
+        instruction = meta.get(INSTRUCTION_KEY)
+        if meta.get(FORMAT_KEY) not in formats or not isinstance(instruction, str) or isinstance(source, list) \
+                or is_video(source):
+            found = meta.get(FORMAT_KEY) or "no meta.source_format"
+            raise ValueError(f"record {sample.index} of {ref.path} is not a {' / '.join(formats)} record converted "
+                             f"by qwenvl-prep convert ({found}; meta.instruction "
+                             f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset "
+                             "asks each record's own instruction, which convert records in meta since presets came; "
+                             "convert the benchmark file again")
+        asked.append((source, preset.user_text(instruction), label))
+    return asked
+
+
+def predictor_for(args: argparse.Namespace, preset: Any = None) -> Any:
+    """The backend's predictor: transformers (default) or offline vLLM, asking in ``preset``'s words if given."""
     if args.backend == "vllm":
         from qwenvl_prep.pipeline.predict_vllm import VLLMPredictor
 
         return VLLMPredictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0,
-                             args.tensor_parallel_size)
+                             args.tensor_parallel_size, preset)
     from qwenvl_prep.pipeline.predict import Predictor
 
-    return Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
+    return Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0, preset)
 
 
 def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int, frame_list_fps: float | None,
@@ -94,7 +130,8 @@ def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int
     return rows
 
 
-def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]]) -> dict[str, Any]:
+def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]], preset: Any = None
+                      ) -> dict[str, Any]:
     """What produced the predictions: the model folder and its recorded frame, the prompt, the jobs (their count
     and a digest of every source and prompt), the sampling settings and the versions. A resumed run must match it
     key for key."""
@@ -104,7 +141,7 @@ def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]]
     digest = hashlib.sha256(json.dumps([[str(s) if not isinstance(s, list) else [str(p) for p in s], prompt]
                                         for s, prompt, _ in jobs]).encode()).hexdigest()
     return {"model_dir": str(Path(args.model_dir).resolve()), "policy": read_policy_record(args.model_dir),
-            "prompt": args.prompt if args.prompt else "the dataset's own prompts",
+            "prompt": preset.record() if preset else args.prompt if args.prompt else "the dataset's own prompts",
             "dataset": str(Path(args.dataset).resolve()) if args.dataset else None,
             "jobs": {"count": len(jobs), "sha256": digest},
             "settings": {"backend": args.backend, "max_new_tokens": args.max_new_tokens,
@@ -146,6 +183,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pred.add_argument("images", nargs="*", help="image or video files (.mp4, .webm, .mkv, .avi, .mov), with --prompt")
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
+    pred.add_argument("--prompt-preset", choices=PRESET_NAMES,
+                      help="with --dataset (a converted ScreenSpot / RefCOCO file): ask each record's instruction in "
+                      "the words Qwen's published numbers for the folder's family were measured with, system prompt "
+                      "and answer format included (docs/evaluation.md lists the presets and their sources)")
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout), written batch by batch to "
                       "OUTPUT.partial: a stopped run started again with the same settings continues where it "
                       "stopped; the model, prompt, settings and versions are recorded in OUTPUT.settings.json (for "

@@ -33,6 +33,8 @@ PROMPTS = {
     "box": 'Locate "{instruction}" and output its bbox_2d coordinates in JSON format.',
 }
 DEFAULT_TARGET = {"screenspot": "point", "screenspot-pro": "point", "refcoco-parquet": "box"}
+INSTRUCTION_KEY = "instruction"  # meta: the record's instruction (ScreenSpot) or referring expression (RefCOCO)
+FORMAT_KEY = "source_format"  # meta: the benchmark format it was converted from
 _TEXT_KEYS = ("img_filename", "bbox", "instruction", "img_size")  # carried elsewhere, not copied into meta
 
 
@@ -75,7 +77,10 @@ def check_prompt(prompt: str) -> None:
         raise ValueError(f"--prompt {prompt!r} contains a media tag; convert adds the image's <image> tag itself")
 
 
-def _record(image: str, instruction: Any, box: list[float], target: str, prompt: str, meta: dict) -> dict:
+def _record(image: str, instruction: Any, box: list[float], target: str, prompt: str, meta: dict, fmt: str
+            ) -> dict:
+    """One record; ``meta`` keeps the instruction and the format it came from, so that predict --prompt-preset can
+    ask it again in a benchmark's own words."""
     if not isinstance(instruction, str) or not instruction.strip():
         raise RecordError(f"'instruction' must be non-empty text, got {instruction!r}")
     tag = next((tag for tag in MEDIA_TAGS if tag in instruction), None)
@@ -84,7 +89,8 @@ def _record(image: str, instruction: Any, box: list[float], target: str, prompt:
                           "second media item")
     return {"messages": [{"role": "user", "content": "<image>" + prompt.replace("{instruction}", instruction)},
                          {"role": "assistant", "content": _answer(box, target)}],
-            "images": [image], "meta": {**meta, TRUTH_BOX_KEY: box}}  # the truth box wins over an entry's own key
+            "images": [image],  # ours win over an entry's own keys of these names
+            "meta": {**meta, INSTRUCTION_KEY: instruction, FORMAT_KEY: fmt, TRUTH_BOX_KEY: box}}
 
 
 def _scalars(entry: dict) -> dict:
@@ -106,7 +112,7 @@ def iter_screenspot(path: Path, fmt: str, target: str, prompt: str) -> Iterator[
             if not isinstance(entry, dict) or not isinstance(entry.get("img_filename"), str):
                 raise RecordError("a ScreenSpot entry is an object with a string 'img_filename'")
             record = _record(entry["img_filename"], entry.get("instruction"), _corners(entry.get("bbox"), layout),
-                             target, prompt, _scalars(entry))
+                             target, prompt, _scalars(entry), fmt)
             size = entry.get("img_size")
             if isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) for v in size):
                 record["declared_size"] = size
@@ -203,7 +209,7 @@ def iter_refcoco_parquet(path: Path, target: str, prompt: str, images: ImageStor
             image = row["image"]
             image = images.write(image.get("bytes") if isinstance(image, dict) else image)  # the row judged first
             for expression in answers[:1] if expressions == "first" else answers:
-                yield _record(image, expression, box, target, prompt, meta)
+                yield _record(image, expression, box, target, prompt, meta, "refcoco-parquet")
         except RecordError as error:
             yield error
 

@@ -24,6 +24,7 @@ from qwenvl_prep.formats.benchmarks import (
     DEFAULT_TARGET, PROMPTS, ImageStore, check_prompt, iter_refcoco_parquet, iter_screenspot,
 )
 from qwenvl_prep.formats.coco import CocoOptions, CocoReader, find_image_dir
+from qwenvl_prep.formats.prompt_presets import ANSWERS, BENCHMARK_FORMATS, PresetError, preset_for
 from qwenvl_prep.formats.records import detect_format, iter_raw
 from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS, iter_temporal
 from qwenvl_prep.formats.temporal import check_prompt as check_query_prompt
@@ -56,6 +57,7 @@ class ConvertOptions:
     coco: CocoOptions = field(default_factory=CocoOptions)
     answer_target: str | None = None  # benchmark formats: the answer is the element's point or its box
     prompt: str | None = None  # benchmark formats: the prompt template, {instruction} ({query}) is replaced
+    prompt_preset: str | None = None  # benchmark formats: a published prompt for the family (prompt and target)
     refcoco_expressions: str = "all"
     progress: bool = True
     overwrite: bool = False
@@ -100,6 +102,27 @@ def _source(opts: ConvertOptions, fmt: str) -> Source:
     if opts.input_coords not in INPUT_COORDS:
         raise ConvertError(f"--input-coords must be one of {', '.join(INPUT_COORDS)}")
     return Source(INPUT_COORDS[opts.input_coords])
+
+
+def _preset_prompt(opts: ConvertOptions, fmt: str) -> tuple[str, str]:
+    """``--prompt-preset``: the (prompt template, answer target) of the benchmark's published prompt for the run's
+    family; refused where convert's labels would answer it otherwise than the source does."""
+    if opts.prompt is not None or opts.answer_target is not None:
+        raise ConvertError("--prompt-preset sets the prompt and the answer target itself; give it without --prompt "
+                           "and --target")
+    try:
+        preset = preset_for(opts.prompt_preset, opts.target.family)
+    except PresetError as error:
+        raise ConvertError(str(error)) from None
+    if fmt not in BENCHMARK_FORMATS[preset.name]:
+        raise ConvertError(f"--prompt-preset {preset.name} is for {' / '.join(BENCHMARK_FORMATS[preset.name])} input; "
+                           f"{opts.input} is read as {fmt}")
+    if preset.answer != "json":
+        raise ConvertError(f"the {preset.name} preset for {preset.family} is answered with {ANSWERS[preset.answer]}, "
+                           "but convert writes bbox_2d / point_2d JSON labels: training on them would teach that "
+                           f"prompt another answer. Evaluate with it instead (qwenvl-prep predict --prompt-preset "
+                           f"{preset.name}), or give --prompt")
+    return preset.template, preset.target
 
 
 def _image_store(opts: ConvertOptions) -> ImageStore:
@@ -188,6 +211,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     source = _source(opts, fmt)
+    if opts.prompt_preset is not None:
+        opts.prompt, opts.answer_target = _preset_prompt(opts, fmt)
     if opts.prompt is not None and (fmt in DEFAULT_TARGET or fmt in VIDEO_FORMATS):
         try:
             (check_query_prompt if fmt in VIDEO_FORMATS else check_prompt)(opts.prompt)

@@ -12,6 +12,7 @@ whether a gap between two models on one benchmark is more than the draw of the r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -166,6 +167,20 @@ def versions() -> dict[str, str]:
     return found
 
 
+def _preset_line(prompt: dict[str, Any]) -> str:
+    """A prompt preset in one line: its name, family and source, its template, and its system prompt by length and
+    digest (the whole text is in the settings file)."""
+    line = (f"preset `{prompt.get('preset')}` for {prompt.get('family')} ({prompt.get('source')}); template "
+            f"`{json.dumps(prompt.get('template'))}`")
+    system = prompt.get("system")
+    if isinstance(system, str):
+        line += (f"; system prompt of {len(system)} characters (sha256 "
+                 f"{hashlib.sha256(system.encode()).hexdigest()[:16]})")
+    if prompt.get("prefill"):
+        line += f"; answer prefilled with `{json.dumps(prompt['prefill'])}`"
+    return line
+
+
 def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None, predictions: Sequence[Path]) -> str:
     """The report: what was evaluated (dataset, its frame, each predictions file's model, prompt and settings, the
     versions), then per subset n, each metric with its interval, and the paired differences."""
@@ -179,7 +194,9 @@ def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None,
             lines.append("  - model, prompt and settings: not recorded (not written by qwenvl-prep predict)")
             continue
         for key in ("model_dir", "policy", "prompt", "settings", "versions"):
-            if key in recorded:
+            if isinstance(recorded.get(key), dict) and "preset" in recorded[key]:
+                lines.append(f"  - prompt: {_preset_line(recorded[key])}")
+            elif key in recorded:
                 lines.append(f"  - {key.replace('_', ' ')}: `{json.dumps(recorded[key], sort_keys=True)}`")
     lines.append(f"- evaluated with: `{json.dumps(versions(), sort_keys=True)}`")
     ci = result["intervals"]

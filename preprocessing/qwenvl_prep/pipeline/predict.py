@@ -20,6 +20,7 @@ from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
+from qwenvl_prep.formats.prompt_presets import PromptPreset
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov")
 
@@ -38,6 +39,19 @@ def adapter_base(model_dir: Path) -> Path | None:
 
 
 MIN_TEMPERATURE = 1e-3
+# Qwen's grounding tokens are special tokens: a decode that skips special tokens would drop Qwen2-VL's boxes
+GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                    "<|quad_end|>")
+
+
+def folder_family(model_dir: str | Path) -> str:
+    """The family of a model folder (of an adapter folder: its base's); ValueError when it is none we know."""
+    base = adapter_base(Path(model_dir))
+    family = family_of_model(base or model_dir)
+    if family is None:
+        raise ValueError(f"{base or model_dir}/config.json is not a Qwen-VL model of a known family "
+                         f"({', '.join(FAMILIES)})")
+    return family
 
 
 class FolderModel:
@@ -46,7 +60,7 @@ class FolderModel:
     convention; and the row each answer becomes, boxes mapped back to original pixels."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, preset: PromptPreset | None = None) -> None:
         if not (math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (lower ones "
                              f"sample the greedy answer in effect, and near 1e-35 the scaled logits overflow float32), "
@@ -59,10 +73,13 @@ class FolderModel:
         self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.policy = folder_policy(model_dir, self.processor.image_processor)
-        family = family_of_model(base or model_dir)
-        if family is None:
-            raise ValueError(f"{base or model_dir}/config.json is not a Qwen-VL model of a known family "
-                             f"({', '.join(FAMILIES)})")
+        family = folder_family(model_dir)
+        if preset is not None and preset.family != family:
+            raise ValueError(f"the prompt preset is {preset.family}'s; {model_dir} is a {family} model")
+        self.preset = preset
+        tokenizer = self.processor.tokenizer
+        kept = {tokenizer.convert_tokens_to_ids(token) for token in GROUNDING_TOKENS}
+        self._dropped = set(tokenizer.all_special_ids) - kept
         self.convention = FAMILIES[family].coords
         # the video frame and clock (and frame-list rate) it was trained with; a folder trained before videos were
         # pinned: LF's defaults
@@ -74,18 +91,33 @@ class FolderModel:
         self._generator_seed = seed
         self._seeded = False
 
-    def prompt_text(self, prompt: str) -> str:
-        """The chat-template text of one image and ``prompt``, as training's template writes it."""
+    def prompt_text(self, prompt: str, model_hw: tuple[int, int]) -> str:
+        """The chat-template text of one image and ``prompt``, as training's template writes it; under a preset with
+        its system prompt (told the size of the image the model sees, ``model_hw``) and its assistant prefill."""
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        system = self.preset.system_text(model_hw[1], model_hw[0]) if self.preset else None
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        return text + (self.preset.prefill if self.preset else "")
+
+    def decode(self, token_rows: list[list[int]]) -> list[str]:
+        """The answers' text without padding, stop and other special tokens, but with Qwen's grounding tokens
+        (Qwen2-VL's ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` answers are made of them)."""
+        return [self.processor.tokenizer.decode([t for t in row if t not in self._dropped], skip_special_tokens=False)
+                for row in token_rows]
 
     def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
              key: str = "image") -> dict[str, Any]:
         """One output row: the answer, both frames, and each item mapped back to original pixels (for a clip also
         the whole answer with its boxes in the clip's pixels, ``predict_orig``: a track keeps its times)."""
+        generated = answer
+        raw, answer, unread = self.preset.read_answer(generated) if self.preset else (answer, answer, None)
         row: dict[str, Any] = {key: str(source), "prompt": prompt, "predict": answer,
                                "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
-                               "coords": self.convention, "items": [], "parse_error": None}
+                               "coords": self.convention, "items": [], "parse_error": unread}
+        if raw != answer or raw != generated:
+            row["raw_answer"] = raw  # the model's own words after the prefill; ``predict`` is what eval reads
 
         def to_orig(item: Any) -> list[float]:
             return convert_coords(item.coords, self.convention, "orig", orig_hw, model_hw, ndigits=2)
@@ -106,8 +138,8 @@ class Predictor(FolderModel):
     answers one image and returns boxes in original pixels."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int = 0) -> None:
-        super().__init__(model_dir, max_new_tokens, temperature, seed)
+                 seed: int = 0, preset: PromptPreset | None = None) -> None:
+        super().__init__(model_dir, max_new_tokens, temperature, seed, preset)
         import torch
         from transformers import AutoModelForImageTextToText
 
@@ -144,7 +176,7 @@ class Predictor(FolderModel):
             image = model_input_image(image_path, self.policy)
             with Image.open(image_path) as original:
                 sizes.append(((original.height, original.width), (image.height, image.width)))
-            texts.append(self.prompt_text(prompt))
+            texts.append(self.prompt_text(prompt, (image.height, image.width)))
             images.append(image)
         inputs = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
         for (image_path, _), grid, (_, model_hw) in zip(jobs, inputs["image_grid_thw"].tolist(), sizes):
@@ -201,4 +233,4 @@ class Predictor(FolderModel):
             self._seeded = True
         with torch.no_grad():
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, **sampling)
-        return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return self.decode(output[:, inputs["input_ids"].shape[1]:].tolist())

@@ -18,6 +18,7 @@ from llamafactory_qwenvl_patch.grpo.vllm_engine import (
     CPU_KV_CACHE_GIB, engine_dtypes, image_token_counts, name_text_architectures,
 )
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from qwenvl_prep.formats.prompt_presets import PromptPreset
 from qwenvl_prep.pipeline.predict import FolderModel
 
 
@@ -25,8 +26,8 @@ class VLLMPredictor(FolderModel):
     """One vLLM engine over a merged model folder (an adapter folder is refused with the command that merges it)."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-                 tensor_parallel_size: int = 1) -> None:
-        super().__init__(model_dir, max_new_tokens, temperature, seed)
+                 tensor_parallel_size: int = 1, preset: PromptPreset | None = None) -> None:
+        super().__init__(model_dir, max_new_tokens, temperature, seed, preset)
         if self.base is not None:
             raise ValueError(f"{model_dir} is a LoRA adapter: vLLM needs the merged model. Merge it with "
                              f"`llamafactory-cli export` (adapter_name_or_path: {model_dir}, export_dir: ...) under "
@@ -64,15 +65,15 @@ class VLLMPredictor(FolderModel):
             image = model_input_image(image_path, self.policy)
             with Image.open(image_path) as original:
                 sizes.append(((original.height, original.width), (image.height, image.width)))
-            requests.append({"prompt": self.prompt_text(prompt), "multi_modal_data": {"image": image}})
+            requests.append({"prompt": self.prompt_text(prompt, (image.height, image.width)),
+                             "multi_modal_data": {"image": image}})
         params = [SamplingParams(temperature=self.temperature, top_k=-1, top_p=1.0, max_tokens=self.max_new_tokens,
                                  detokenize=False, seed=(self._generator_seed * 1_000_003 + self._batch) * 4_099 + position
                                  if self.temperature > 0 else None)
                   for position in range(len(requests))]
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         # decoded as the HF backend decodes (vLLM's incremental detokenizer holds back an unfinished UTF-8 sequence)
-        answers = self.processor.batch_decode([list(output.outputs[0].token_ids) for output in outputs],
-                                              skip_special_tokens=True)
+        answers = self.decode([list(output.outputs[0].token_ids) for output in outputs])
         rows = []
         for (image_path, prompt), output, answer, (orig_hw, model_hw) in zip(jobs, outputs, answers, sizes):
             expected = self.policy.image_tokens(*orig_hw)

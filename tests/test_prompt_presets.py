@@ -1,0 +1,146 @@
+"""Benchmark prompt presets (issue 43, item 4): each family's published prompt, asked of a converted benchmark's
+own instructions by ``predict --prompt-preset``, its system prompt told the model frame, its answer read as the
+source reads it, and the preset recorded with the predictions and in the report."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from helpers import save_image
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
+from qwenvl_prep.cli import main
+from qwenvl_prep.formats.prompt_presets import (
+    BENCHMARK_FORMATS, COMPUTER_USE_PREFILL, PRESETS, PresetError, computer_use_click, preset_for,
+)
+from qwenvl_prep.pipeline.predict import FolderModel
+
+POLICY = ResizePolicy(16 * 28 * 28, 64 * 28 * 28)
+FRAME = ["--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)]
+
+
+def test_every_preset_names_its_source_and_places_the_instruction_once():
+    assert {name for name, _ in PRESETS} == set(BENCHMARK_FORMATS)
+    for preset in PRESETS.values():
+        assert preset.template.count("{instruction}") == 1 and preset.source
+        assert preset.target in ("point", "box")
+        # a system prompt or prefill only where the source has one, and then its answer is a tool call
+        assert (preset.system is None and preset.prefill == "") == (preset.answer != "computer_use")
+    with pytest.raises(PresetError, match="no Qwen3-VL ScreenSpot prompt is published.*qwen2_5_vl, qwen2_vl"):
+        preset_for("screenspot", "qwen3_vl")
+    with pytest.raises(PresetError, match="the presets are refcoco, screenspot"):
+        preset_for("mmbench", "qwen2_5_vl")
+
+
+@pytest.mark.parametrize("generated, click", [
+    ("123, 456]}}\n</tool_call>", [123, 456]),
+    ("10, 20, 30, 60]}}\n</tool_call>", [20.0, 40.0]),  # a box: its centre, as ScreenSpot-Pro's code scores it
+    ("7.5, 8]}}", [7.5, 8]),  # no closing tag: read up to the last brace, as the source does
+    ("1, 2]}, \"arguments\": {\"coordinate\": [3, 4]}}\n</tool_call>", None),  # a repeated key: ambiguous
+    ("1, 2, 3]}}\n</tool_call>", None),
+    ("true, 2]}}\n</tool_call>", None),
+    ("NaN, 2]}}\n</tool_call>", None),
+    ("the button]}}", None),
+])
+def test_a_computer_use_answer_is_its_click(generated, click):
+    preset = preset_for("screenspot", "qwen2_5_vl")
+    raw, read, unread = preset.read_answer(generated)
+    assert raw == COMPUTER_USE_PREFILL + generated
+    assert computer_use_click(raw) == click
+    if click is None:
+        assert read == raw and "no computer_use call" in unread
+    else:
+        assert json.loads(read) == [{"point_2d": click}] and unread is None
+    assert computer_use_click("no tool call here") is None
+
+
+def _folder(source, tmp_path, name="model"):
+    model = tmp_path / name
+    shutil.copytree(source, model)
+    write_policy_record(model, POLICY)
+    return model
+
+
+def test_qwen2_vl_box_tokens_survive_decoding(tiny_model_qwen2, tmp_path):
+    """Qwen2-VL answers with its grounding tokens, which its tokenizer marks special: a decode that skips special
+    tokens turned ``<|box_start|>(1,2),(3,4)<|box_end|>`` into ``(1,2),(3,4)``, which no reader places."""
+    model = FolderModel(_folder(tiny_model_qwen2, tmp_path))
+    tokenizer = model.processor.tokenizer
+    answer = "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>"
+    ids = tokenizer(answer + "<|im_end|>")["input_ids"] + [tokenizer.pad_token_id] * 2
+    assert model.decode([ids]) == [answer]
+    assert "<|box_start|>" not in tokenizer.decode(ids, skip_special_tokens=True)  # what predict did before
+
+
+def test_the_computer_use_system_prompt_is_told_the_model_frame(tiny_model, tiny_model_qwen3, tmp_path):
+    model = FolderModel(_folder(tiny_model, tmp_path), preset=preset_for("screenspot", "qwen2_5_vl"))
+    text = model.prompt_text("open the settings", (644, 476))
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n\n# Tools\n\n")
+    assert "The screen's resolution is 476x644." in text and text.count("<|im_start|>system") == 1
+    assert text.endswith("open the settings<|im_end|>\n<|im_start|>assistant\n" + COMPUTER_USE_PREFILL)
+    with pytest.raises(ValueError, match="the prompt preset is qwen2_5_vl's; .* is a qwen3_vl model"):
+        FolderModel(_folder(tiny_model_qwen3, tmp_path, "qwen3"), preset=preset_for("screenspot", "qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def screenspot(tmp_path_factory):
+    """A converted ScreenSpot file of mixed-size screenshots, and a COCO-style dataset without instructions."""
+    root = tmp_path_factory.mktemp("screenspot")
+    sizes = [(640, 400), (300, 620), (900, 500)]
+    for k, (w, h) in enumerate(sizes):
+        save_image(root / f"s{k}.png", w, h, (40 * k, 120, 200))
+    entries = [{"img_filename": f"s{k}.png", "bbox": [20, 30, 60, 40], "instruction": f"open menu {k}",
+                "data_type": "icon", "data_source": "web"} for k in range(len(sizes))]
+    (root / "ss.json").write_text(json.dumps(entries))
+    data = root / "data" / "ss.jsonl"
+    assert main(["convert", str(root / "ss.json"), "-o", str(data), *FRAME, "--workers", "1", "-q"]) == 0
+    plain = root / "data" / "plain.jsonl"
+    (root / "plain_in.jsonl").write_text(json.dumps({"image": "s0.png", "question": "Where is it?",
+                                                     "answer": '[{"bbox_2d": [1, 2, 30, 40]}]'}) + "\n")
+    assert main(["convert", str(root / "plain_in.jsonl"), "-o", str(plain), *FRAME, "--input-coords", "abs",
+                 "--workers", "1", "-q"]) == 0
+    return data, plain, entries
+
+
+def test_predict_asks_the_records_in_the_presets_words(screenspot, tiny_model, tiny_model_qwen3, tmp_path, capsys):
+    """One predict run under the Qwen2.5-VL ScreenSpot preset: each row asked the record's own instruction with the
+    computer_use system prompt, its raw answer kept beside what eval reads; the preset, source and system prompt
+    recorded with the predictions and named in the report; and the refusals."""
+    data, plain, entries = screenspot
+    model = _folder(tiny_model, tmp_path)
+    preds = tmp_path / "preds.jsonl"
+    assert main(["predict", str(model), "--dataset", str(data), "--prompt-preset", "screenspot", "-o", str(preds),
+                 "--max-new-tokens", "6", "--batch-size", "2"]) == 0
+    rows = [json.loads(line) for line in preds.read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == [entry["instruction"] for entry in entries]
+    for row in rows:
+        assert row["raw_answer"].startswith(COMPUTER_USE_PREFILL)
+        # random weights write no click: the row says so, and eval scores it as no click
+        assert row["parse_error"] == "the answer holds no computer_use call with a 2- or 4-number coordinate"
+        assert row["model_size"] == list(reversed(POLICY.model_size(row["orig_size"][1], row["orig_size"][0])))
+    settings = json.loads(preds.with_name(preds.name + ".settings.json").read_text())
+    assert settings["prompt"] == preset_for("screenspot", "qwen2_5_vl").record()
+    report = tmp_path / "report.md"
+    assert main(["eval", str(data), "--predictions", str(preds), "--report", str(report), "--bootstrap", "50"]) == 0
+    text = report.read_text()
+    assert "preset `screenspot` for qwen2_5_vl (ScreenSpot-Pro's own evaluation code" in text
+    assert re.search(r"system prompt of \d{4} characters \(sha256 [0-9a-f]{16}\)", text)
+    capsys.readouterr()
+
+    refused = [
+        ([str(model), "--dataset", str(plain), "--prompt-preset", "screenspot"],
+         "record 0 of .*plain.jsonl is not a screenspot / screenspot-pro record"),
+        ([str(model), "--dataset", str(data), "--prompt-preset", "refcoco"],
+         "record 0 of .*ss.jsonl is not a refcoco-parquet record"),
+        ([str(_folder(tiny_model_qwen3, tmp_path, "qwen3")), "--dataset", str(data), "--prompt-preset", "screenspot"],
+         "no Qwen3-VL ScreenSpot prompt is published"),
+        ([str(model), str(data.parent / "s0.png"), "--prompt-preset", "screenspot"], "give --dataset"),
+    ]
+    for args, why in refused:
+        out = tmp_path / "refused.jsonl"
+        assert main(["predict", *args, "-o", str(out)]) != 0
+        assert re.search(why, capsys.readouterr().err) and not out.exists()
