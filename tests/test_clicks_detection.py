@@ -327,3 +327,28 @@ def test_duplicate_pairs_by_blocks_equal_the_pairwise_count():
     finally:
         detection.DUPLICATE_BLOCK = saved
     assert detection._duplicate_pairs(boxes) == expected
+
+
+def test_referring_expression_accuracy_takes_the_first_box_only():
+    """RefCOCO is published as the accuracy of the one box answered; Acc@0.5 matches every answered box one to
+    one, so an answer listing a wrong box and then the right one scores there but not as a referring expression."""
+    from llamafactory_qwenvl_patch.scoring.answers import parse_items
+    from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval
+
+    truth = [10, 10, 110, 60]
+    reference = parse_items(json.dumps([{"bbox_2d": truth}]))
+    meta = {"bbox_orig": truth}
+    tally = GroundingEval()
+    for answer in ([{"bbox_2d": [300, 300, 400, 400]}, {"bbox_2d": [12, 10, 110, 62]}],  # right box second
+                   [{"bbox_2d": [12, 10, 110, 62]}],  # right box first
+                   [{"point_2d": [50, 30]}]):  # a point: a click, no box
+        tally.add(reference, json.dumps(answer), meta, list, (640, 480))
+    result = tally.to_dict()
+    assert result["boxes"]["acc@0.5"] == round(2 / 3, 4)  # rates are printed to 4 places
+    assert result["clicks"]["first_box_samples"] == 3
+    assert result["clicks"]["first_box_acc@0.5"] == round(1 / 3, 4)
+    assert result["clicks"]["click_acc"] == round(2 / 3, 4)  # the first box's centre, the point
+    points_only = GroundingEval()
+    points_only.add(parse_items(json.dumps([{"point_2d": [60, 35]}])), json.dumps([{"point_2d": [60, 35]}]), meta,
+                    list, (640, 480))
+    assert "first_box_acc@0.5" not in points_only.to_dict()["clicks"]  # ScreenSpot's point labels: no such rate

@@ -1,7 +1,7 @@
 """``qwenvl-prep predict -o`` resumes (issue 43, item 3): a run stopped by SIGKILL or SIGTERM continues from its
 last whole batch when started again and ends with the output of a run that was never stopped (sampling at a
-temperature, so each batch's seed matters); a line cut by the kill is written again; other settings are refused by
-name; a second run into the same output is refused while the first writes."""
+temperature, so each batch's seed matters); a batch cut by the kill is answered again, whole; other settings are
+refused by name; a second run into the same output is refused while the first writes."""
 
 from __future__ import annotations
 
@@ -70,9 +70,9 @@ def test_a_stopped_run_continues_to_the_uninterrupted_output(setup, tmp_path, si
     stopped(command(setup, out), partial, sig)
     assert not out.exists() and partial.exists()  # never a final file that is not whole
     done = partial.read_bytes()
-    assert done.count(b"\n") < RECORDS
-    with open(partial, "ab") as f:  # what a kill in the middle of a write leaves
-        f.write(b'{"image": "half a ro')
+    assert done.count(b"\n") < RECORDS and done.count(b"\n") % BATCH == 0
+    with open(partial, "ab") as f:  # what a kill in the middle of a batch's write leaves: a whole row, half a row
+        f.write(done.splitlines(keepends=True)[0] + b'{"image": "half a ro')
     result = run(command(setup, out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.read_text() == whole.read_text() and not partial.exists()
@@ -94,3 +94,23 @@ def test_other_settings_or_a_second_writer_are_refused(setup, tmp_path):
         result = run(command(setup, out))
     assert result.returncode == 2 and "another run is writing" in result.stderr
     assert partial.read_bytes() == kept  # neither refused run touched it
+
+
+def test_a_resumed_output_keeps_whole_batches_only(tmp_path):
+    """A batch cut anywhere (after whole rows of it, or inside a row) is dropped, so the relaunch answers it again
+    at its own index and seed rather than continuing in the middle of it."""
+    from qwenvl_prep.plumbing.resumable import ResumableOutput
+
+    out = tmp_path / "p.jsonl"
+    with pytest.raises(KeyboardInterrupt), ResumableOutput(out, {"a": 1}, batch=3) as first:
+        first.append([{"row": k} for k in range(3)])
+        first.append([{"row": k} for k in range(3, 6)])
+        raise KeyboardInterrupt
+    partial = out.with_name(out.name + ".partial")
+    whole = partial.read_bytes()
+    with open(partial, "ab") as f:
+        f.write(b'{"row": 6}\n{"row": 7}\n{"ro')
+    with ResumableOutput(out, {"a": 1}, batch=3) as again:
+        assert again.done == 6 and partial.read_bytes() == whole
+        again.append([{"row": k} for k in range(6, 9)])
+    assert [row["row"] for row in map(json.loads, out.read_text().splitlines())] == list(range(9))

@@ -1,16 +1,19 @@
 """``qwenvl-prep predict --backend vllm`` (issue 43, items 1-2): offline vLLM in the folder's recorded frame gives
 the HF backend's greedy answers, token for token, and the same frame (image tokens, model size, boxes mapped to
 original pixels) on mixed image sizes, for Qwen2.5-VL and Qwen3-VL (``--size small``: vLLM's CPU attention needs
-its heads); an adapter folder is refused with the command that merges it."""
+its heads), and on Qwen3-VL clips (the same frames, groups and stamps); an adapter folder, and a Qwen2.5-VL clip,
+are refused."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import run_cli, save_image
+from helpers import run_cli, save_image, write_clip
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -27,24 +30,39 @@ def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
     model = build_tiny_model(tmp_path / "model", family, size="small")
     policy = ResizePolicy.from_processor(AutoProcessor.from_pretrained(model).image_processor)
     assert policy.factor == factor
-    write_policy_record(model, policy)  # the folder's record and its processor agree, as an export's do
+    # the folder's record and its processor agree, as an export's do
+    write_policy_record(model, policy, VideoPolicy(2048, 8192, factor, 2.0, 8, FAMILIES[family].video_clock))
     images = [str(save_image(tmp_path / f"i{k}.jpg", w, h)) for k, (w, h) in enumerate(SIZES)]
+    # Qwen3-VL's clips (mp4, and webm at a size the frame rounds) mixed with the images, in the same batches
+    clips = [str(write_clip(tmp_path / "a.mp4", 3, 10, 160, 90)),
+             str(write_clip(tmp_path / "b.webm", 5, 10, 150, 100, codec="libvpx"))] if family == "qwen3_vl" else []
     rows = {}
     for backend in ("hf", "vllm"):
         out = tmp_path / f"{backend}.jsonl"
-        result = run_cli(["qwenvl-prep", "predict", str(model), *images, "--prompt", "Where is the cat? Answer in "
-                          "JSON.", "--max-new-tokens", "24", "--batch-size", "3", "--backend", backend, "-o", str(out)],
-                         None, tmp_path, timeout=900)
+        result = run_cli(["qwenvl-prep", "predict", str(model), *images, *clips, "--prompt", "Where is the cat? "
+                          "Answer in JSON.", "--max-new-tokens", "24", "--batch-size", "3", "--backend", backend,
+                          "-o", str(out)], None, tmp_path, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         rows[backend] = [json.loads(line) for line in out.read_text().splitlines()]
         assert json.loads(out.with_name(out.name + ".settings.json").read_text())["settings"]["backend"] == backend
     same = [a["predict"] == b["predict"] for a, b in zip(rows["hf"], rows["vllm"])]
     # float32 on both sides; a greedy tie broken the other way by another reduction order may change one answer
-    assert sum(same) >= len(SIZES) - 1, [(a["predict"], b["predict"]) for a, b in zip(rows["hf"], rows["vllm"])]
+    assert sum(same) >= len(same) - 1, [(a["predict"], b["predict"]) for a, b in zip(rows["hf"], rows["vllm"])]
+    assert len(same) == len(SIZES) + len(clips) and [row.get("video") for row in rows["vllm"][len(SIZES):]] == clips
     for a, b in zip(rows["hf"], rows["vllm"]):
         assert a["model_size"] == b["model_size"] and a["orig_size"] == b["orig_size"]
+        assert a.get("frames") == b.get("frames") and a.get("duration") == b.get("duration")
         if a["predict"] == b["predict"]:
             assert a["items"] == b["items"]
+
+
+def test_qwen2_5_vl_videos_are_refused_before_the_engine_loads(tiny_model, tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    clip = write_clip(tmp_path / "a.mp4", 2, 10, 64, 48)
+    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), str(clip), "--prompt", "When?", "--backend",
+                      "vllm"], None, tmp_path)
+    assert result.returncode == 2 and "cannot answer video prompts of a qwen2_5_vl model" in result.stderr
+    assert "--backend hf" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_an_adapter_folder_is_refused_with_the_merge_command(tiny_model, tmp_path):

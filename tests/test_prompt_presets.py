@@ -4,6 +4,7 @@ source reads it, and the preset recorded with the predictions and in the report.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -21,6 +22,16 @@ from qwenvl_prep.pipeline.predict import FolderModel
 
 POLICY = ResizePolicy(16 * 28 * 28, 64 * 28 * 28)
 FRAME = ["--min-pixels", str(POLICY.min_pixels), "--max-pixels", str(POLICY.max_pixels)]
+
+
+def test_the_computer_use_system_prompt_is_the_sources_byte_for_byte():
+    """ScreenSpot-Pro's Qwen2.5-VL system prompt (likaixin2000/ScreenSpot-Pro-GUI-Grounding models/qwen2_5vl.py at
+    bd8bbbb, its two system texts joined, the resolution filled in as 1111x2222): pinned by digest, so that an edit
+    of the long text cannot pass unnoticed."""
+    text = preset_for("screenspot", "qwen2_5_vl").system_text(1111, 2222)
+    assert len(text) == 3482
+    assert hashlib.sha256(text.encode()).hexdigest() == \
+        "b269779b4cc341a8e5b869dbb9acd6d82d44680b58f6efa14d06e6ca7545e1db"
 
 
 def test_every_preset_names_its_source_and_places_the_instruction_once():
@@ -45,6 +56,8 @@ def test_every_preset_names_its_source_and_places_the_instruction_once():
     ("true, 2]}}\n</tool_call>", None),
     ("NaN, 2]}}\n</tool_call>", None),
     ("the button]}}", None),
+    ("1e308, 1, 1e308, 1]}}", [1e308, 1.0]),  # the centre of huge numbers stays finite
+    ("1e309, 1]}}", None),  # infinity is no click
 ])
 def test_a_computer_use_answer_is_its_click(generated, click):
     preset = preset_for("screenspot", "qwen2_5_vl")
@@ -84,6 +97,18 @@ def test_the_computer_use_system_prompt_is_told_the_model_frame(tiny_model, tiny
     assert text.endswith("open the settings<|im_end|>\n<|im_start|>assistant\n" + COMPUTER_USE_PREFILL)
     with pytest.raises(ValueError, match="the prompt preset is qwen2_5_vl's; .* is a qwen3_vl model"):
         FolderModel(_folder(tiny_model_qwen3, tmp_path, "qwen3"), preset=preset_for("screenspot", "qwen2_5_vl"))
+
+
+def test_answers_under_a_preset_map_to_original_pixels(tiny_model, tiny_model_qwen2, tmp_path):
+    """A computer_use click (model-input pixels) and a Qwen2-VL box (box tokens, 0-1000) become items in the
+    original image's pixels, as eval reads them."""
+    model = FolderModel(_folder(tiny_model, tmp_path), preset=preset_for("screenspot", "qwen2_5_vl"))
+    row = model._row("s.png", "open it", '100, 50]}}\n</tool_call>', (800, 1200), (400, 600))
+    assert json.loads(row["predict"]) == [{"point_2d": [100, 50]}] and row["parse_error"] is None
+    assert row["raw_answer"].startswith(COMPUTER_USE_PREFILL) and row["items"][0]["orig"] == [200.0, 100.0]
+    qwen2 = FolderModel(_folder(tiny_model_qwen2, tmp_path, "qwen2"), preset=preset_for("screenspot", "qwen2_vl"))
+    row = qwen2._row("s.png", "open it", "<|box_start|>(100,200),(300,400)<|box_end|>", (800, 1200), (392, 588))
+    assert row["items"][0]["orig"] == [120.0, 160.0, 360.0, 320.0] and "raw_answer" not in row
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +156,8 @@ def test_predict_asks_the_records_in_the_presets_words(screenspot, tiny_model, t
     assert re.search(r"system prompt of \d{4} characters \(sha256 [0-9a-f]{16}\)", text)
     capsys.readouterr()
 
+    other_frame = _folder(tiny_model, tmp_path, "other")
+    write_policy_record(other_frame, ResizePolicy(8 * 28 * 28, 64 * 28 * 28))
     refused = [
         ([str(model), "--dataset", str(plain), "--prompt-preset", "screenspot"],
          "record 0 of .*plain.jsonl is not a screenspot / screenspot-pro record"),
@@ -139,6 +166,10 @@ def test_predict_asks_the_records_in_the_presets_words(screenspot, tiny_model, t
         ([str(_folder(tiny_model_qwen3, tmp_path, "qwen3")), "--dataset", str(data), "--prompt-preset", "screenspot"],
          "no Qwen3-VL ScreenSpot prompt is published"),
         ([str(model), str(data.parent / "s0.png"), "--prompt-preset", "screenspot"], "give --dataset"),
+        # eval reads answers in the dataset's frame: a folder answering in another is refused before it loads
+        ([str(_folder(tiny_model_qwen3, tmp_path, "qwen3b")), "--dataset", str(data)],
+         r"converted for qwen2_5_vl \(model coordinates\); .* is a qwen3_vl model answering in rel1000"),
+        ([str(other_frame), "--dataset", str(data)], "converted in the frame 12544..50176 pixels"),
     ]
     for args, why in refused:
         out = tmp_path / "refused.jsonl"

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from llamafactory_qwenvl_patch.frame.keys import frame_key
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
@@ -198,6 +198,12 @@ class VideoPlan:
         ``METADATA_FPS``: the sampled times themselves, so its stamps (each index over fps, each pair's mean) are
         ``stamps`` bit for bit (indices scaled by the rate round differently: 16.6 s printed 16.7)."""
         return list(self.times)
+
+    def metadata(self, frames: int) -> dict[str, Any]:
+        """The clip's ``video_metadata`` for a Qwen3 processor (transformers' or vLLM's) given its ``frames`` sampled
+        frames, not to be sampled again: the plan's times as ``frames_indices`` at ``METADATA_FPS``."""
+        return {"fps": METADATA_FPS, "frames_indices": self.frames_indices, "total_num_frames": frames,
+                "duration": self.duration}
 
     def tokens(self, frame_tokens: int) -> int:
         """``<|video_pad|>`` tokens of the whole clip."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPlan
+from llamafactory_qwenvl_patch.frame.video import VideoPlan
 
 SERVED_CLOCK = "stamps"
 POSITIONS_REASON = ("vLLM 0.28 numbers the positions of the text after a video differently from transformers "
@@ -44,9 +44,7 @@ class VideoClip:
 
     def vllm_item(self) -> tuple[np.ndarray, dict[str, Any]]:
         """vLLM's ``multi_modal_data["video"]`` item: the frames and the plan's clock, not resampled."""
-        return self.frames, {"fps": METADATA_FPS, "frames_indices": self.plan.frames_indices,
-                             "total_num_frames": len(self.frames), "duration": self.plan.duration,
-                             "do_sample_frames": False}
+        return self.frames, {**self.plan.metadata(len(self.frames)), "do_sample_frames": False}
 
 
 def refuse_other_clocks(clock: str | None, model_type: str) -> None:

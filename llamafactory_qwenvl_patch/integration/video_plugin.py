@@ -92,10 +92,8 @@ class PinnedVideos:
         if self.qwenvl_video_clock == "stamps":  # the Qwen3 processors read each video's own clock from its metadata
             # (not returned: nothing after the processor reads it, and LF's HF engine turns every mm input into a
             # tensor, which a list of VideoMetadata is not)
-            kwargs.update(video_metadata=[
-                {"fps": METADATA_FPS, "duration": plan.duration, "total_num_frames": len(frames),
-                 "frames_indices": plan.frames_indices} for plan, frames in zip(plans, data["videos"])
-            ], do_sample_frames=False)
+            kwargs.update(video_metadata=[plan.metadata(len(frames)) for plan, frames in zip(plans, data["videos"])],
+                          do_sample_frames=False)
         mm_inputs.update(processor.video_processor(**kwargs))
         if "second_per_grid_ts" in processor.model_input_names:
             mm_inputs["second_per_grid_ts"] = [plan.second_per_grid_ts for plan in plans]

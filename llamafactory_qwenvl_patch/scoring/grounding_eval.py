@@ -12,19 +12,24 @@ from llamafactory_qwenvl_patch.scoring.answers import Item, not_present, try_par
 from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point, truth_box
 from llamafactory_qwenvl_patch.scoring.coco_map import coco_map
 from llamafactory_qwenvl_patch.scoring.detection import Detection, MonitorTally, match_detections
-from llamafactory_qwenvl_patch.scoring.metrics import AbsentTally, Tally, _ratio, score_grounding
+from llamafactory_qwenvl_patch.scoring.metrics import IOU_THRESHOLD, AbsentTally, Tally, _ratio, iou, score_grounding
 
 ToOrig = Callable[[Sequence[float]], list[float]]
 
 
 @dataclass
 class ClickTally:
-    """Clicks against truth boxes: accuracy (point in box), mean ``click_dense`` and answers with no click."""
+    """Clicks against truth boxes: accuracy (point in box), mean ``click_dense`` and answers with no click; for
+    records whose label is a box (RefCOCO), the referring-expression accuracy as it is published: the answer's first
+    box at IoU >= 0.5 with the truth box (``Tally``'s Acc@0.5 matches every answered box one to one, so an answer
+    listing several boxes scores there when any of them fits)."""
 
     samples: int = 0
     hits: int = 0
     dense: float = 0.0
     no_click: int = 0
+    first_box_samples: int = 0
+    first_box_hits: int = 0
 
     def add(self, point: tuple[float, float] | None, box: Sequence[float]) -> None:
         self.samples += 1
@@ -34,10 +39,19 @@ class ClickTally:
         self.hits += click_hit(point, box)
         self.dense += click_dense_score(point, box)
 
+    def add_first_box(self, box: Sequence[float] | None, truth: Sequence[float]) -> None:
+        """A box-labelled record: ``box`` is the answer's first box in the truth's pixels (None: it has none)."""
+        self.first_box_samples += 1
+        self.first_box_hits += box is not None and iou(box, truth) >= IOU_THRESHOLD
+
     def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "click_acc": _ratio(self.hits, self.samples),
-                "click_dense_mean": _ratio(self.dense, self.samples),
-                "no_click_rate": _ratio(self.no_click, self.samples)}
+        out = {"samples": self.samples, "click_acc": _ratio(self.hits, self.samples),
+               "click_dense_mean": _ratio(self.dense, self.samples),
+               "no_click_rate": _ratio(self.no_click, self.samples)}
+        if self.first_box_samples:
+            out.update({"first_box_samples": self.first_box_samples,
+                        "first_box_acc@0.5": _ratio(self.first_box_hits, self.first_box_samples)})
+        return out
 
 
 @dataclass
@@ -91,11 +105,14 @@ class GroundingEval:
         A record with a truth box in ``meta`` is a click sample; a record with reference boxes is a box sample
         (RefCOCO answered with boxes is both)."""
         box = truth_box("", meta, list)
+        predicted = try_parse_items(answer)
         if box is not None:
             point = click_point(answer)
             self.clicks.add(tuple(to_orig(point)) if point is not None else None, box)
+            if any(item.kind == "bbox_2d" for item in reference):
+                first = next((item for item in predicted or [] if item.kind == "bbox_2d"), None)
+                self.clicks.add_first_box(to_orig(first.coords) if first is not None else None, box)
         truth = _detections(reference, to_orig)
-        predicted = try_parse_items(answer)
         found = _detections(predicted, to_orig) if predicted is not None else None
         if truth:
             self.boxes.add(score_grounding([d.box for d in truth], answer, to_orig))

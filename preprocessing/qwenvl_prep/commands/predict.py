@@ -10,45 +10,43 @@ from pathlib import Path
 from typing import Any
 
 from qwenvl_prep.commands.options import count, finite, seed
-from qwenvl_prep.formats.prompt_presets import PRESET_NAMES
+from qwenvl_prep.formats.prompt_presets import PRESET_NAMES, PromptPreset
 from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
 from qwenvl_prep.plumbing.resumable import ResumableOutput
 
 
+Job = tuple[Any, str, Any]  # (image, clip or frame list; the prompt; the label, None without a dataset)
+
+
 def run(args: argparse.Namespace) -> int:
     """Answer every image (in batches), write JSON lines atomically, draw them when asked."""
-    from qwenvl_prep.formats.converted import resolve_dataset
     from qwenvl_prep.plumbing.outputs import Outputs
     if args.seed is not None and args.temperature == 0:
         raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
-    registries, frame_list_fps, preset = [], None, None
     if args.prompt_preset and not args.dataset:
         raise ValueError("--prompt-preset asks each record's instruction in the benchmark's words: give --dataset (a "
                          "ScreenSpot or RefCOCO file converted by qwenvl-prep convert)")
     if args.prompt_preset and args.prompt:
         raise ValueError("--prompt-preset is the prompt; give it without --prompt")
+    registries, frame_list_fps, preset = [], None, None
     if args.dataset:
-        ref = resolve_dataset(str(args.dataset))
-        frame_list_fps = ref.stamp.frame_list_fps if ref.stamp is not None else None  # the rate it was converted at
-        from qwenvl_prep.formats.converted import iter_samples
-
-        jobs = [(s.videos[0], s.prompt.replace("<video>", "").strip(), s.answer) if s.videos and not s.images
-                else (s.images[0], s.prompt.replace("<image>", "").strip(), s.answer) for s in iter_samples(ref)]
+        jobs, preset, ref = dataset_jobs(args)
         registries = [ref.media_dir]
-        if args.prompt_preset:
-            from qwenvl_prep.formats.prompt_presets import preset_for
-            from qwenvl_prep.pipeline.predict import folder_family
-
-            preset = preset_for(args.prompt_preset, folder_family(args.model_dir))
-            jobs = preset_jobs(preset, ref, jobs)
+        frame_list_fps = ref.stamp.frame_list_fps if ref.stamp is not None else None  # the rate it was converted at
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images (or videos) with --prompt")
+    if args.backend == "vllm" and any(is_video(source) for source, _, _ in jobs):
+        from qwenvl_prep.pipeline.predict import folder_family
+        from qwenvl_prep.pipeline.predict_vllm import refuse_videos
+
+        refuse_videos(folder_family(args.model_dir))  # before the engine loads
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
                      *(path for source, _, _ in jobs for path in (source if isinstance(source, list) else [source]))],
                     registries)
-    output = ResumableOutput(args.output, recorded_settings(args, jobs, preset)) if args.output else None
+    output = ResumableOutput(args.output, recorded_settings(args, jobs, preset), args.batch_size) \
+        if args.output else None
     for path in output.outputs() if output else []:
         guard.check(path, "-o")
     drawings = []
@@ -56,13 +54,23 @@ def run(args: argparse.Namespace) -> int:
         from qwenvl_prep.pipeline.draw import prediction_paths
 
         drawings = [guard.check(p, "--draw", inside=args.draw) for p in prediction_paths(len(jobs), args.draw)]
+    if args.dataset:
+        from qwenvl_prep.pipeline.predict import dataset_frame_problem
+
+        problem = dataset_frame_problem(args.model_dir, ref.stamp)
+        if problem:
+            raise ValueError(f"{args.dataset} cannot score this model's answers: {problem}, and eval reads every "
+                             "answer in the dataset's own frame. Convert the benchmark again for this model "
+                             "(qwenvl-prep convert --from-yaml with its training YAML, or --family and the bounds of "
+                             "its qwenvl_policy.json)")
+    predictor = predictor_for(args, preset)  # loaded before any output is made: a refused folder leaves none
     if output is None:
-        rows = answer_all(predictor_for(args, preset), jobs, args.batch_size, frame_list_fps)
+        rows = answer_all(predictor, jobs, args.batch_size, frame_list_fps)
         sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     else:
         with output:  # a stopped run continues from its last whole batch
             if output.done < len(jobs):
-                answer_all(predictor_for(args, preset), jobs, args.batch_size, frame_list_fps, output)
+                answer_all(predictor, jobs, args.batch_size, frame_list_fps, output)
             rows = output.rows()
     if args.draw:
         from qwenvl_prep.pipeline.draw import draw_predictions
@@ -71,31 +79,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def preset_jobs(preset: Any, ref: Any, jobs: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
-    """The jobs with each record's instruction asked in the preset's words; ValueError naming the first record that
-    is not of the preset's benchmark or has no recorded instruction."""
+def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | None, Any]:
+    """The jobs of a converted dataset (its own prompts, or each record's instruction in the words of
+    ``--prompt-preset``), the preset, and the dataset; ValueError naming the first record that cannot be asked."""
     from qwenvl_prep.formats.benchmarks import FORMAT_KEY, INSTRUCTION_KEY
-    from qwenvl_prep.formats.converted import iter_samples
-    from qwenvl_prep.formats.prompt_presets import BENCHMARK_FORMATS
+    from qwenvl_prep.formats.converted import iter_samples, resolve_dataset
+    from qwenvl_prep.formats.prompt_presets import BENCHMARK_FORMATS, preset_for
+    from qwenvl_prep.pipeline.predict import folder_family
 
-    formats = BENCHMARK_FORMATS[preset.name]
-    asked = []
-    for sample, (source, _, label) in zip(iter_samples(ref), jobs):
-        meta = sample.meta if isinstance(sample.meta, dict) else {}
-        instruction = meta.get(INSTRUCTION_KEY)
-        if meta.get(FORMAT_KEY) not in formats or not isinstance(instruction, str) or isinstance(source, list) \
-                or is_video(source):
-            found = meta.get(FORMAT_KEY) or "no meta.source_format"
-            raise ValueError(f"record {sample.index} of {ref.path} is not a {' / '.join(formats)} record converted "
-                             f"by qwenvl-prep convert ({found}; meta.instruction "
-                             f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset "
-                             "asks each record's own instruction, which convert records in meta since presets came; "
-                             "convert the benchmark file again")
-        asked.append((source, preset.user_text(instruction), label))
-    return asked
+    ref = resolve_dataset(str(args.dataset))
+    preset = preset_for(args.prompt_preset, folder_family(args.model_dir)) if args.prompt_preset else None
+    jobs = []
+    for sample in iter_samples(ref):
+        if sample.error:
+            raise ValueError(f"record {sample.index} of {ref.path} cannot be asked: {sample.error}")
+        source, tag = (sample.videos[0], "<video>") if sample.videos and not sample.images else \
+            (sample.images[0], "<image>")
+        prompt = sample.prompt.replace(tag, "").strip()
+        if preset is not None:
+            meta = sample.meta if isinstance(sample.meta, dict) else {}
+            instruction, formats = meta.get(INSTRUCTION_KEY), BENCHMARK_FORMATS[preset.name]
+            if meta.get(FORMAT_KEY) not in formats or not isinstance(instruction, str) or is_video(source):
+                raise ValueError(
+                    f"record {sample.index} of {ref.path} is not a {' / '.join(formats)} record converted by "
+                    f"qwenvl-prep convert ({meta.get(FORMAT_KEY) or 'no meta.source_format'}; meta.instruction "
+                    f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset asks "
+                    "each record's own instruction, which convert keeps in meta since presets came; convert the "
+                    "benchmark file again")
+            prompt = preset.user_text(instruction)
+        jobs.append((source, prompt, sample.answer))
+    return jobs, preset, ref
 
 
-def predictor_for(args: argparse.Namespace, preset: Any = None) -> Any:
+def predictor_for(args: argparse.Namespace, preset: PromptPreset | None = None) -> Any:
     """The backend's predictor: transformers (default) or offline vLLM, asking in ``preset``'s words if given."""
     if args.backend == "vllm":
         from qwenvl_prep.pipeline.predict_vllm import VLLMPredictor
@@ -107,7 +123,7 @@ def predictor_for(args: argparse.Namespace, preset: Any = None) -> Any:
     return Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0, preset)
 
 
-def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int, frame_list_fps: float | None,
+def answer_all(predictor: Any, jobs: list[Job], batch_size: int, frame_list_fps: float | None,
                output: Any = None) -> list[dict[str, Any]]:
     """Every job's row, batch by batch (each batch's sampling seeded by its index); with ``output``
     (``ResumableOutput``), the batches it already holds are skipped and each new one is appended as it is done."""
@@ -130,7 +146,7 @@ def answer_all(predictor: Any, jobs: list[tuple[Any, str, Any]], batch_size: int
     return rows
 
 
-def recorded_settings(args: argparse.Namespace, jobs: list[tuple[Any, str, Any]], preset: Any = None
+def recorded_settings(args: argparse.Namespace, jobs: list[Job], preset: PromptPreset | None = None
                       ) -> dict[str, Any]:
     """What produced the predictions: the model folder and its recorded frame, the prompt, the jobs (their count
     and a digest of every source and prompt), the sampling settings and the versions. A resumed run must match it
@@ -172,7 +188,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The subcommand's arguments, with ``run`` as its handler."""
     pred = sub.add_parser(
         "predict",
-        help="generate with transformers and map boxes back to original pixels (JSON lines)",
+        help="generate (transformers or vLLM) in the folder's frame and map boxes back to original pixels "
+        "(JSON lines)",
         description="Resize each image, and sample and resize each video, with the model folder's pinned policies (the "
         "training frame and clock), generate, parse "
         "bbox_2d / point_2d / <|box_start|> answers and map them back to original-image pixels.",
@@ -193,8 +210,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "eval --report)")
     pred.add_argument("--backend", choices=("hf", "vllm"), default="hf",
                       help="hf: transformers generate (default; images and videos, adapter folders merged in memory); "
-                      "vllm: offline vLLM in the folder's frame, images only, a merged folder (minutes faster on "
-                      "large sets; scripts/add_vllm.sh installs it)")
+                      "vllm: offline vLLM in the folder's frame, images and Qwen3-VL / Qwen3.5 videos, a merged "
+                      "folder (minutes faster on large sets; scripts/add_vllm.sh installs it)")
     pred.add_argument("--tensor-parallel-size", type=count(1), default=1,
                       help="--backend vllm: GPUs the engine spans (default 1)")
     pred.add_argument("--draw", type=Path, help="also draw predicted boxes on the original images into this folder")

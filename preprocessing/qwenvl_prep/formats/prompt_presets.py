@@ -17,8 +17,8 @@ from typing import Any
 
 from llamafactory_qwenvl_patch.scoring import json_text
 
-PRESET_NAMES = ("refcoco", "screenspot")
 BENCHMARK_FORMATS = {"refcoco": ("refcoco-parquet",), "screenspot": ("screenspot", "screenspot-pro")}
+PRESET_NAMES = tuple(BENCHMARK_FORMATS)
 ANSWERS = {
     "json": "bbox_2d / point_2d JSON in the family's coordinates",
     "box_tokens": "<|box_start|>(x1,y1),(x2,y2)<|box_end|>, 0-1000 (a box's centre is its click)",
@@ -127,8 +127,8 @@ _SOURCES = {
     "refcoco/qwen3_vl": "Qwen maintainers: Qwen3-VL's RefCOCO / RefCOCO+ / RefCOCOg evaluation prompt, QwenLM/Qwen3-VL "
                         "issue #1721 (reply of 2025-10-31); answers relative 0-1000." + _QWEN3_NOTE,
     "refcoco/qwen2_vl": "community answer (not a Qwen maintainer) in QwenLM/Qwen3-VL (then Qwen2-VL) issue #536 "
-                        "(2024-11-19), the REC wording VLMEvalKit and VLM-R1 also use; Qwen2-VL answers with box "
-                        "tokens, 0-1000",
+                        "(2024-11-19); VLMEvalKit's RefCOCO asks the same sentence with the expression in <ref></ref> "
+                        "tags; Qwen2-VL answers with box tokens, 0-1000",
     "screenspot/qwen2_vl": "ScreenSpot-Pro's own evaluation code, likaixin2000/ScreenSpot-Pro-GUI-Grounding "
                            "models/qwen2vl.py (bd8bbbb, line 89): box tokens 0-1000, the box's centre is the click",
     "screenspot/qwen2_5_vl": "ScreenSpot-Pro's own evaluation code, likaixin2000/ScreenSpot-Pro-GUI-Grounding "
@@ -158,13 +158,11 @@ def _presets() -> dict[tuple[str, str], PromptPreset]:
 
 
 PRESETS = _presets()
-_MISSING = {
-    ("screenspot", "qwen3_vl"): "no Qwen3-VL ScreenSpot prompt is published (Qwen3-VL's evaluation code covers "
-                                "ODinW-13, MathVision, RealWorldQA, VideoMME and MMMU; its GUI cookbook is a "
-                                "multi-step agent prompt, not a grounding one)",
-}
-_MISSING[("screenspot", "qwen3_5")] = _MISSING[("screenspot", "qwen3_vl")].replace("Qwen3-VL ScreenSpot",
-                                                                                  "Qwen3-VL or Qwen3.5 ScreenSpot")
+_NO_QWEN3_SCREENSPOT = ("ScreenSpot prompt is published (Qwen3-VL's evaluation code covers ODinW-13, MathVision, "
+                        "RealWorldQA, VideoMME and MMMU; its GUI cookbook is a multi-step agent prompt, not a "
+                        "grounding one)")
+_MISSING = {("screenspot", "qwen3_vl"): "no Qwen3-VL " + _NO_QWEN3_SCREENSPOT,
+            ("screenspot", "qwen3_5"): "no Qwen3-VL or Qwen3.5 " + _NO_QWEN3_SCREENSPOT}
 
 
 def preset_for(name: str, family: str) -> PromptPreset:
@@ -198,6 +196,5 @@ def computer_use_click(text: str) -> list[float] | None:
     if not (isinstance(coords, list) and len(coords) in (2, 4)
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in coords)):
         return None
-    if len(coords) == 4:
-        return [(coords[0] + coords[2]) / 2, (coords[1] + coords[3]) / 2]
-    return list(coords)
+    point = [coords[0] / 2 + coords[2] / 2, coords[1] / 2 + coords[3] / 2] if len(coords) == 4 else list(coords)
+    return point if all(math.isfinite(v) for v in point) else None

@@ -26,7 +26,7 @@ from llamafactory_qwenvl_patch.scoring.metrics import FieldTally
 CONFIDENCE = 0.95
 METRICS = {  # a tally summary's section -> the rates that get an interval
     "boxes": ("acc@0.5", "mean_iou", "parse_failure_rate"),
-    "clicks": ("click_acc", "click_dense_mean", "no_click_rate"),
+    "clicks": ("click_acc", "click_dense_mean", "no_click_rate", "first_box_acc@0.5"),
     "spans": ("r1@0.3", "r1@0.5", "r1@0.7", "mean_tiou", "parse_failure_rate"),
     "tracks": ("acc@0.5", "mean_iou", "mean_track_score"),
     "fields": ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"),
@@ -167,6 +167,11 @@ def versions() -> dict[str, str]:
     return found
 
 
+def _cell(text: str) -> str:
+    """A table cell's text: a subset named after a --by value may hold a pipe or a line break."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def _preset_line(prompt: dict[str, Any]) -> str:
     """A prompt preset in one line: its name, family and source, its template, and its system prompt by length and
     digest (the whole text is in the settings file)."""
@@ -178,7 +183,7 @@ def _preset_line(prompt: dict[str, Any]) -> str:
                  f"{hashlib.sha256(system.encode()).hexdigest()[:16]})")
     if prompt.get("prefill"):
         line += f"; answer prefilled with `{json.dumps(prompt['prefill'])}`"
-    return line
+    return line + f"; answers read as {prompt.get('answer')}"
 
 
 def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None, predictions: Sequence[Path]) -> str:
@@ -207,13 +212,14 @@ def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None,
               "| subset | n | metric | value | 95% interval |", "|---|---|---|---|---|"]
     for name, row in ci["subsets"].items():
         for key, entry in row["metrics"].items():
-            lines.append(f"| {name} | {row['n']} | {key} | {entry['value']:.4f} | {_span(entry['ci95'])} |")
+            lines.append(f"| {_cell(name)} | {row['n']} | {key} | {entry['value']:.4f} | {_span(entry['ci95'])} |")
     if any("paired" in row for row in ci["subsets"].values()):
         lines += ["", "Paired difference A - B (the same resampled records for both):", "",
                   "| subset | metric | A | B | A - B | 95% interval |", "|---|---|---|---|---|---|"]
         for name, row in ci["subsets"].items():
             for key, entry in row.get("paired", {}).items():
-                lines.append(f"| {name} | {key} | {entry['a']:.4f} | {entry['b']:.4f} | {entry['difference']:+.4f} "
+                lines.append(f"| {_cell(name)} | {key} | {entry['a']:.4f} | {entry['b']:.4f} "
+                             f"| {entry['difference']:+.4f} "
                              f"| {_span(entry['ci95'])} |")
     return "\n".join(lines) + "\n"
 

@@ -191,6 +191,12 @@ def _clicks_table(result: dict[str, Any]) -> str:
              f"{'subset':<{width}} {'samples':>7} {'click acc':>9} {'dense':>6} {'no click':>8}"]
     lines += [f"{name:<{width}} {row['samples']:>7} {_fmt(row['click_acc'], '9.3f')} "
               f"{_fmt(row['click_dense_mean'], '6.3f')} {_fmt(row['no_click_rate'], '8.3f')}" for name, row in rows]
+    firsts = [(name, row) for name, row in rows if "first_box_acc@0.5" in row]
+    if firsts:
+        lines += ["referring expressions (box labels): the answer's first box at IoU >= 0.5 with the truth box, the "
+                  "accuracy RefCOCO results are published as", f"{'subset':<{width}} {'samples':>7} {'acc@0.5':>9}"]
+        lines += [f"{name:<{width}} {row['first_box_samples']:>7} {_fmt(row['first_box_acc@0.5'], '9.3f')}"
+                  for name, row in firsts]
     return "\n".join(lines)
 
 

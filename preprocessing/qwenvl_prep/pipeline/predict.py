@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video
-from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPolicy
+from llamafactory_qwenvl_patch.frame.stamp import Stamp
+from llamafactory_qwenvl_patch.frame.video import VideoPlan, VideoPolicy
+from llamafactory_qwenvl_patch.grpo.rollout import decode_kept
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
@@ -54,6 +57,44 @@ def folder_family(model_dir: str | Path) -> str:
     return family
 
 
+def dataset_frame_problem(model_dir: str | Path, stamp: Stamp | None) -> str | None:
+    """Why this folder's answers cannot be scored against a dataset stamped ``stamp`` (None: they can). eval reads
+    every answer in the dataset's convention and frame: relative 0-1000 answers fit any frame of that convention,
+    model-pixel answers (Qwen2.5-VL) only the frame (and video frame) they were made in."""
+    if stamp is None:
+        return None
+    family = folder_family(model_dir)
+    convention = FAMILIES[family].coords
+    if stamp.coords != convention:
+        return (f"it was converted for {stamp.family} ({stamp.coords} coordinates); {model_dir} is a {family} model "
+                f"answering in {convention}")
+    if convention != "model":
+        return None
+    from transformers import AutoProcessor
+
+    base = adapter_base(Path(model_dir))
+    processor_dir = model_dir if (Path(model_dir) / "preprocessor_config.json").is_file() else base
+    policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_dir or model_dir).image_processor)
+    if policy != stamp.policy:
+        return (f"it was converted in the frame {stamp.policy.min_pixels}..{stamp.policy.max_pixels} pixels, "
+                f"{model_dir} answers in {policy.min_pixels}..{policy.max_pixels}")
+    video = (folder_video(model_dir) or (folder_video(base) if base else None) or (None,))[0]
+    if stamp.video is not None and video is not None and video.frame_policy != stamp.video.frame_policy:
+        return f"its videos were converted in another video frame than {model_dir} answers in"
+    return None
+
+
+@dataclass
+class ClipBatch:
+    """Clips read for one call: each prompt's chat-template text, its sampled model-input frames, its plan, and its
+    (original, model) sizes as (height, width)."""
+
+    texts: list[str]
+    frames: list[list[Any]]
+    plans: list[VideoPlan]
+    sizes: list[tuple[tuple[int, int], tuple[int, int]]]
+
+
 class FolderModel:
     """What both backends read from a model folder before loading weights: its processor, its recorded image and
     video frames (the frame guard: a processor that disagrees with the record is refused), its family's coordinate
@@ -73,7 +114,7 @@ class FolderModel:
         self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.policy = folder_policy(model_dir, self.processor.image_processor)
-        family = folder_family(model_dir)
+        self.family = family = folder_family(model_dir)
         if preset is not None and preset.family != family:
             raise ValueError(f"the prompt preset is {preset.family}'s; {model_dir} is a {family} model")
         self.preset = preset
@@ -104,8 +145,46 @@ class FolderModel:
     def decode(self, token_rows: list[list[int]]) -> list[str]:
         """The answers' text without padding, stop and other special tokens, but with Qwen's grounding tokens
         (Qwen2-VL's ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` answers are made of them)."""
-        return [self.processor.tokenizer.decode([t for t in row if t not in self._dropped], skip_special_tokens=False)
-                for row in token_rows]
+        return [decode_kept(self.processor.tokenizer, row, self._dropped) for row in token_rows]
+
+    def read_clips(self, jobs: list[tuple[str, str]], frame_list_fps: float | None) -> ClipBatch:
+        """Each clip sampled, sized and clocked by the folder's video policy (``frame.video``; frame lists at
+        ``frame_list_fps``, default the folder's recorded rate), with its prompt's chat-template text."""
+        from llamafactory_qwenvl_patch.image_io.video import probe, read_clip, rewindable
+
+        fps = frame_list_fps or self.frame_list_fps
+        batch = ClipBatch([], [], [], [])
+        for video, prompt in jobs:
+            video = rewindable(video)
+            clip = probe(video, fps)  # the clip's size for mapping boxes back, and the plan's input
+            frames, plan = read_clip(video, self.video_policy, fps, clip=clip)
+            messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+            batch.texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+            batch.frames.append(frames)
+            batch.plans.append(plan)
+            batch.sizes.append(((clip.height, clip.width), (frames[0].height, frames[0].width)))
+        return batch
+
+    def processor_inputs(self, batch: ClipBatch) -> Any:
+        """transformers' inputs for ``batch``: the processor told not to resample or resize, reading the clock from
+        each plan (Qwen3's stamps from its metadata; Qwen2.5-VL's ``second_per_grid_ts`` set from the plan)."""
+        inputs = self.processor(text=batch.texts, videos=batch.frames, do_sample_frames=False, do_resize=False,
+                                video_metadata=[plan.metadata(len(f)) for plan, f in zip(batch.plans, batch.frames)],
+                                return_tensors="pt", padding=True)
+        if "second_per_grid_ts" in inputs:
+            inputs["second_per_grid_ts"] = inputs["second_per_grid_ts"].new_tensor(
+                [plan.second_per_grid_ts for plan in batch.plans])
+        return inputs
+
+    def video_rows(self, jobs: list[tuple[str, str]], answers: list[str], batch: ClipBatch) -> list[dict[str, Any]]:
+        """The clips' rows: boxes mapped back to the clip's pixels (times, in seconds, stay as the model wrote
+        them), with the frames sampled and the clip's duration."""
+        rows = []
+        for (video, prompt), answer, (orig_hw, model_hw), plan in zip(jobs, answers, batch.sizes, batch.plans):
+            row = self._row(video, prompt, answer, orig_hw, model_hw, key="video")
+            row["frames"], row["duration"] = len(plan.indices), round(plan.duration, 3)
+            rows.append(row)
+        return rows
 
     def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
              key: str = "image") -> dict[str, Any]:
@@ -189,38 +268,9 @@ class Predictor(FolderModel):
                 for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
 
     def video_batch(self, jobs: list[tuple[str, str]], frame_list_fps: float | None = None) -> list[dict[str, Any]]:
-        """Answer several (clip, prompt) pairs in one ``generate``: each clip sampled, sized and clocked by the
-        folder's video policy (``frame.video``), the processor told not to resample or resize; boxes mapped back to
-        the clip's pixels (times, in seconds, stay as the model wrote them)."""
-        from llamafactory_qwenvl_patch.image_io.video import probe, read_clip, rewindable
-
-        fps = frame_list_fps or self.frame_list_fps
-        clips, texts, metadata, plans, sizes = [], [], [], [], []
-        for video, prompt in jobs:
-            video = rewindable(video)
-            clip = probe(video, fps)  # the clip's size for mapping boxes back, and the plan's input
-            frames, plan = read_clip(video, self.video_policy, fps, clip=clip)
-            messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-            texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
-            clips.append(frames)
-            plans.append(plan)
-            # transformers' processors read the clock from this: Qwen3's stamps (frames_indices / fps, each pair's
-            # mean) are the plan's; Qwen2.5-VL's second_per_grid_ts is set from the plan below
-            metadata.append({"fps": METADATA_FPS, "frames_indices": plan.frames_indices,
-                             "total_num_frames": len(frames), "duration": plan.duration})
-            sizes.append(((clip.height, clip.width), (frames[0].height, frames[0].width)))
-        inputs = self.processor(text=texts, videos=clips, video_metadata=metadata, do_sample_frames=False,
-                                do_resize=False, return_tensors="pt", padding=True)
-        if "second_per_grid_ts" in inputs:
-            inputs["second_per_grid_ts"] = inputs["second_per_grid_ts"].new_tensor(
-                [plan.second_per_grid_ts for plan in plans])
-        answers = self._generate(inputs)
-        rows = []
-        for (video, prompt), answer, (orig_hw, model_hw), plan in zip(jobs, answers, sizes, plans):
-            row = self._row(video, prompt, answer, orig_hw, model_hw, key="video")
-            row["frames"], row["duration"] = len(plan.indices), round(plan.duration, 3)
-            rows.append(row)
-        return rows
+        """Answer several (clip, prompt) pairs in one ``generate``, each clip in the folder's video frame and clock."""
+        batch = self.read_clips(jobs, frame_list_fps)
+        return self.video_rows(jobs, self._generate(self.processor_inputs(batch)), batch)
 
     def _generate(self, inputs: Any) -> list[str]:
         """Greedy, or sampled at the temperature from torch's generator seeded once at the first call."""

@@ -6,6 +6,10 @@ answer's prompt is checked to hold the frame's image-token count. Same chat temp
 temperature (top-k and top-p off, per-request seeds from ``--seed`` and the batch), float32 on CPU as the HF
 backend; the tokens are decoded by the same processor call and become the same rows (boxes mapped to original
 pixels by ``FolderModel._row``).
+
+Videos of the Qwen3 families (their clock is ``<t seconds>`` stamps) get the frames the HF backend reads, with each
+plan's times as metadata, as GRPO's vLLM rollouts do; Qwen2-VL and Qwen2.5-VL videos are refused (vLLM places the
+text after a video at other M-RoPE positions than transformers, ``grpo.vllm_video``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from typing import Any
 from llamafactory_qwenvl_patch.grpo.vllm_engine import (
     CPU_KV_CACHE_GIB, engine_dtypes, image_token_counts, name_text_architectures,
 )
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.grpo.vllm_video import POSITIONS_REASON, SERVED_CLOCK
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from qwenvl_prep.formats.prompt_presets import PromptPreset
-from qwenvl_prep.pipeline.predict import FolderModel
+from qwenvl_prep.pipeline.predict import ClipBatch, FolderModel
 
 
 class VLLMPredictor(FolderModel):
@@ -47,18 +53,27 @@ class VLLMPredictor(FolderModel):
             model=str(model_dir), tensor_parallel_size=tensor_parallel_size, seed=seed,
             **engine_dtypes(str(model_dir), "float32" if cpu else "auto", cpu),
             mm_processor_kwargs={"min_pixels": self.policy.min_pixels, "max_pixels": self.policy.max_pixels},
-            limit_mm_per_prompt={"image": 1, "video": 0}, enforce_eager=cpu, hf_overrides=name_text_architectures,
+            limit_mm_per_prompt={"image": 1, "video": int(FAMILIES[self.family].video_clock == SERVED_CLOCK)},
+            enforce_eager=cpu, hf_overrides=name_text_architectures,
         )
         self._batch = 0
 
     def seed_batch(self, index: int) -> None:
         self._batch = index
 
+    def _params(self, count: int) -> list[Any]:
+        """Greedy, or sampled at the temperature with a seed per request from ``--seed``, the batch and its place."""
+        from vllm import SamplingParams
+
+        batch_seed = (self._generator_seed * 1_000_003 + self._batch) * 4_099
+        return [SamplingParams(temperature=self.temperature, top_k=-1, top_p=1.0, max_tokens=self.max_new_tokens,
+                               detokenize=False, seed=batch_seed + position if self.temperature > 0 else None)
+                for position in range(count)]
+
     def batch(self, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """Answer several (image, prompt) pairs in one ``generate``; each prompt's image tokens are checked against
         the folder's frame."""
         from PIL import Image
-        from vllm import SamplingParams
 
         requests, sizes = [], []
         for image_path, prompt in jobs:
@@ -67,11 +82,7 @@ class VLLMPredictor(FolderModel):
                 sizes.append(((original.height, original.width), (image.height, image.width)))
             requests.append({"prompt": self.prompt_text(prompt, (image.height, image.width)),
                              "multi_modal_data": {"image": image}})
-        params = [SamplingParams(temperature=self.temperature, top_k=-1, top_p=1.0, max_tokens=self.max_new_tokens,
-                                 detokenize=False, seed=(self._generator_seed * 1_000_003 + self._batch) * 4_099 + position
-                                 if self.temperature > 0 else None)
-                  for position in range(len(requests))]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling_params=self._params(len(requests)), use_tqdm=False)
         # decoded as the HF backend decodes (vLLM's incremental detokenizer holds back an unfinished UTF-8 sequence)
         answers = self.decode([list(output.outputs[0].token_ids) for output in outputs])
         rows = []
@@ -86,5 +97,28 @@ class VLLMPredictor(FolderModel):
         return rows
 
     def video_batch(self, jobs: list[tuple[str, str]], frame_list_fps: float | None = None) -> list[dict[str, Any]]:
-        raise ValueError("--backend vllm answers images; predict videos with --backend hf (the default), which "
-                         "samples and clocks them by the folder's video policy")
+        """Answer several (clip, prompt) pairs in one ``generate``: vLLM gets each clip's frames as the HF backend
+        reads them (the folder's video frame), with the plan's clock as metadata and no resampling or resize; every
+        prompt vLLM built is checked, token for token (stamps and pads), against the HF processor's."""
+        import numpy as np
+
+        refuse_videos(self.family)
+        batch = self.read_clips(jobs, frame_list_fps)
+        requests = [{"prompt": text, "mm_processor_kwargs": {"do_resize": False},
+                     "multi_modal_data": {"video": (np.stack([np.asarray(frame) for frame in frames]),
+                                                    {**plan.metadata(len(frames)), "do_sample_frames": False})}}
+                    for text, frames, plan in zip(batch.texts, batch.frames, batch.plans)]
+        outputs = self.llm.generate(requests, sampling_params=self._params(len(requests)), use_tqdm=False)
+        for k, ((video, _), output) in enumerate(zip(jobs, outputs)):
+            one = ClipBatch(batch.texts[k:k + 1], batch.frames[k:k + 1], batch.plans[k:k + 1], batch.sizes[k:k + 1])
+            if list(output.prompt_token_ids or []) != self.processor_inputs(one)["input_ids"][0].tolist():
+                raise RuntimeError(f"vLLM's prompt for {video} differs from the HF processor's (its frame groups, "
+                                   "pads or time stamps): vLLM resized or resampled the clip")
+        return self.video_rows(jobs, self.decode([list(o.outputs[0].token_ids) for o in outputs]), batch)
+
+
+def refuse_videos(family: str) -> None:
+    """Video prompts only for families whose clock vLLM places as transformers does (the Qwen3 stamps)."""
+    if FAMILIES[family].video_clock != SERVED_CLOCK:
+        raise ValueError(f"--backend vllm cannot answer video prompts of a {family} model: {POSITIONS_REASON}; "
+                         "predict them with --backend hf (the default)")

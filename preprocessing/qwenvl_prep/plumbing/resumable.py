@@ -1,6 +1,7 @@
 """A JSON-lines output that a stopped run continues: rows go to ``OUTPUT.partial`` batch by batch (each batch one
 write, flushed to disk), the run's settings to ``OUTPUT.partial.settings.json`` before the first row; a relaunch with
-the same settings skips the rows already there (a line cut by a kill is dropped and written again), one with other
+the same settings skips the whole batches already there (a batch cut by a kill is dropped and written again, so each
+batch is answered as the uninterrupted run answers it), one with other
 settings is refused naming them, and only a finished run renames both into ``OUTPUT`` and ``OUTPUT.settings.json``.
 Two runs at once into one output are refused (an flock held while writing)."""
 
@@ -31,8 +32,9 @@ class ResumableOutput:
     """``with ResumableOutput(path, settings) as out``: ``out.done`` rows are already written; ``out.append(rows)``
     adds a batch; leaving the block without an error finishes the output."""
 
-    def __init__(self, path: Path, settings: dict[str, Any]) -> None:
+    def __init__(self, path: Path, settings: dict[str, Any], batch: int = 1) -> None:
         self.path = Path(path)
+        self.batch = batch  # rows per append: a resumed run keeps whole batches only
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.partial_settings = self.path.with_name(self.path.name + ".partial.settings.json")
         self.settings_path = self.path.with_name(self.path.name + ".settings.json")
@@ -59,10 +61,13 @@ class ResumableOutput:
         data = self._file.read()
         if data:
             self._check_settings()
-            keep = data[:data.rfind(b"\n") + 1]  # a line cut by a kill is written again
-            if len(keep) != len(data):
-                self._file.truncate(len(keep))
-            self.done = keep.count(b"\n")
+            lines = data.count(b"\n")  # a line cut by a kill, and the rest of its batch, are written again
+            self.done = lines - lines % self.batch
+            end = 0
+            for _ in range(self.done):
+                end = data.index(b"\n", end) + 1
+            if end != len(data):
+                self._file.truncate(end)
         else:
             with atomic_writer(self.partial_settings) as f:
                 f.write(json.dumps(self.settings, indent=2, ensure_ascii=False) + "\n")
