@@ -146,3 +146,41 @@ def test_video_answers_in_the_folders_video_policy(request, fixture, tmp_path):
     row = predictor._row(clips[0], "Track it", track, (90, 160), model_hw, key="video")
     assert row["items"][0]["orig"] == [0.0, 0.0, 80.0, 90.0]
     assert '"time": 1.5' in row["predict_orig"] and "80" in row["predict_orig"]
+
+
+def test_a_records_system_prompt_is_asked_with_it(tiny_model, tmp_path):
+    """A record trained under a system prompt (a system turn, as LF reads it) is predicted under it; predict asked the
+    user turns alone before. The settings say so, and a preset's own words replace it."""
+    import argparse
+    import json
+
+    from qwenvl_prep.cli import main
+    from qwenvl_prep.commands.predict import dataset_jobs
+    from qwenvl_prep.pipeline.predict import Ask
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    policy = ResizePolicy(16 * 28 * 28, 64 * 28 * 28)
+    write_policy_record(model, policy)
+    save_image(tmp_path / "raw" / "a.jpg", 320, 240)
+    turns = [{"role": "user", "content": "<image>Where is it?"},
+             {"role": "assistant", "content": '[{"bbox_2d": [10, 10, 50, 50]}]'}]
+    records = [{"messages": [{"role": "system", "content": "You are a GUI agent."}, *turns], "images": ["a.jpg"]},
+               {"messages": turns, "images": ["a.jpg"]}]
+    (tmp_path / "raw" / "in.json").write_text(json.dumps(records))
+    data = tmp_path / "data" / "d.json"
+    assert main(["convert", str(tmp_path / "raw" / "in.json"), "-o", str(data), "--input-coords", "abs", "-q",
+                 "--min-pixels", str(policy.min_pixels), "--max-pixels", str(policy.max_pixels), "--workers", "1"]) == 0
+    args = argparse.Namespace(dataset=data, model_dir=model, prompt_preset=None)
+    jobs, _, _ = dataset_jobs(args)
+    assert [prompt for _, prompt, _ in jobs] == [Ask("Where is it?", "You are a GUI agent."), "Where is it?"]
+    predictor = Predictor(model, max_new_tokens=4)
+    with_system = predictor.prompt_text(jobs[0][1], (224, 308))
+    assert with_system.startswith("<|im_start|>system\nYou are a GUI agent.<|im_end|>\n")
+    assert predictor.prompt_text(jobs[1][1], (224, 308)).startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")  # the template's default, as LF's
+    out = tmp_path / "p.jsonl"
+    assert main(["predict", str(model), "--dataset", str(data), "-o", str(out), "--max-new-tokens", "4"]) == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["Where is it?"] * 2
+    settings = json.loads(out.with_name(out.name + ".settings.json").read_text())
+    assert settings["prompt"] == "the dataset's own prompts, under their system prompts"

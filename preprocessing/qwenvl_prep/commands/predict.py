@@ -11,11 +11,11 @@ from typing import Any
 
 from qwenvl_prep.commands.options import count, finite, seed
 from qwenvl_prep.formats.prompt_presets import PRESET_NAMES, PromptPreset
-from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
+from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE, Ask
 from qwenvl_prep.plumbing.resumable import ResumableOutput
 
 
-Job = tuple[Any, str, Any]  # (image, clip or frame list; the prompt; the label, None without a dataset)
+Job = tuple[Any, "str | Ask", Any]  # (image, clip or frame list; the prompt; the label, None without a dataset)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +106,9 @@ def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | No
                     f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset asks "
                     "each record's own instruction, which convert keeps in meta since presets came; convert the "
                     "benchmark file again")
-            prompt = preset.user_text(instruction)
+            prompt = preset.user_text(instruction)  # in the preset's words, under its system prompt
+        elif sample.system is not None:
+            prompt = Ask(prompt, sample.system)  # asked under the system prompt the record trains with
         jobs.append((source, prompt, sample.answer))
     return jobs, preset, ref
 
@@ -154,16 +156,27 @@ def recorded_settings(args: argparse.Namespace, jobs: list[Job], preset: PromptP
     from llamafactory_qwenvl_patch.frame.policy_record import read_policy_record
     from qwenvl_prep.pipeline.eval_report import versions
 
-    digest = hashlib.sha256(json.dumps([[str(s) if not isinstance(s, list) else [str(p) for p in s], prompt]
+    digest = hashlib.sha256(json.dumps([[str(s) if not isinstance(s, list) else [str(p) for p in s],
+                                         [prompt.text, prompt.system] if isinstance(prompt, Ask) else prompt]
                                         for s, prompt, _ in jobs]).encode()).hexdigest()
     return {"model_dir": str(Path(args.model_dir).resolve()), "policy": read_policy_record(args.model_dir),
-            "prompt": preset.record() if preset else args.prompt if args.prompt else "the dataset's own prompts",
+            "prompt": prompt_record(args, jobs, preset),
             "dataset": str(Path(args.dataset).resolve()) if args.dataset else None,
             "jobs": {"count": len(jobs), "sha256": digest},
             "settings": {"backend": args.backend, "max_new_tokens": args.max_new_tokens,
                          "batch_size": args.batch_size, "temperature": args.temperature, "seed": args.seed or 0,
                          **({"tensor_parallel_size": args.tensor_parallel_size} if args.backend == "vllm" else {})},
             "versions": versions()}
+
+
+def prompt_record(args: argparse.Namespace, jobs: list[Job], preset: PromptPreset | None) -> Any:
+    """The prompt as the settings record it: the preset's record, the --prompt text, or the dataset's own."""
+    if preset is not None:
+        return preset.record()
+    if args.prompt:
+        return args.prompt
+    systems = any(isinstance(prompt, Ask) for _, prompt, _ in jobs)
+    return "the dataset's own prompts" + (", under their system prompts" if systems else "")
 
 
 def is_video(source: object) -> bool:

@@ -39,6 +39,7 @@ class Sample:
     turn_items: list[Item] = field(default_factory=list)  # every turn's, system and tool turns included (check)
     videos: list[Any] = field(default_factory=list)  # paths, or frame lists (lists of paths), resolved as LF does
     turns: list[str] = field(default_factory=list)  # every turn's text (check reads time labels from them)
+    system: str | None = None  # the record's system prompt (its system turn or column), as LF's template writes it
 
 
 def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) -> DatasetRef:
@@ -92,7 +93,8 @@ def iter_samples(ref: DatasetRef) -> Iterator[Sample]:
             continue
         yield Sample(index, images, prompt, answer, [i for role, items in parsed if role == "assistant" for i in items],
                      meta=_meta(record.get("meta")), turn_items=[i for _, items in parsed for i in items],
-                     videos=videos, turns=[m["content"] for m in messages])
+                     videos=videos, turns=[m["content"] for m in messages],
+                     system=messages[0]["content"] if messages and messages[0]["role"] == "system" else None)
 
 
 def _media_path(ref: DatasetRef, path: str) -> str:

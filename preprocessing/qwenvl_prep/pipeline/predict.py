@@ -84,6 +84,19 @@ def dataset_frame_problem(model_dir: str | Path, stamp: Stamp | None) -> str | N
     return None
 
 
+@dataclass(frozen=True)
+class Ask:
+    """A prompt with the system prompt its record carries (a plain ``str`` prompt has none: the chat template's
+    default), so that a model trained under a system prompt is asked under it."""
+
+    text: str
+    system: str | None = None
+
+
+def ask_of(prompt: str | Ask) -> Ask:
+    return prompt if isinstance(prompt, Ask) else Ask(prompt)
+
+
 @dataclass
 class ClipBatch:
     """Clips read for one call: each prompt's chat-template text, its sampled model-input frames, its plan, and its
@@ -132,15 +145,19 @@ class FolderModel:
         self._generator_seed = seed
         self._seeded = False
 
-    def prompt_text(self, prompt: str, model_hw: tuple[int, int]) -> str:
-        """The chat-template text of one image and ``prompt``, as training's template writes it; under a preset with
-        its system prompt (told the size of the image the model sees, ``model_hw``) and its assistant prefill."""
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        system = self.preset.system_text(model_hw[1], model_hw[0]) if self.preset else None
+    def prompt_text(self, prompt: str | Ask, model_hw: tuple[int, int]) -> str:
+        """The chat-template text of one image and ``prompt``, as training's template writes it (with the record's
+        system prompt); under a preset with the preset's system prompt instead (told the size of the image the model
+        sees, ``model_hw``) and its assistant prefill."""
+        return self._chat({"type": "image"}, prompt, model_hw) + (self.preset.prefill if self.preset else "")
+
+    def _chat(self, media: dict[str, str], prompt: str | Ask, model_hw: tuple[int, int]) -> str:
+        ask = ask_of(prompt)
+        messages = [{"role": "user", "content": [media, {"type": "text", "text": ask.text}]}]
+        system = self.preset.system_text(model_hw[1], model_hw[0]) if self.preset else ask.system
         if system is not None:
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        return text + (self.preset.prefill if self.preset else "")
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
 
     def decode(self, token_rows: list[list[int]]) -> list[str]:
         """The answers' text without padding, stop and other special tokens, but with Qwen's grounding tokens
@@ -158,8 +175,7 @@ class FolderModel:
             video = rewindable(video)
             clip = probe(video, fps)  # the clip's size for mapping boxes back, and the plan's input
             frames, plan = read_clip(video, self.video_policy, fps, clip=clip)
-            messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-            batch.texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True))
+            batch.texts.append(self._chat({"type": "video"}, prompt, (frames[0].height, frames[0].width)))
             batch.frames.append(frames)
             batch.plans.append(plan)
             batch.sizes.append(((clip.height, clip.width), (frames[0].height, frames[0].width)))
@@ -186,13 +202,13 @@ class FolderModel:
             rows.append(row)
         return rows
 
-    def _row(self, source: str, prompt: str, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
+    def _row(self, source: str, prompt: str | Ask, answer: str, orig_hw: tuple[int, int], model_hw: tuple[int, int],
              key: str = "image") -> dict[str, Any]:
         """One output row: the answer, both frames, and each item mapped back to original pixels (for a clip also
         the whole answer with its boxes in the clip's pixels, ``predict_orig``: a track keeps its times)."""
         generated = answer
         raw, answer, unread = self.preset.read_answer(generated) if self.preset else (answer, answer, None)
-        row: dict[str, Any] = {key: str(source), "prompt": prompt, "predict": answer,
+        row: dict[str, Any] = {key: str(source), "prompt": ask_of(prompt).text, "predict": answer,
                                "orig_size": [orig_hw[1], orig_hw[0]], "model_size": [model_hw[1], model_hw[0]],
                                "coords": self.convention, "items": [], "parse_error": unread}
         if raw != answer or raw != generated:
