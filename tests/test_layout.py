@@ -154,3 +154,14 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_the_cli_starts_without_torch():
+    """`qwenvl-prep --help`, convert and check answer at once: nothing torch-heavy is imported when the CLI loads
+    (a top-level import of the GRPO rollout helpers made every command pay torch's 2-4 s start)."""
+    import subprocess
+    import sys
+
+    code = "import sys, qwenvl_prep.cli; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert found == "[]"

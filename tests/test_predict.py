@@ -166,14 +166,16 @@ def test_a_records_system_prompt_is_asked_with_it(tiny_model, tmp_path):
     turns = [{"role": "user", "content": "<image>Where is it?"},
              {"role": "assistant", "content": '[{"bbox_2d": [10, 10, 50, 50]}]'}]
     records = [{"messages": [{"role": "system", "content": "You are a GUI agent."}, *turns], "images": ["a.jpg"]},
-               {"messages": turns, "images": ["a.jpg"]}]
+               {"messages": turns, "images": ["a.jpg"]},
+               {"messages": [{"role": "system", "content": ""}, *turns], "images": ["a.jpg"]}]  # LF: the default
     (tmp_path / "raw" / "in.json").write_text(json.dumps(records))
     data = tmp_path / "data" / "d.json"
     assert main(["convert", str(tmp_path / "raw" / "in.json"), "-o", str(data), "--input-coords", "abs", "-q",
                  "--min-pixels", str(policy.min_pixels), "--max-pixels", str(policy.max_pixels), "--workers", "1"]) == 0
     args = argparse.Namespace(dataset=data, model_dir=model, prompt_preset=None)
     jobs, _, _ = dataset_jobs(args)
-    assert [prompt for _, prompt, _ in jobs] == [Ask("Where is it?", "You are a GUI agent."), "Where is it?"]
+    assert [prompt for _, prompt, _ in jobs] == [Ask("Where is it?", "You are a GUI agent."), "Where is it?",
+                                                 "Where is it?"]
     predictor = Predictor(model, max_new_tokens=4)
     with_system = predictor.prompt_text(jobs[0][1], (224, 308))
     assert with_system.startswith("<|im_start|>system\nYou are a GUI agent.<|im_end|>\n")
@@ -181,6 +183,42 @@ def test_a_records_system_prompt_is_asked_with_it(tiny_model, tmp_path):
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")  # the template's default, as LF's
     out = tmp_path / "p.jsonl"
     assert main(["predict", str(model), "--dataset", str(data), "-o", str(out), "--max-new-tokens", "4"]) == 0
-    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["Where is it?"] * 2
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["Where is it?"] * 3
     settings = json.loads(out.with_name(out.name + ".settings.json").read_text())
     assert settings["prompt"] == "the dataset's own prompts, under their system prompts"
+
+
+def test_vllm_refuses_qwen2_5_vl_clips_and_draw_refuses_clips_before_loading(tiny_model, tmp_path):
+    """No engine or model is loaded for a request that cannot be answered as asked: a Qwen2.5-VL clip on vLLM (its
+    M-RoPE positions after a video differ from transformers'), and --draw of a clip (it draws on images)."""
+    from helpers import run_cli, write_clip
+
+    clip = write_clip(tmp_path / "a.mp4", 2, 10, 64, 48)
+    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), str(clip), "--prompt", "When?", "--backend",
+                      "vllm"], None, tmp_path)
+    assert result.returncode == 2 and "cannot answer video prompts of a qwen2_5_vl model" in result.stderr
+    assert "--backend hf" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), str(clip), "--prompt", "When?", "--draw",
+                      str(tmp_path / "drawn")], None, tmp_path)
+    assert result.returncode == 2 and "draw DATA --predictions" in result.stderr and not (tmp_path / "drawn").exists()
+
+
+def test_a_dataset_whose_video_frame_differs_is_refused(tiny_model, tmp_path):
+    """Model-pixel answers (Qwen2.5-VL) are read in the dataset's frame: a dataset converted in another video frame
+    than the folder answers in is refused, a folder without a video record answering in LF's defaults."""
+    from llamafactory_qwenvl_patch.frame.stamp import Stamp
+    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+    from qwenvl_prep.pipeline.predict import dataset_frame_problem
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    policy = ResizePolicy(16 * 28 * 28, 64 * 28 * 28)
+    write_policy_record(model, policy)  # no video policy: LF's defaults
+    default = VideoPolicy.from_lf_keys({}, 28, "seconds")
+    assert dataset_frame_problem(model, Stamp(policy, "model", "qwen2_5_vl", video=default)) is None
+    other = VideoPolicy(2048, 16384, 28, default.fps, default.max_frames, "seconds")
+    assert "video frame 2048..16384 pixels" in dataset_frame_problem(model, Stamp(policy, "model", "qwen2_5_vl",
+                                                                                   video=other))
+    write_policy_record(model, policy, other)
+    assert dataset_frame_problem(model, Stamp(policy, "model", "qwen2_5_vl", video=other)) is None
+    assert "frame 3136..50176" in dataset_frame_problem(model, Stamp(ResizePolicy(3136, 50176), "model", "qwen2_5_vl"))

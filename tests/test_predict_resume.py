@@ -112,5 +112,6 @@ def test_a_resumed_output_keeps_whole_batches_only(tmp_path):
         f.write(b'{"row": 6}\n{"row": 7}\n{"ro')
     with ResumableOutput(out, {"a": 1}, batch=3) as again:
         assert again.done == 6 and partial.read_bytes() == whole
-        again.append([{"row": k} for k in range(6, 9)])
-    assert [row["row"] for row in map(json.loads, out.read_text().splitlines())] == list(range(9))
+        again.append([{"row": k, "text": "a\u2028b\x85c"} for k in range(6, 9)])  # line breaks only str knows
+        assert [row["row"] for row in again.rows()] == list(range(9))
+    assert [row["row"] for row in map(json.loads, out.read_bytes().split(b"\n")[:-1])] == list(range(9))

@@ -56,15 +56,6 @@ def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
             assert a["items"] == b["items"]
 
 
-def test_qwen2_5_vl_videos_are_refused_before_the_engine_loads(tiny_model, tmp_path):
-    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
-    clip = write_clip(tmp_path / "a.mp4", 2, 10, 64, 48)
-    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), str(clip), "--prompt", "When?", "--backend",
-                      "vllm"], None, tmp_path)
-    assert result.returncode == 2 and "cannot answer video prompts of a qwen2_5_vl model" in result.stderr
-    assert "--backend hf" in result.stderr and "Traceback" not in result.stderr
-
-
 def test_an_adapter_folder_is_refused_with_the_merge_command(tiny_model, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
     adapter = tmp_path / "adapter"

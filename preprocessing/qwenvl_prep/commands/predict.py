@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     for path in output.outputs() if output else []:
         guard.check(path, "-o")
     drawings = []
+    if args.draw and any(is_video(source) for source, _, _ in jobs):
+        raise ValueError("--draw draws on images; for clips, run qwenvl-prep draw DATA --predictions OUTPUT, which "
+                         "draws each clip's answer on its contact sheet")
     if args.draw:
         from qwenvl_prep.pipeline.draw import prediction_paths
 
@@ -93,6 +96,8 @@ def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | No
     for sample in iter_samples(ref):
         if sample.error:
             raise ValueError(f"record {sample.index} of {ref.path} cannot be asked: {sample.error}")
+        if not sample.images and not sample.videos:
+            raise ValueError(f"record {sample.index} of {ref.path} has no image or video: predict answers media")
         source, tag = (sample.videos[0], "<video>") if sample.videos and not sample.images else \
             (sample.images[0], "<image>")
         prompt = sample.prompt.replace(tag, "").strip()
@@ -107,7 +112,7 @@ def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | No
                     "each record's own instruction, which convert keeps in meta since presets came; convert the "
                     "benchmark file again")
             prompt = preset.user_text(instruction)  # in the preset's words, under its system prompt
-        elif sample.system is not None:
+        elif sample.system:  # an empty one trains under the template's default, as none does (LF's template)
             prompt = Ask(prompt, sample.system)  # asked under the system prompt the record trains with
         jobs.append((source, prompt, sample.answer))
     return jobs, preset, ref

@@ -22,6 +22,7 @@ import numpy as np
 
 from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval
 from llamafactory_qwenvl_patch.scoring.metrics import FieldTally
+from qwenvl_prep.formats.prompt_presets import ANSWERS
 
 CONFIDENCE = 0.95
 METRICS = {  # a tally summary's section -> the rates that get an interval
@@ -183,7 +184,7 @@ def _preset_line(prompt: dict[str, Any]) -> str:
                  f"{hashlib.sha256(system.encode()).hexdigest()[:16]})")
     if prompt.get("prefill"):
         line += f"; answer prefilled with `{json.dumps(prompt['prefill'])}`"
-    return line + f"; answers read as {prompt.get('answer')}"
+    return line + f"; answers read as {ANSWERS.get(prompt.get('answer'), prompt.get('answer'))}"
 
 
 def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None, predictions: Sequence[Path]) -> str:

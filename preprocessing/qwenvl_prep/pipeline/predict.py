@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
-from llamafactory_qwenvl_patch.frame.policy import convert_coords
-from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
+from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video, read_policy_record
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPlan, VideoPolicy
-from llamafactory_qwenvl_patch.grpo.rollout import decode_kept
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
@@ -70,18 +69,31 @@ def dataset_frame_problem(model_dir: str | Path, stamp: Stamp | None) -> str | N
                 f"answering in {convention}")
     if convention != "model":
         return None
-    from transformers import AutoProcessor
-
     base = adapter_base(Path(model_dir))
-    processor_dir = model_dir if (Path(model_dir) / "preprocessor_config.json").is_file() else base
-    policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_dir or model_dir).image_processor)
+    if read_policy_record(model_dir) is not None:
+        policy = folder_policy(model_dir, None)
+    else:
+        from transformers import AutoProcessor
+
+        processor_dir = model_dir if (Path(model_dir) / "preprocessor_config.json").is_file() else base
+        policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_dir or model_dir).image_processor)
     if policy != stamp.policy:
         return (f"it was converted in the frame {stamp.policy.min_pixels}..{stamp.policy.max_pixels} pixels, "
                 f"{model_dir} answers in {policy.min_pixels}..{policy.max_pixels}")
-    video = (folder_video(model_dir) or (folder_video(base) if base else None) or (None,))[0]
-    if stamp.video is not None and video is not None and video.frame_policy != stamp.video.frame_policy:
-        return f"its videos were converted in another video frame than {model_dir} answers in"
+    video, _ = answering_video(model_dir, base, policy, family)
+    if stamp.video is not None and video.frame_policy != stamp.video.frame_policy:
+        return (f"its videos were converted in the video frame {stamp.video.min_pixels}..{stamp.video.max_pixels} "
+                f"pixels, {model_dir} answers in {video.min_pixels}..{video.max_pixels}")
     return None
+
+
+def answering_video(model_dir: str | Path, base: Path | None, policy: ResizePolicy, family: str
+                    ) -> tuple[VideoPolicy, float]:
+    """(video policy, frame-list rate) a folder answers videos in: the one it (or an adapter's base) was trained
+    with; a folder trained before videos were pinned: LF's defaults."""
+    found = folder_video(model_dir) or (folder_video(base) if base else None)
+    default = VideoPolicy.from_lf_keys({}, policy.factor, FAMILIES[family].video_clock)
+    return found or (default, default.fps)
 
 
 @dataclass(frozen=True)
@@ -135,11 +147,8 @@ class FolderModel:
         kept = {tokenizer.convert_tokens_to_ids(token) for token in GROUNDING_TOKENS}
         self._dropped = set(tokenizer.all_special_ids) - kept
         self.convention = FAMILIES[family].coords
-        # the video frame and clock (and frame-list rate) it was trained with; a folder trained before videos were
-        # pinned: LF's defaults
-        found = folder_video(model_dir) or (folder_video(base) if base else None)
-        default = VideoPolicy.from_lf_keys({}, self.policy.factor, FAMILIES[family].video_clock)
-        self.video_policy, self.frame_list_fps = found or (default, default.fps)
+        # the video frame and clock (and frame-list rate) it was trained with
+        self.video_policy, self.frame_list_fps = answering_video(model_dir, base, self.policy, family)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self._generator_seed = seed
@@ -162,6 +171,8 @@ class FolderModel:
     def decode(self, token_rows: list[list[int]]) -> list[str]:
         """The answers' text without padding, stop and other special tokens, but with Qwen's grounding tokens
         (Qwen2-VL's ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` answers are made of them)."""
+        from llamafactory_qwenvl_patch.grpo.rollout import decode_kept  # imports torch: not at CLI start
+
         return [decode_kept(self.processor.tokenizer, row, self._dropped) for row in token_rows]
 
     def read_clips(self, jobs: list[tuple[str, str]], frame_list_fps: float | None) -> ClipBatch:

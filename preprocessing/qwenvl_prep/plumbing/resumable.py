@@ -96,8 +96,8 @@ class ResumableOutput:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row written so far, in order."""
-        self._file.seek(0)
-        return [json.loads(line) for line in self._file.read().decode("utf-8").splitlines()]
+        self._file.seek(0)  # split at "\n" alone: str.splitlines would also split inside rows at U+2028 and kin
+        return [json.loads(line) for line in self._file.read().split(b"\n") if line]
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         try:
