@@ -156,14 +156,14 @@ class ImageStore:
             if self._closed:
                 raise RecordError("the run was stopped before this row's image was written")
             if not path.is_file() or path.stat().st_size != len(data):
+                # recorded before each step, so that a signal between two of them leaves nothing discard misses
                 if not self.folder.is_dir():
-                    self.folder.mkdir(parents=True)
                     self._made_folder = True
-                existed = path.exists()
+                    self.folder.mkdir(parents=True)
+                if not path.exists():
+                    self._added.append(path)
                 with atomic_writer(path, "wb") as out:
                     out.write(data)
-                if not existed:
-                    self._added.append(path)
         return str(path)
 
     def discard(self) -> None:
