@@ -46,6 +46,14 @@ GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>
                     "<|quad_end|>")
 
 
+def processor_folder(model_dir: str | Path) -> Path:
+    """Where a folder's processor is: the folder, else (an adapter folder without one) its local base."""
+    model_dir = Path(model_dir)
+    if (model_dir / "preprocessor_config.json").is_file():
+        return model_dir
+    return adapter_base(model_dir) or model_dir
+
+
 def folder_family(model_dir: str | Path) -> str:
     """The family of a model folder (of an adapter folder: its base's); ValueError when it is none we know."""
     base = adapter_base(Path(model_dir))
@@ -75,8 +83,7 @@ def dataset_frame_problem(model_dir: str | Path, stamp: Stamp | None) -> str | N
     else:
         from transformers import AutoProcessor
 
-        processor_dir = model_dir if (Path(model_dir) / "preprocessor_config.json").is_file() else base
-        policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_dir or model_dir).image_processor)
+        policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_folder(model_dir)).image_processor)
     if policy != stamp.policy:
         return (f"it was converted in the frame {stamp.policy.min_pixels}..{stamp.policy.max_pixels} pixels, "
                 f"{model_dir} answers in {policy.min_pixels}..{policy.max_pixels}")
@@ -135,8 +142,7 @@ class FolderModel:
 
         self.model_dir = Path(model_dir)
         base = self.base = adapter_base(self.model_dir)
-        processor_dir = self.model_dir if (self.model_dir / "preprocessor_config.json").is_file() else base
-        self.processor = AutoProcessor.from_pretrained(processor_dir or model_dir)
+        self.processor = AutoProcessor.from_pretrained(processor_folder(self.model_dir))
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         self.family = family = folder_family(model_dir)
