@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llamafactory_qwenvl_patch.grpo.resume import mark_complete, verify
+from llamafactory_qwenvl_patch.grpo.trainer.resume import mark_complete, verify
 
 
 def write_checkpoint(folder: Path, mb: int) -> float:

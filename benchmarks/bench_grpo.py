@@ -49,7 +49,6 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback
-
 from trl_compat import import_trl_grpo
 
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
@@ -197,13 +196,13 @@ def _texts(completions: list) -> list[str]:
 
 def trl_iou(completions, reference, **kw) -> list[float]:
     """Our ``iou`` reward in trl's calling convention (conversational completions, dataset columns as keywords)."""
-    from llamafactory_qwenvl_patch.grpo.rewards import iou_reward
+    from llamafactory_qwenvl_patch.grpo.rewards.builtin import iou_reward
 
     return iou_reward(_texts(completions), references=reference)
 
 
 def trl_format(completions, reference, **kw) -> list[float]:
-    from llamafactory_qwenvl_patch.grpo.rewards import format_reward
+    from llamafactory_qwenvl_patch.grpo.rewards.builtin import format_reward
 
     return format_reward(_texts(completions), references=reference)
 
@@ -252,7 +251,7 @@ def run_trl(model_dir: Path, data: Path, out: Path, shape: str, steps: int, gene
 def full_length_suppression(tokenizer) -> list[int]:
     """The vision tokens and the stop tokens: suppressing the stop tokens too makes every completion run to
     ``max_new_tokens`` on every side, so the configurations do the same work."""
-    from llamafactory_qwenvl_patch.grpo.sampling import VISION_TOKENS
+    from llamafactory_qwenvl_patch.grpo.generation.settings import VISION_TOKENS
 
     return sorted({tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, "<|im_end|>", "<|endoftext|>")})
 
@@ -261,7 +260,7 @@ def worker(spec: dict) -> None:
     """One configuration in this process; prints its result as the last line."""
     import torch
 
-    import llamafactory_qwenvl_patch.grpo.sampling as sampling
+    import llamafactory_qwenvl_patch.grpo.generation.settings as sampling
 
     sampling.vision_token_ids = full_length_suppression  # read by stage: grpo when the run starts
     torch.manual_seed(0)
@@ -380,10 +379,10 @@ def learn_trl(model_dir: Path, images: list[Path], out: Path, steps: int, seed: 
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.image_io.images import model_input_image
-    from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
     from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+    from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
+    from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
+    from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()
     policy = ResizePolicy(LEARN_MIN, LEARN_MAX)

@@ -44,7 +44,6 @@ def build_checkpoint(out: Path) -> Path:
     """Qwen2.5-VL-7B's shapes with random bf16 weights, the tiny builder's tokenizer and processor."""
     import torch
     import transformers
-
     from qwenvl_prep.demos.tiny_model import QWEN_SPECIAL_TOKENS, build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -126,16 +125,16 @@ def run_trl(out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     import statistics
 
     import torch
+    from bench_grpo import LORA_TARGET, StepTimer, trl_format, trl_iou
     from datasets import Dataset
     from peft import LoraConfig
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl_compat import import_trl_grpo
 
-    from bench_grpo import LORA_TARGET, StepTimer, trl_format, trl_iou
-    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
     from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
     from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
-    from trl_compat import import_trl_grpo
+    from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
 
     GRPOConfig, GRPOTrainer = import_trl_grpo()
     processor = AutoProcessor.from_pretrained(model_dir, padding_side="left")

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-
-from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
-from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
-from llamafactory_qwenvl_patch.image_io.images import model_input_image
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.grpo.generation.hf import sample_shared_prefix
+from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
+from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import VLLMEngine, VLLMSettings
+from llamafactory_qwenvl_patch.image_io.images import model_input_image
 
 SIZES = [(640, 480), (1920, 1080), (333, 777), (1024, 768)]
 

@@ -97,14 +97,14 @@ def reload_like_vllm(items, block_of) -> None:
 
 
 def sync(model, zero3: bool) -> None:
-    """One sync as the installed ``vllm_engine`` does it."""
+    """One sync as the installed ``weight_sync`` does it."""
     import torch
 
-    from llamafactory_qwenvl_patch.grpo import vllm_engine
+    from llamafactory_qwenvl_patch.grpo.generation import weight_sync
 
     with torch.no_grad():
-        if "zero3" in inspect.signature(vllm_engine.engine_weights).parameters:
-            reload_like_vllm(vllm_engine.engine_weights(model, zero3), vllm_engine.block_of)
+        if "zero3" in inspect.signature(weight_sync.engine_weights).parameters:
+            reload_like_vllm(weight_sync.engine_weights(model, zero3), weight_sync.block_of)
             return
         from contextlib import nullcontext
 
@@ -114,7 +114,7 @@ def sync(model, zero3: bool) -> None:
 
             gather = deepspeed.zero.GatheredParameters
         with gather(list(model.parameters())):  # the previous load_weights: one list of every weight for vLLM
-            handed = list(vllm_engine.engine_weights(model).items())
+            handed = list(weight_sync.engine_weights(model).items())
             del handed
 
 

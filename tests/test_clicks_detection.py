@@ -13,10 +13,14 @@ from hypothesis import strategies as st
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
 from llamafactory_qwenvl_patch.scoring.clicks import click_dense_score, click_hit, click_point
 from llamafactory_qwenvl_patch.scoring.detection import (
-    Detection, MonitorTally, detection_f1, hacks, match_detections,
+    Detection,
+    MonitorTally,
+    detection_f1,
+    hacks,
+    match_detections,
 )
 
 SCREEN_SIZES = [(1080, 1920), (2532, 1170), (1440, 2560), (800, 1280)]  # (height, width)
@@ -232,8 +236,8 @@ def test_coco_map_is_order_free_and_counts_every_box():
 
 
 def test_monitors_in_a_non_square_model_frame():
-    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, add_monitors
-
+    from llamafactory_qwenvl_patch.grpo.rewards.monitors import add_monitors
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
     from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
     meta = [SampleMeta(0, "p", '[{"bbox_2d": [10, 10, 40, 30]}]', (1080, 1920), (336, 588))]
@@ -250,7 +254,8 @@ def test_monitors_in_a_non_square_model_frame():
 def test_video_prompts_feed_the_span_monitors_and_not_the_box_ones():
     """A span reference counts its completions' span hacks (the whole clip here); a box track is no many-box
     answer, so neither tally counts it."""
-    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, add_monitors
+    from llamafactory_qwenvl_patch.grpo.rewards.monitors import add_monitors
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
     from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
 
     meta = [SampleMeta(0, "p", '{"span": [2.0, 4.0]}', (90, 160), (84, 168), meta={"duration": 10.0}),

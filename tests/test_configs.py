@@ -39,8 +39,9 @@ def test_readme_key_table_shows_the_defaults():
     value is an example (issue 22, item 15: `grpo_log_completions` was true there and false in the code)."""
     import dataclasses
 
-    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
     from llamafactory.hparams import FinetuningArguments
+
+    from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
 
     readme = (CONFIGS.parent / "docs" / "grpo.md").read_text()
     block = readme.split("```yaml\nstage: grpo\nfinetuning_type: lora\n", 1)[1].split("```", 1)[0]
@@ -130,7 +131,7 @@ def test_inverted_clip_range_and_non_finite_weights_are_refused():
     from llamafactory.hparams import FinetuningArguments
 
     from llamafactory_qwenvl_patch.grpo.args import extend_finetuning_arguments
-    from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
+    from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards
 
     with pytest.raises(ValueError, match="grpo_epsilon_high .0.1. must be at least grpo_epsilon .0.2."):
         extend_finetuning_arguments(FinetuningArguments)(stage="grpo", reward_funcs="iou", grpo_epsilon_high=0.1)

@@ -10,8 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.rewards import (
-    BUILTIN, confident_answer, fields_reward, format_reward, json_fields_reward,
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import (
+    BUILTIN,
+    confident_answer,
+    fields_reward,
+    format_reward,
+    json_fields_reward,
 )
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.cheats import cheats

@@ -6,11 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import (
+    BUILTIN,
+    confident_answer,
+    fields_raw_reward,
+    fields_reward,
+    no_cheat_reward,
+)
+from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules, cheats
 from llamafactory_qwenvl_patch.scoring.fields import as_date, as_number, find_json, reference_value, score_fields
-from llamafactory_qwenvl_patch.grpo.rewards import (
-    BUILTIN, confident_answer, fields_raw_reward, fields_reward, load_rewards, no_cheat_reward,
-)
 
 INVOICE = {"invoice_number": "INV-2024-0042", "date": "2024-06-18", "amount": "1,234.50", "vendor": "ACME GmbH"}
 REFERENCE = json.dumps(INVOICE)

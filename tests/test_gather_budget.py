@@ -3,7 +3,7 @@ The verdict is pure arithmetic (no GPU here); the numbers are those of a 72B mod
 
 from __future__ import annotations
 
-from llamafactory_qwenvl_patch.grpo.gather_budget import GIB, GatherBudget
+from llamafactory_qwenvl_patch.grpo.generation.gather_budget import GIB, GatherBudget
 
 
 def test_a_72b_gather_on_80_gb_cannot_fit_and_names_the_numbers_and_vllm():
@@ -30,7 +30,7 @@ def test_parameter_bytes_reads_zero3_partition_sizes():
     (DeepSpeed's attributes, set here on a real module as DeepSpeed sets them)."""
     import torch
 
-    from llamafactory_qwenvl_patch.grpo.gather_budget import parameter_bytes
+    from llamafactory_qwenvl_patch.grpo.generation.gather_budget import parameter_bytes
 
     layer = torch.nn.Linear(8, 4, bias=False, dtype=torch.bfloat16)
     assert parameter_bytes(layer) == (64, 64)

@@ -9,11 +9,17 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    grounding_record, image_pad_loving_model, read_log, run_cli, save_image, torchrun_env, train_config,
+    grounding_record,
+    image_pad_loving_model,
+    read_log,
+    run_cli,
+    save_image,
+    torchrun_env,
+    train_config,
     write_sharegpt,
 )
 
-from llamafactory_qwenvl_patch.grpo.sampling import VISION_TOKENS
+from llamafactory_qwenvl_patch.grpo.generation.settings import VISION_TOKENS
 from llamafactory_qwenvl_patch.model_files.experts import cpu_grouped_mm_runs
 
 REWARDS = '''
@@ -46,7 +52,7 @@ def spread_odd(completions, *, indices, **kw):
 
 def self_iou(completions, *, references, **kw):
     """1 when the reference, as rewards receive it, scores IoU 1 against itself."""
-    from llamafactory_qwenvl_patch.grpo.rewards import iou_reward
+    from llamafactory_qwenvl_patch.grpo.rewards.builtin import iou_reward
 
     return iou_reward(references, references=references)
 '''

@@ -12,7 +12,7 @@ import yaml
 from helpers import read_log, run_cli, save_image, train_config
 
 ORACLE = '''
-from llamafactory_qwenvl_patch.grpo.rewards import click_reward, det_f1_reward
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import click_reward, det_f1_reward
 
 
 def self_click(completions, *, references, metas, orig_sizes, model_sizes, coords, **kw):

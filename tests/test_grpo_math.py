@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.advantages import group_advantages as advantages
-from llamafactory_qwenvl_patch.grpo.loss import LossConfig, policy_loss
-from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, load_rewards
+from llamafactory_qwenvl_patch.grpo.algorithm.advantages import group_advantages as advantages
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig, policy_loss
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
+from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards
 
 REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0]
 EPS = 1e-4
@@ -130,8 +131,8 @@ def test_iou_and_format_on_a_not_present_reference():
 
 
 def test_grpo_evaluation_scores_not_present_samples_apart():
-    from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
-    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+    from llamafactory_qwenvl_patch.grpo.rewards.evaluation import eval_metrics
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 
     meta = [SampleMeta(i, "p", reference, (480, 640), (476, 644)) for i, reference in enumerate(["[]", "[]", BOX])]
     texts = ["[]", '[{"bbox_2d": [1, 2, 30, 40]}]', BOX]
@@ -184,7 +185,7 @@ def test_rewards_that_overflow_exit_or_empty_their_inputs_fail_by_name(tmp_path)
     """Issue 33, class 7: 1e39 passed the finite check and overflowed the float32 rewards to inf; sys.exit(0) in a
     reward ended training with rc 0; a reward that emptied its completions list broke the length check; a reward
     file with a syntax error or a raise at import gave a raw traceback."""
-    from llamafactory_qwenvl_patch.grpo.rewards import Reward, score
+    from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward, score
 
     columns = {"references": ["r", "r"]}
     shared = {"resize_policy": None, "coords": "model"}
@@ -217,3 +218,17 @@ def test_rewards_that_overflow_exit_or_empty_their_inputs_fail_by_name(tmp_path)
         load_rewards(f"{tmp_path / 'exiting.py'}:f", None)
     with pytest.raises(ValueError, match=r"nope_module_xyz:f.*ModuleNotFoundError"):
         load_rewards("nope_module_xyz:f", None)
+
+
+def test_a_trajectory_trains_its_model_segments_only():
+    """The rollout's layout for several turns: a trajectory's ids are its segments in order, its loss mask 1 on model
+    tokens and 0 on what the environment rendered; a single-turn completion is one model segment."""
+    from llamafactory_qwenvl_patch.grpo.rollout.types import Segment, Trajectory
+
+    screen = object()
+    turns = Trajectory((Segment("model", (5, 6, 2)), Segment("env", (9, 8, 8, 7), (screen,)), Segment("model", (4, 2))))
+    assert turns.rows() == ([5, 6, 2, 9, 8, 8, 7, 4, 2], [1, 1, 1, 0, 0, 0, 0, 1, 1])
+    assert turns.images == [screen]
+    assert Trajectory((Segment("model", (3, 2)),)).rows() == ([3, 2], [1, 1])
+    with pytest.raises(ValueError, match="'model' or 'env'"):
+        Segment("tool", (1,))

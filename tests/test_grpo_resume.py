@@ -121,7 +121,12 @@ def test_a_run_killed_inside_a_reuse_window_resumes_as_the_same_run(runs):
 def test_completeness_rules(tmp_path):
     """Which checkpoint a relaunch resumes from: with markers, the marker (and the sizes it lists) decide; a run
     written before markers existed is judged by its files; a log line cut short by a kill is dropped."""
-    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete, mark_complete, trim_jsonl
+    from llamafactory_qwenvl_patch.grpo.trainer.resume import (
+        checkpoint_problem,
+        last_complete,
+        mark_complete,
+        trim_jsonl,
+    )
 
     def checkpoint(step: int, state: bool = True, empty: str | None = None) -> Path:
         folder = tmp_path / "run" / f"checkpoint-{step}"
@@ -148,14 +153,14 @@ def test_completeness_rules(tmp_path):
     assert "no complete-marker" in checkpoint_problem(tmp_path / "run" / "checkpoint-4")
     from types import SimpleNamespace
 
-    from llamafactory_qwenvl_patch.grpo.workflow import _resume_point
+    from llamafactory_qwenvl_patch.integration.grpo_workflow import grpo_resume_point
 
     warnings: list[str] = []
     logger = SimpleNamespace(warning_rank0=warnings.append)
     args = SimpleNamespace(resume_from_checkpoint=str(marked), output_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match="resume_from_checkpoint .*checkpoint-8 cannot be resumed from"):
-        _resume_point(args, True, logger)  # named in the YAML: an error, never a silent substitute
-    assert _resume_point(args, False, logger).endswith("checkpoint-2") and len(warnings) == 4  # picked by LF
+        grpo_resume_point(args, True, logger)  # named in the YAML: an error, never a silent substitute
+    assert grpo_resume_point(args, False, logger).endswith("checkpoint-2") and len(warnings) == 4  # picked by LF
     log = tmp_path / "trainer_log.jsonl"
     log.write_text("".join(json.dumps({"current_steps": s}) + "\n" for s in range(1, 6)) + '{"current_st')
     assert trim_jsonl(log, lambda row: row["current_steps"] <= 3) == 3
@@ -168,8 +173,13 @@ def test_a_checkpoint_changed_since_its_marker_is_refused_by_name(tmp_path):
     a changed file is refused by name, whether LF picked the checkpoint or the YAML named it."""
     from types import SimpleNamespace
 
-    from llamafactory_qwenvl_patch.grpo.resume import MARKER, ChangedCheckpointError, last_complete, mark_complete
-    from llamafactory_qwenvl_patch.grpo.workflow import _resume_point
+    from llamafactory_qwenvl_patch.grpo.trainer.resume import (
+        MARKER,
+        ChangedCheckpointError,
+        last_complete,
+        mark_complete,
+    )
+    from llamafactory_qwenvl_patch.integration.grpo_workflow import grpo_resume_point
 
     run = tmp_path / "run"
     for step in (2, 4):
@@ -181,7 +191,7 @@ def test_a_checkpoint_changed_since_its_marker_is_refused_by_name(tmp_path):
         mark_complete(folder, step)
     latest = run / "checkpoint-4"
     logger = SimpleNamespace(warning_rank0=lambda message: None)
-    assert _resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), False,
+    assert grpo_resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), False,
                          logger) == str(latest)  # intact: resumed, verified
     data = bytearray((latest / "adapter_model.safetensors").read_bytes())
     data[1000] ^= 0x40  # one flipped bit, same size
@@ -190,20 +200,20 @@ def test_a_checkpoint_changed_since_its_marker_is_refused_by_name(tmp_path):
     for explicit in (False, True):
         args = SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run))
         with pytest.raises(ChangedCheckpointError, match=r"checkpoint-4/adapter_model\.safetensors changed since"):
-            _resume_point(args, explicit, logger)
+            grpo_resume_point(args, explicit, logger)
     data[1000] ^= 0x40
     (latest / "adapter_model.safetensors").write_bytes(bytes(data))  # the original bytes back
     (latest / "sub" / "optimizer.pt").write_bytes(b"STATE" * 10)  # a file in a sub-folder is listed too
     with pytest.raises(ChangedCheckpointError, match=r"sub/optimizer\.pt"):
-        _resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), True, logger)
+        grpo_resume_point(SimpleNamespace(resume_from_checkpoint=str(latest), output_dir=str(run)), True, logger)
     old = run / "checkpoint-2"  # a marker written before checksums (sizes only) is still honoured, unverified
     marker = json.loads((old / MARKER).read_text())
     marker["files"] = {name: entry["size"] for name, entry in marker["files"].items()}
     (old / MARKER).write_text(json.dumps(marker))
     (old / "trainer_state.json").write_text(json.dumps({"global_step": 3}))  # same size, not caught: no checksum
-    assert _resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True,
+    assert grpo_resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True,
                          logger) == str(old)
     for files in (["adapter_model.safetensors"], {"../../x": {"size": 1, "sha256": "0"}}, {"a": {"size": "1"}}):
         (old / MARKER).write_text(json.dumps({"global_step": 2, "files": files}))  # a marker that lies or is garbage
         with pytest.raises(ValueError, match="no complete-marker"):
-            _resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True, logger)
+            grpo_resume_point(SimpleNamespace(resume_from_checkpoint=str(old), output_dir=str(run)), True, logger)

@@ -12,12 +12,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamafactory_qwenvl_patch.grpo.advantages import zero_std_groups
-from llamafactory_qwenvl_patch.grpo.loss import LossConfig, micro_batch_counts, policy_loss, step_normalizers
-from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward, load_rewards, score
-from llamafactory_qwenvl_patch.grpo.rollout import completion_mask, cut_at_tokens, decode_kept, prompt_text
-from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
-from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
+from llamafactory_qwenvl_patch.grpo.algorithm.advantages import zero_std_groups
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import (
+    LossConfig,
+    micro_batch_counts,
+    policy_loss,
+    step_normalizers,
+)
+from llamafactory_qwenvl_patch.grpo.generation.settings import sampling_settings, vision_token_ids
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward, load_rewards, score
+from llamafactory_qwenvl_patch.grpo.rollout.tensors import completion_mask, cut_at_tokens, decode_kept, prompt_text
+from llamafactory_qwenvl_patch.grpo.trainer.prompt_order import RolloutSampler
 from llamafactory_qwenvl_patch.integration.yaml_keys import explicit_keys
 
 QWEN2_ANSWER = "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(10,20),(110,220)<|box_end|>"
@@ -245,7 +251,7 @@ def test_reference_json_answers_parse(tokenizer):
 
 def test_sampler_epoch_follows_the_trainer_state():
     """After a resume accelerate's skip wrapper hides the sampler from ``set_epoch``; the callback sets it."""
-    from llamafactory_qwenvl_patch.grpo.trainer import _SamplerEpoch
+    from llamafactory_qwenvl_patch.grpo.trainer.trainer import _SamplerEpoch
 
     sampler = RolloutSampler(8, 2, 1, 1)
     callback = _SamplerEpoch(SimpleNamespace(rollout_sampler=sampler))
@@ -259,7 +265,7 @@ def test_run_generation_config_replaces_the_checkpoints_during_generate():
     while the run's config is the model's own, there is nothing else to fill from."""
     from transformers import GenerationConfig
 
-    from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
+    from llamafactory_qwenvl_patch.grpo.generation.settings import generation_config_of
 
     checkpoint = GenerationConfig(do_sample=True, top_k=1, top_p=0.001, temperature=0.1)
     ours = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
@@ -274,7 +280,7 @@ def test_run_generation_config_replaces_the_checkpoints_during_generate():
 
 def test_the_blank_control_takes_prompts_with_images_and_no_videos():
     """A video beside blanked images would still show the scene: such prompts get no blank copy."""
-    from llamafactory_qwenvl_patch.grpo.collate import blankable
+    from llamafactory_qwenvl_patch.grpo.rollout.collate import blankable
 
     assert blankable({"images": ["a.jpg"]}) and blankable({"images": ["a.jpg"], "videos": []})
     assert not blankable({"images": ["a.jpg"], "videos": ["c.mp4"]})

@@ -16,13 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from llamafactory_qwenvl_patch.grpo import shared_prefix
-from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
-from llamafactory_qwenvl_patch.grpo.rewards import Reward
-from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
-from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of, vision_token_ids
-from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
 from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
+from llamafactory_qwenvl_patch.grpo.generation.hf import sample_shared_prefix
+from llamafactory_qwenvl_patch.grpo.generation.settings import generation_config_of, vision_token_ids
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
+from llamafactory_qwenvl_patch.grpo.trainer.trainer import GRPOTrainer
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 
 G = 3

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN, Reward
-from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
-from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
+from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
+from llamafactory_qwenvl_patch.grpo.trainer.trainer import GRPOTrainer
 
 G = 4
 
@@ -195,8 +196,8 @@ def test_blank_image_groups_are_penalised_against_a_zero_baseline(tiny_model, tm
     fields = torch.tensor(BUILTIN["fields"](real, references=[reference] * G))
     expected = (fields - fields.mean()) / (fields.std() + 1e-4)
     assert torch.allclose(micro.advantages[:G], expected, atol=1e-4)
-    assert trainer._metrics["blank/confident_rate"] == [0.5]
-    assert trainer._metrics["reward"] == [pytest.approx(float(fields.mean()))]  # real groups only
+    assert trainer.run_state.metrics["blank/confident_rate"] == [0.5]
+    assert trainer.run_state.metrics["reward"] == [pytest.approx(float(fields.mean()))]  # real groups only
 
 
 def half_flat(completions, *, indices, **_):
@@ -207,7 +208,7 @@ def half_flat(completions, *, indices, **_):
 def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts(tiny_model, tmp_path):
     """Issue 42, item 3: prompt 0's flat group is swapped for the group of a freshly drawn prompt 1 whose rewards
     differ; the swapped part is collated again, its completions are the donor's rows, and every group now learns."""
-    from llamafactory_qwenvl_patch.grpo.dynamic_sampling import fresh_indices
+    from llamafactory_qwenvl_patch.grpo.algorithm.dynamic_sampling import fresh_indices
 
     trainer = fixed_trainer(tiny_model, tmp_path / "dynamic", 2, 1,
                             finetuning("dapo", grpo_dynamic_sampling=True, grpo_max_resample=4,
@@ -215,8 +216,8 @@ def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts(tiny_model, tm
     [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0}, {"grpo_index": 1}])
     draws = [fresh_indices(2, 2, 0, 0, 0, attempt) for attempt in range(4)]
     attempts = next(n for n in range(1, 5) if 1 in draws[n - 1])
-    assert trainer._metrics["dynamic/replaced_groups"] == [1.0] and trainer._metrics["dynamic/short_groups"] == [0.0]
-    assert trainer._metrics["dynamic/resampled_batches"] == [float(attempts)]
+    assert trainer.run_state.metrics["dynamic/replaced_groups"] == [1.0] and trainer.run_state.metrics["dynamic/short_groups"] == [0.0]
+    assert trainer.run_state.metrics["dynamic/resampled_batches"] == [float(attempts)]
     stop, pad = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>"), trainer.tokenizer.pad_token_id
     expected = completions(stop, pad)[1]
     width = micro.completion_ids.size(1)
@@ -234,5 +235,38 @@ def test_dynamic_sampling_says_when_the_batch_comes_up_short(tiny_model, tmp_pat
     trainer = fixed_trainer(tiny_model, tmp_path / "short", 2, 1,
                             finetuning("dapo", grpo_dynamic_sampling=True, grpo_max_resample=2), reward=constant)
     [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0}, {"grpo_index": 1}])
-    assert trainer._metrics["dynamic/short_groups"] == [2.0] and trainer._metrics["dynamic/resampled_batches"] == [2.0]
+    assert trainer.run_state.metrics["dynamic/short_groups"] == [2.0] and trainer.run_state.metrics["dynamic/resampled_batches"] == [2.0]
     assert micro.completion_ids.size(0) == 2 * G and not micro.advantages.any()
+
+
+def test_a_new_estimator_and_a_new_loss_are_one_registration_each(tiny_model, tmp_path):
+    """Issue 48: a variant is one place. A toy estimator (the reward itself, no baseline) and a toy loss (the clipped
+    surrogate summed over tokens) are registered, and the real trainer takes one step with each: the estimator's
+    advantages reach the micro-batch, and the loss is its aggregation of the surrogate."""
+    from llamafactory_qwenvl_patch.grpo.algorithm import advantages, losses
+
+    @advantages.register_estimator("toy_raw_reward", group_baseline=False)
+    def raw(rewards, lengths, group_size, scale, ranks):
+        return rewards.clone()
+
+    @losses.register_aggregation("toy_token_sum")
+    def token_sum(per_token, mask, config, token_normalizer, seq_normalizer):
+        return (per_token * mask).sum()
+
+    losses.register_loss("toy_sum", "clipped", "toy_token_sum")
+    try:
+        trainer = fixed_trainer(tiny_model, tmp_path / "toy", 2, 1,
+                                finetuning("toy_sum", grpo_advantage_estimator="toy_raw_reward"))
+        [micro] = trainer._rollout(trainer.model, [{"grpo_index": 0}, {"grpo_index": 1}])
+        texts = [trainer.tokenizer.decode(row[row != trainer.tokenizer.pad_token_id][:-1]) for row in
+                 micro.completion_ids]
+        assert torch.allclose(micro.advantages, torch.tensor(length_reward(texts)))
+        loss = trainer.compute_loss(trainer.model, {"grpo": micro})
+        assert torch.allclose(loss, -(micro.advantages.unsqueeze(1) * micro.mask).sum(), atol=1e-5)  # ratio 1
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    finally:
+        advantages.ESTIMATOR_REGISTRY.pop("toy_raw_reward")
+        losses.AGGREGATIONS.pop("toy_token_sum")
+        losses.LOSS_TYPES.pop("toy_sum")

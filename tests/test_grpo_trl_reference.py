@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamafactory_qwenvl_patch.grpo.loss import LossConfig, policy_loss
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig, policy_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 EPS_LOW, EPS_HIGH, BETA, MAX_LEN = 0.2, 0.28, 0.04, 6

@@ -11,17 +11,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from llamafactory_qwenvl_patch.grpo.advantages import (
-    batch_moments, outcome_values, rloo_advantages, whitened,
+from llamafactory_qwenvl_patch.grpo.algorithm.advantages import (
+    batch_moments,
+    estimator,
+    rloo_advantages,
+    whitened,
 )
-from llamafactory_qwenvl_patch.grpo.length_rewards import overlong_reward
-from llamafactory_qwenvl_patch.grpo.loss import LossConfig, policy_loss
-from llamafactory_qwenvl_patch.grpo.sampler_correction import importance_weights, mismatch
-from llamafactory_qwenvl_patch.grpo.token_stats import row_logps_and_entropy
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig, policy_loss
+from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import importance_weights, mismatch
+from llamafactory_qwenvl_patch.grpo.algorithm.token_stats import row_logps_and_entropy
+from llamafactory_qwenvl_patch.grpo.rewards.length import overlong_reward
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "grpo_reference.json").read_text())
@@ -106,10 +110,10 @@ def test_advantages_match_verl(seed):
     data, expected = case(seed), FIXTURE["verl"][seed]
     rewards, lengths = data["rewards"], data["mask"].sum(dim=1)
     assert torch.allclose(rloo_advantages(rewards, G), torch.tensor(expected["rloo"]), atol=1e-6)
-    for estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        values = outcome_values(rewards, G, estimator)
-        ours = whitened(values, batch_moments(values, lengths))
-        assert torch.allclose(ours, torch.tensor(expected[estimator]), atol=1e-5), estimator
+    one_rank = SimpleNamespace(several=False)
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        ours = estimator(name).advantages(rewards, lengths, G, "group", one_rank)
+        assert torch.allclose(ours, torch.tensor(expected[name]), atol=1e-5), name
 
 
 def test_whitening_moments_add_over_ranks():
@@ -182,9 +186,9 @@ def test_a_swapped_prompt_takes_its_blank_copy_with_it():
     copy (the blank check compares a copy with its original, which is gone), and keeps prompt 1's."""
     from types import SimpleNamespace
 
-    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
-    from llamafactory_qwenvl_patch.grpo.trainer_refill import RefillMixin
-    from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampledPart, SampleMeta
+    from llamafactory_qwenvl_patch.grpo.trainer.refill import RefillMixin, ScoredPart
+    from llamafactory_qwenvl_patch.grpo.trainer.rollout_phase import RolloutMixin
 
     group = 2
 
@@ -201,17 +205,17 @@ def test_a_swapped_prompt_takes_its_blank_copy_with_it():
 
     def part(features):
         rows = len(features) * group
-        return dict(features=features, texts=[f"t{i}" for i in range(rows)],
-                    meta=[SampleMeta(f["grpo_index"], "p", "", (4, 4), blank=f.get("grpo_blank", False))
-                          for f in features],
-                    ids=torch.arange(rows * 3).view(rows, 3), attention=torch.ones(rows, 3, dtype=torch.long),
-                    stopped=torch.ones(rows, dtype=torch.bool), sampling=None)
+        return SampledPart(features=features, batch=None, texts=[f"t{i}" for i in range(rows)],
+                           meta=[SampleMeta(f["grpo_index"], "p", "", (4, 4), blank=f.get("grpo_blank", False))
+                                 for f in features],
+                           ids=torch.arange(rows * 3).view(rows, 3), attention=torch.ones(rows, 3, dtype=torch.long),
+                           stopped=torch.ones(rows, dtype=torch.bool), sampling_logps=None)
 
     mine = part([{"grpo_index": 0}, {"grpo_index": 1}, {"grpo_index": 0, "grpo_blank": True},
                  {"grpo_index": 1, "grpo_blank": True}])
     donor = part([{"grpo_index": 7}])
-    sources = [dict(part=mine, real=[0, 1], flat=[True, False]), dict(part=donor, real=[0], flat=[False])]
+    sources = [ScoredPart(mine, [0, 1], [], [True, False]), ScoredPart(donor, [0], [], [False])]
     swapped = Assembler()._swapped(sources, 0, {(0, 0): (1, 0)})
-    assert [(m.index, m.blank) for m in swapped["meta"]] == [(7, False), (1, False), (1, True)]
-    assert torch.equal(swapped["ids"][:group], donor["ids"])  # the donor's completions, then prompt 1's and its copy's
-    assert torch.equal(swapped["ids"][group:], mine["ids"][[2, 3, 6, 7]])
+    assert [(m.index, m.blank) for m in swapped.meta] == [(7, False), (1, False), (1, True)]
+    assert torch.equal(swapped.ids[:group], donor.ids)  # the donor's completions, then prompt 1's and its copy's
+    assert torch.equal(swapped.ids[group:], mine.ids[[2, 3, 6, 7]])

@@ -17,7 +17,7 @@ from helpers import write_clip
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.grpo.rollout import videos_per_sample
+from llamafactory_qwenvl_patch.grpo.rollout.tensors import videos_per_sample
 
 # clips of each prompt: (seconds, fps, width, height); prompt 4 has two
 CLIPS = [[(2.0, 10, 96, 64)], [(3.0, 8, 64, 96)], [(1.0, 10, 80, 80)], [(4.0, 5, 128, 72)],
@@ -120,7 +120,7 @@ def test_video_optimiser_step_matches_the_repeated_layout(video_trainer, family,
 def test_hf_rollouts_sample_video_prompts(video_trainer, shared, tmp_path):
     """The trainer's own sampling (HF ``generate`` with G return sequences, or the shared-prefix sampler) on video
     prompts of Qwen2.5-VL, whose ``second_per_grid_ts`` generate expands with the prompts."""
-    from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
+    from llamafactory_qwenvl_patch.grpo.trainer.trainer import GRPOTrainer
 
     trainer, processor = video_trainer("qwen2_5_vl", "lora", shared, tmp_path)
     batch = trainer._prepare_input(shared_tests.prompt_batch(processor, [0, 4]))

@@ -12,10 +12,10 @@ import pytest
 from helpers import lf_sft_dataset, save_image
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from qwenvl_prep.cli import main
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.scoring.answers import parse_answer, parse_items
-from qwenvl_prep.cli import main
 
 MIN, MAX = 128 * 28 * 28, 512 * 28 * 28  # helpers.train_config's bounds, so LF's loader accepts the stamp
 POLICY = ResizePolicy(MIN, MAX)
@@ -174,7 +174,7 @@ def test_system_and_tool_turns_are_converted_and_check_agrees(tmp_path, photo, c
 def test_deep_nesting_is_one_error_row_or_one_parse_failure(tmp_path, photo, capsys):
     """Was: RecursionError aborted convert, check, draw and eval (nothing written, even with --skip-bad), and the
     rewards raised on such a completion."""
-    from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN
+    from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
 
     good = {"image": "photo.jpg", "question": "Find it.", "answer": '[{"bbox_2d": [10, 20, 300, 400]}]'}
     lines = [good, {**good, "answer": DEEP}, {**good, "question": "Find " + DEEP},

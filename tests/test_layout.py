@@ -2,9 +2,10 @@
 inside functions.
 
 The plugin: the frame core imports nothing else from the package; image I/O, scoring and the model-folder files
-import only the frame core; the GRPO stage imports those three; LLaMA-Factory integration is imported only by the
-import hook and the GRPO stage's LF glue (its workflow and the meta column carried through LF's dataset code); the
-``qwenvl-prep`` tool never imports it (it runs without LF's internals).
+import only the frame core; the GRPO stage imports those three and never LLaMA-Factory integration, which is imported
+only by the import hook (the GRPO stage's LF glue lives in integration); the ``qwenvl-prep`` tool never imports it (it
+runs without LF's internals). Inside the GRPO stage each part imports only those before it: algorithm, rollout,
+rewards, generation, trainer; its YAML keys (``grpo.args``) may import any.
 
 ``qwenvl-prep``: plumbing imports nothing else of the tool; what stock LF does (``lf``) imports only plumbing;
 dataset formats import plumbing and ``lf``; the work behind the commands (``pipeline``) and the demos import those
@@ -32,7 +33,8 @@ ALLOWED = {
     "grpo": CORE | {"image_io", "scoring", "grpo"},
     "integration": CORE | {"image_io", "scoring", "model_files", "grpo", "integration"},
 }
-INTEGRATION_USERS = {f"{PKG}._hook", f"{PKG}.grpo.workflow", f"{PKG}.grpo.record_meta"}
+INTEGRATION_USERS = {f"{PKG}._hook"}
+GRPO_ORDER = ["algorithm", "rollout", "rewards", "generation", "trainer"]  # each part imports only those before it
 PREP = "qwenvl_prep"
 PREP_ROOT = ROOT / "preprocessing" / PREP
 PREP_BELOW = {"plumbing": set(), "lf": {"plumbing"}, "formats": {"plumbing", "lf"},
@@ -82,7 +84,8 @@ MODULES = {module_name(p): imports(p) for p in [*(ROOT / PKG).rglob("*.py"), *(R
 
 def test_the_rules_see_the_imports():
     """Not vacuous: the known edges are found, and every sub-package has a rule."""
-    assert f"{PKG}.integration.lf_compat" in MODULES[f"{PKG}.grpo.workflow"]
+    assert f"{PKG}.integration.lf_compat" in MODULES[f"{PKG}.integration.grpo_workflow"]
+    assert f"{PKG}.grpo.algorithm.advantages.estimator" in MODULES[f"{PKG}.grpo.trainer.rollout_phase"]
     assert f"{PKG}.integration.lf_patch" in MODULES[f"{PKG}._hook"]
     assert f"{PKG}.frame.policy.ResizePolicy" in MODULES[f"{PKG}.image_io.images"]
     assert {p.name for p in (ROOT / PKG).iterdir() if (p / "__init__.py").exists()} == set(ALLOWED)
@@ -99,8 +102,32 @@ def test_import_directions(module):
             assert into in ALLOWED[source], f"{module} ({source}) imports {target} ({into})"
 
 
+def grpo_part(module: str) -> str | None:
+    """The part of the GRPO stage a module belongs to (None for ``grpo`` itself and ``grpo.args``)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == [PKG, "grpo"] and len(parts) > 2 and parts[2] in GRPO_ORDER else None
+
+
+def test_grpo_reads_by_role():
+    """One level of folders, the algorithm's parts; nothing else at its top but the package and its YAML keys."""
+    grpo = ROOT / PKG / "grpo"
+    assert {p.name for p in grpo.iterdir() if (p / "__init__.py").exists()} == set(GRPO_ORDER)
+    assert {p.name for p in grpo.glob("*.py")} == {"__init__.py", "args.py"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if grpo_part(m)))
+def test_grpo_parts_import_in_order(module):
+    source = GRPO_ORDER.index(grpo_part(module))
+    for target in sorted(MODULES[module]):
+        into = grpo_part(target)
+        if into is not None:
+            assert GRPO_ORDER.index(into) <= source, f"{module} ({grpo_part(module)}) imports {target} ({into})"
+        assert resolved(target) != f"{PKG}.grpo.args", f"{module} imports the YAML keys ({target})"
+
+
 def test_every_sub_package_says_what_it_may_import():
-    for folder in [*(ROOT / PKG / name for name in ALLOWED), *(PREP_ROOT / name for name in PREP_BELOW)]:
+    grpo_parts = (ROOT / PKG / "grpo" / name for name in GRPO_ORDER)
+    for folder in [*(ROOT / PKG / name for name in ALLOWED), *grpo_parts, *(PREP_ROOT / name for name in PREP_BELOW)]:
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
         assert "May import" in doc, folder
 

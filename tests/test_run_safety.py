@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from helpers import grounding_record, read_log, run_cli, save_image, train_config, write_sharegpt
 
-from llamafactory_qwenvl_patch.grpo.resume import MARKER, RUN_FILE, last_complete, mark_complete, rotate
+from llamafactory_qwenvl_patch.grpo.trainer.resume import MARKER, RUN_FILE, last_complete, mark_complete, rotate
 
 HOLD = """
 import sys, time

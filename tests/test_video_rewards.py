@@ -13,17 +13,27 @@ import yaml
 from helpers import SHAREGPT_INFO, write_clip
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from qwenvl_prep.cli import main
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.stamp import STAMP_KEY, Stamp, run_stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.grpo.rewards import load_rewards, score
+from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards, score
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError
 from llamafactory_qwenvl_patch.scoring.temporal import (
-    SpanMonitorTally, TrackBox, parse_spans, parse_track, reference_kind, score_track, span_hacks, span_score,
-    tiou, track_tolerance, try_parse_spans, try_parse_track,
+    SpanMonitorTally,
+    TrackBox,
+    parse_spans,
+    parse_track,
+    reference_kind,
+    score_track,
+    span_hacks,
+    span_score,
+    tiou,
+    track_tolerance,
+    try_parse_spans,
+    try_parse_track,
 )
-from qwenvl_prep.cli import main
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "video-rewards.md"
 SPAN_REF = '{"span": [5, 12]}'
@@ -204,7 +214,7 @@ def test_the_docs_yaml_loads_and_rewards_of_another_kind_score_zero():
     # an empty track (the target is not in the video): only [] answers it, as under iou
     assert rewards("track,format", ["[]", TRACK_REF, "nothing"], ["[]"] * 3)["track"] == [1.0, 0.0, 0.0]
     # ... on a video prompt only: an image's "not present" abstention is iou's to pay, not paid twice
-    from llamafactory_qwenvl_patch.grpo.video_rewards import track_reward
+    from llamafactory_qwenvl_patch.grpo.rewards.video import track_reward
 
     assert track_reward(["[]", "[]"], references=["[]", "[]"], prompts=["<|vision_start|><|image_pad|>Find it",
                                                                          "<|video_pad|><|video_pad|>Track it"]) == [0.0,
@@ -288,8 +298,8 @@ def test_eval_needs_the_video_frame_of_a_track(tmp_path, capsys):
 def test_grpo_eval_scores_video_records_as_video():
     """GRPO's evaluation sends span and track records to the video metrics (a track is not an image's boxes, a span
     not a field), as qwenvl-prep eval does."""
-    from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
-    from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+    from llamafactory_qwenvl_patch.grpo.rewards.evaluation import eval_metrics
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 
     prompt = "<|vision_start|><|video_pad|><|video_pad|><|vision_end|>When?"
     meta = [SampleMeta(0, prompt, SPAN_REF, (90, 160), (84, 168), meta={"duration": 10.0}),

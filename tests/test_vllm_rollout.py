@@ -14,7 +14,7 @@ from helpers import save_image, skip_without
 from PIL import Image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
+from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
 pytestmark = pytest.mark.vllm
@@ -26,7 +26,7 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 
 def build_engine(folder, policy: ResizePolicy):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import VLLMEngine, VLLMSettings
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
@@ -59,7 +59,7 @@ def test_vllm_sees_the_training_frame(parts, tmp_path, width, height):
 
 
 def test_a_prompt_in_another_frame_is_refused(parts):
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import FrameMismatchError
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import FrameMismatchError
 
     engine, _, tokenizer = parts
     image = Image.new("RGB", (280, 280), (10, 200, 30))  # 10 x 10 merged 28-px patches -> 100 tokens
@@ -178,7 +178,7 @@ def video_batch(folder, tmp_path):
     from test_grpo_video import pinned
     from transformers import AutoProcessor
 
-    from llamafactory_qwenvl_patch.grpo.vllm_video import captured_videos, clips_per_sample
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_video import captured_videos, clips_per_sample
 
     processor = AutoProcessor.from_pretrained(folder)
     plugin = pinned(folder)
@@ -204,7 +204,7 @@ def test_video_rollouts_are_the_training_frames_and_distribution(qwen3_parts, tm
     training batch's (checked by the engine on every batch); its sampling log-probs are the training model's (Qwen3.5
     samples in bfloat16 on CPU: a looser bound). A clip handed in another frame is refused."""
     from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
-    from llamafactory_qwenvl_patch.grpo.vllm_video import VideoClip, VideoFrameMismatchError
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_video import VideoClip, VideoFrameMismatchError
 
     folder, engine, model, tokenizer = qwen3_parts
     engine.load_weights(model)
@@ -237,7 +237,7 @@ def test_qwen2_5_vl_video_prompts_are_refused(parts):
     import numpy as np
 
     from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-    from llamafactory_qwenvl_patch.grpo.vllm_video import VideoClip
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_video import VideoClip
 
     engine, _, tokenizer = parts
     plan = VideoPolicy(2048, 12288, 28, 2.0, 16, "seconds").plan([0.0, 0.5])
@@ -261,7 +261,7 @@ def test_a_mixture_of_experts_model_is_refused_on_cpu(tmp_path):
 
 def test_the_sync_sends_block_after_block():
     """vLLM fuses weights only within a block; the sync yields every block whole, in model order, once."""
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import block_of
+    from llamafactory_qwenvl_patch.grpo.generation.weight_sync import block_of
 
     assert block_of("model.language_model.layers.3.self_attn.q_proj.weight") == "model.language_model.layers.3"
     assert block_of("model.language_model.layers.3.mlp.experts.0.up_proj.weight") == "model.language_model.layers.3"
@@ -389,7 +389,7 @@ def test_zero3_two_ranks_sync_block_by_block(small_model, grpo_data):
 
 def test_each_rank_keeps_its_own_prompts_of_the_group():
     """A tensor-parallel group samples its members' prompts concatenated in member order; each keeps its own."""
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import group_slice
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import group_slice
 
     counts = [2, 3, 1]
     rows = [f"rank{member}-{i}" for member, count in enumerate(counts) for i in range(count)]
@@ -398,7 +398,7 @@ def test_each_rank_keeps_its_own_prompts_of_the_group():
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_ranks_is_refused():
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import tensor_parallel_group
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import tensor_parallel_group
 
     with pytest.raises(ValueError, match="must divide the number of training processes \\(1\\)"):
         tensor_parallel_group(2)

@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llamafactory_qwenvl_patch.grpo.algorithm.advantages import ESTIMATOR_REGISTRY, SCALE_REWARDS
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import IMPORTANCE_LEVELS, LOSS_TYPES
+from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import IS_MODES
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN as BUILTIN_REWARDS
+from llamafactory_qwenvl_patch.grpo.rollout.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
-from llamafactory_qwenvl_patch.grpo.advantages import ESTIMATORS, SCALE_REWARDS
-from llamafactory_qwenvl_patch.grpo.loss import IMPORTANCE_LEVELS, LOSS_TYPES
-from llamafactory_qwenvl_patch.grpo.rewards import BUILTIN as BUILTIN_REWARDS
-from llamafactory_qwenvl_patch.grpo.sampler_correction import IS_MODES
-from llamafactory_qwenvl_patch.grpo.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
 ROLLOUT_BACKENDS = ("hf", "vllm")
@@ -128,7 +128,7 @@ def extend_finetuning_arguments(base: type) -> type:
                                    "entropy. 0 = off (the entropy is logged either way)."}
         )
         grpo_advantage_estimator: str = field(
-            default="grpo", metadata={"help": f"One of {', '.join(ESTIMATORS)}: group mean/std (GRPO), "
+            default="grpo", metadata={"help": f"One of {', '.join(ESTIMATOR_REGISTRY)}: group mean/std (GRPO), "
                                       "leave-one-out baseline (RLOO), batch-whitened (REINFORCE++), or group mean "
                                       "then batch-whitened (REINFORCE++-baseline)."}
         )
@@ -239,11 +239,13 @@ def extend_finetuning_arguments(base: type) -> type:
                                         ("grpo_scale_rewards", self.grpo_scale_rewards, SCALE_REWARDS),
                                         ("grpo_importance_sampling", self.grpo_importance_sampling,
                                          IMPORTANCE_LEVELS),
-                                        ("grpo_advantage_estimator", self.grpo_advantage_estimator, ESTIMATORS),
+                                        ("grpo_advantage_estimator", self.grpo_advantage_estimator,
+                                         ESTIMATOR_REGISTRY),
                                         ("grpo_vllm_is_mode", self.grpo_vllm_is_mode, IS_MODES)):
                 if value not in allowed:
                     raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-            if self.grpo_advantage_estimator != "grpo" and self.grpo_scale_rewards != "group":
+            takes_scale = ESTIMATOR_REGISTRY[self.grpo_advantage_estimator].takes_scale
+            if not takes_scale and self.grpo_scale_rewards != "group":
                 raise ValueError(f"grpo_scale_rewards: {self.grpo_scale_rewards} scales the grpo estimator's "
                                  f"advantages; {self.grpo_advantage_estimator} has its own scale (see docs/grpo.md)")
             if self.grpo_delta is not None and self.grpo_delta <= 1 + self.grpo_epsilon_high:

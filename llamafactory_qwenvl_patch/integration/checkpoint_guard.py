@@ -19,7 +19,7 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from llamafactory_qwenvl_patch.grpo import resume
+from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.lf_compat import LFCompatError
 
 GUARDED: set[str] = set()  # resolved output_dirs of the runs this process guards (``run_guard``)

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-from llamafactory_qwenvl_patch.grpo import resume
+from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.checkpoint_guard import GUARDED
 
 T = TypeVar("T")
@@ -81,7 +81,7 @@ def _settle(explicit: bool, model_args: Any, data_args: Any, training_args: Any,
 def _resume_point(explicit: bool, training_args: Any, finetuning_args: Any, logger: Any) -> str | None:
     """The complete checkpoint the run resumes from, chosen, checked and logged as ``stage: grpo`` does. For GRPO
     LF's automatic choice is only found here: its workflow chooses it again, logging and verifying."""
-    from llamafactory_qwenvl_patch.grpo.workflow import _resume_point as grpo_resume_point
+    from llamafactory_qwenvl_patch.integration.grpo_workflow import grpo_resume_point
 
     if finetuning_args.stage != "grpo" or explicit:
         return grpo_resume_point(training_args, explicit, logger)

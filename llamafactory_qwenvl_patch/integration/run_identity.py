@@ -4,7 +4,7 @@ A run started into another run's ``output_dir`` resumed its checkpoints unseen: 
 silently (and the output's ``qwenvl_policy.json`` then misdescribed the first steps), another LoRA rank or model size
 ended in a torch ``size mismatch``, full fine-tuning on LoRA checkpoints in ``Can't find a checkpoint index``; an
 adapter of another family (``adapter_name_or_path``) was trained on in the wrong coordinate convention. A run's
-identity is the few settings a resume cannot change; each checkpoint's marker records its run's (``resume``), and a
+identity is the few settings a resume cannot change; each checkpoint's marker records its run's (``grpo.trainer.resume``), and a
 checkpoint written before that is read from its files: ``adapter_config.json`` (rank, base model), ``config.json``,
 ``qwenvl_policy.json``.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type, resolve_family
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import read_policy_record
-from llamafactory_qwenvl_patch.grpo.resume import recorded_run
+from llamafactory_qwenvl_patch.grpo.trainer.resume import recorded_run
 
 COORDS = {"model": "absolute pixels of the model input", "rel1000": "relative 0-1000"}
 # (the YAML key, its name in a policy record's ``video``)

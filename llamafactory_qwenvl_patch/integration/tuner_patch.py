@@ -42,7 +42,7 @@ def patch_tuner(tuner: ModuleType) -> None:
                 if _stage_of(config.get("args")) != "grpo":
                     config["callbacks"] = [*(config.get("callbacks") or []), CompleteCheckpoints()]
                     return training_function(config)
-                from llamafactory_qwenvl_patch.grpo.workflow import grpo_training_function
+                from llamafactory_qwenvl_patch.integration.grpo_workflow import grpo_training_function
 
                 return grpo_training_function(config)
 

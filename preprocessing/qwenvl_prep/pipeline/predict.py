@@ -177,7 +177,7 @@ class FolderModel:
     def decode(self, token_rows: list[list[int]]) -> list[str]:
         """The answers' text without padding, stop and other special tokens, but with Qwen's grounding tokens
         (Qwen2-VL's ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` answers are made of them)."""
-        from llamafactory_qwenvl_patch.grpo.rollout import decode_kept  # imports torch: not at CLI start
+        from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept  # imports torch: not at CLI start
 
         return [decode_kept(self.processor.tokenizer, row, self._dropped) for row in token_rows]
 

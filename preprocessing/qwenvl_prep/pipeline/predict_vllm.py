@@ -9,7 +9,7 @@ pixels by ``FolderModel._row``).
 
 Videos of the Qwen3 families (their clock is ``<t seconds>`` stamps) get the frames the HF backend reads, with each
 plan's times as metadata, as GRPO's vLLM rollouts do; Qwen2-VL and Qwen2.5-VL videos are refused (vLLM places the
-text after a video at other M-RoPE positions than transformers, ``grpo.vllm_video``).
+text after a video at other M-RoPE positions than transformers, ``grpo.generation.vllm_video``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.grpo.vllm_engine import (
-    CPU_KV_CACHE_GIB, engine_dtypes, image_token_counts, name_text_architectures,
-)
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from llamafactory_qwenvl_patch.grpo.vllm_video import POSITIONS_REASON, SERVED_CLOCK
+from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import (
+    CPU_KV_CACHE_GIB,
+    engine_dtypes,
+    image_token_counts,
+    name_text_architectures,
+)
+from llamafactory_qwenvl_patch.grpo.generation.vllm_video import POSITIONS_REASON, SERVED_CLOCK
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from qwenvl_prep.formats.prompt_presets import PromptPreset
 from qwenvl_prep.pipeline.predict import ClipBatch, FolderModel

@@ -1,4 +1,4 @@
-"""The video rewards (pure functions, registered with the others in ``rewards.BUILTIN``): ``tiou`` for temporal
+"""The video rewards (pure functions, registered with the others in ``builtin.BUILTIN``): ``tiou`` for temporal
 spans, ``track`` for box tracks, ``span_sanity`` for the hacks of temporal grounding, and what ``format`` asks of a
 video answer. The scores and hack rules are ``scoring.temporal``'s, shared with ``qwenvl-prep eval``.
 
@@ -13,8 +13,16 @@ from typing import Any, Sequence
 
 from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
 from llamafactory_qwenvl_patch.scoring.temporal import (
-    SPAN_HACKS, meta_duration, parse_spans, parse_track, reference_kind, score_track, span_hacks, span_score,
-    try_parse_spans, try_parse_track,
+    SPAN_HACKS,
+    meta_duration,
+    parse_spans,
+    parse_track,
+    reference_kind,
+    score_track,
+    span_hacks,
+    span_score,
+    try_parse_spans,
+    try_parse_track,
 )
 
 VIDEO_PAD = "<|video_pad|>"  # in a video prompt's text as the rewards get it

@@ -8,26 +8,26 @@ from typing import Any, ContextManager
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo import shared_prefix
-from llamafactory_qwenvl_patch.grpo.loss import policy_loss
-from llamafactory_qwenvl_patch.grpo.reference import reference_context
-from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
-from llamafactory_qwenvl_patch.grpo.sampler_correction import importance_weights, mismatch
-from llamafactory_qwenvl_patch.grpo.token_stats import row_logps_and_entropy
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import policy_loss
+from llamafactory_qwenvl_patch.grpo.algorithm.reference import reference_context
+from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import importance_weights, mismatch
+from llamafactory_qwenvl_patch.grpo.algorithm.token_stats import row_logps_and_entropy
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch
 
 
 class StepMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Roll out on the first micro-step of each round (or after a resume), then optimise the stored slice."""
         round_length = self.steps_per_generation * self.num_iterations
-        if self._buffer is None:  # epochs hold whole rounds, so this is the position in the round after a resume
-            self._micro_step = 0 if self.args.ignore_data_skip else self.state.global_step * self.grad_accum
-        position = self._micro_step % round_length
-        if self._buffer is None or position == 0:
-            self._buffer = self._rollout(model, inputs["grpo_features"])
-        micro = self._buffer[position % self.steps_per_generation]
-        self._first_pass = position < self.steps_per_generation
-        self._micro_step += 1
+        if self.run_state.buffer is None:  # epochs hold whole rounds: this is the position in the round after a resume
+            self.run_state.micro_step = 0 if self.args.ignore_data_skip else self.state.global_step * self.grad_accum
+        position = self.run_state.micro_step % round_length
+        if self.run_state.buffer is None or position == 0:
+            self.run_state.buffer = self._rollout(model, inputs["grpo_features"])
+        micro = self.run_state.buffer[position % self.steps_per_generation]
+        self.run_state.first_pass = position < self.steps_per_generation
+        self.run_state.micro_step += 1
         with self._shared_attention():  # the backward too: gradient checkpointing recomputes the forward there
             return super().training_step(model, {"grpo": micro}, num_items_in_batch)
 
@@ -43,15 +43,15 @@ class StepMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro: MicroBatch = inputs["grpo"]
         logps, entropies = self._token_logps(model, micro.inputs, micro.completion_ids, entropy=True,
-                                             entropy_grad=self.fa.grpo_entropy_coef != 0)
+                                             entropy_grad=self.grpo_args.grpo_entropy_coef != 0)
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
         weights = self._sampling_weights(old, micro) if micro.sampling_logps is not None else None
         parts = policy_loss(logps, old, micro.ref_logps, micro.advantages, micro.mask, self.loss_config,
                             micro.token_normalizer, micro.seq_normalizer, weights, entropies)
-        self._metrics["kl"].append(parts.kl)
-        self._metrics["clip_ratio"].append(parts.clip_ratio)
+        self.run_state.metrics["kl"].append(parts.kl)
+        self.run_state.metrics["clip_ratio"].append(parts.clip_ratio)
         if micro.mask.any():  # every optimiser step, also the later passes over a rollout
-            self._metrics["entropy"].append(parts.entropy)
+            self.run_state.metrics["entropy"].append(parts.entropy)
         return parts.loss
 
     def _sampling_weights(self, old: torch.Tensor, micro: MicroBatch) -> torch.Tensor | None:
@@ -59,19 +59,19 @@ class StepMixin:
         ``vllm/mismatch/*`` and ``vllm/logp_diff/*``) and, with ``grpo_vllm_is_correction``, the importance weights
         of ``grpo_vllm_is_mode`` (``sampler_correction``)."""
         mask = micro.mask.bool()
-        if self._first_pass and mask.any():
+        if self.run_state.first_pass and mask.any():
             for key, value in mismatch(old, micro.sampling_logps, mask).items():
-                self._metrics[f"vllm/{key}" if key.startswith("logp_diff") else f"vllm/mismatch/{key}"].append(value)
-        if not self.fa.grpo_vllm_is_correction:
+                self.run_state.metrics[f"vllm/{key}" if key.startswith("logp_diff") else f"vllm/mismatch/{key}"].append(value)
+        if not self.grpo_args.grpo_vllm_is_correction:
             return None
-        weights = importance_weights(old, micro.sampling_logps, mask, self.fa.grpo_vllm_is_mode,
-                                     self.fa.grpo_vllm_is_cap)
-        if self._first_pass and mask.any():
+        weights = importance_weights(old, micro.sampling_logps, mask, self.grpo_args.grpo_vllm_is_mode,
+                                     self.grpo_args.grpo_vllm_is_cap)
+        if self.run_state.first_pass and mask.any():
             kept = weights.expand_as(old)[mask]
-            self._metrics["vllm/is_weight/mean"].append(float(kept.mean()))
-            self._metrics["vllm/is_weight/min"].append(float(kept.min()))
-            self._metrics["vllm/is_weight/max"].append(float(kept.max()))
-            self._metrics["vllm/is_masked_ratio"].append(float((kept == 0).double().mean()))
+            self.run_state.metrics["vllm/is_weight/mean"].append(float(kept.mean()))
+            self.run_state.metrics["vllm/is_weight/min"].append(float(kept.min()))
+            self.run_state.metrics["vllm/is_weight/max"].append(float(kept.max()))
+            self.run_state.metrics["vllm/is_masked_ratio"].append(float((kept == 0).double().mean()))
         return weights
 
     def _token_logps(self, model: Any, inputs: dict[str, Any], completion_ids: torch.Tensor, entropy: bool = False,

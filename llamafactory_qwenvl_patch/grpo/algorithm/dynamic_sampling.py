@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo.rewards import Scored
-
 
 def fresh_indices(dataset_size: int, count: int, seed: int, rank: int, micro_step: int, attempt: int) -> list[int]:
     """``count`` dataset indices for one resampling attempt: the same for the same run position on every replay."""
@@ -30,21 +28,3 @@ def flat_groups(totals: torch.Tensor, group_size: int, tol: float = 1e-6) -> lis
     """Per prompt: every one of its ``group_size`` completions got the same total reward."""
     grouped = totals.view(-1, group_size)
     return ((grouped.max(dim=1).values - grouped.min(dim=1).values) <= tol).tolist()
-
-
-def pick_scored(parts: list[list[Scored]], rows: list[tuple[int, int]]) -> list[Scored]:
-    """Each reward's ``Scored`` over the completions ``rows`` ((source, completion) pairs, in order) of several
-    scored sources; a failure description is kept where one of the picked completions failed."""
-    picked = []
-    for reward in range(len(parts[0]) if parts else 0):
-        values = [parts[source][reward].values[i] for source, i in rows]
-        errors = [parts[source][reward].errors[i] for source, i in rows]
-        failures = [parts[source][reward].failure for source, i in rows if parts[source][reward].errors[i]]
-        picked.append(Scored(values, errors, failures[0] if failures else None))
-    return picked
-
-
-def stack_rows(rows: list[torch.Tensor], pad: float) -> torch.Tensor:
-    """(1, T_i) rows of different widths as one (N, max T) tensor, padded on the right."""
-    width = max(row.size(1) for row in rows)
-    return torch.cat([torch.nn.functional.pad(row, (0, width - row.size(1)), value=pad) for row in rows])

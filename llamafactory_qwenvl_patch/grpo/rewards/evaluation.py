@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import torch
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
-from llamafactory_qwenvl_patch.grpo.rewards import Reward, reward_inputs, score
-from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward, reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 from llamafactory_qwenvl_patch.scoring.fields import reference_value, score_fields
 from llamafactory_qwenvl_patch.scoring.grounding_eval import GroundingEval, is_grounding

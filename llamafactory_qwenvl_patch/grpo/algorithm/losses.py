@@ -1,13 +1,18 @@
-"""GRPO math as pure tensor functions: step normalisers and the policy loss (the advantages are in
-``advantages``)."""
+"""The policy loss as pure tensor functions, and the step normalisers (the advantages are in ``advantages``).
+
+As verl keeps ``POLICY_LOSS_REGISTRY`` apart from ``agg_loss``, a loss is a surrogate (what each token's loss is,
+from its importance ratio and advantage) times an aggregation (how the tokens' losses are summed into the
+micro-batch's loss). ``grpo_loss_type`` names one pair: ``LOSS_TYPES``. A new loss is a registered surrogate or
+aggregation and one ``register_loss`` line.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 
 
@@ -55,22 +60,94 @@ class LossConfig:
     entropy_coef: float = 0.0
 
 
-def _surrogate(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config: LossConfig
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token policy loss, clipped tokens) of the ratio's objective.
+Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "LossConfig"], tuple[torch.Tensor, torch.Tensor]]
+Aggregation = Callable[[torch.Tensor, torch.Tensor, "LossConfig", float | None, float | None], torch.Tensor]
+SURROGATES: dict[str, Surrogate] = {}
+AGGREGATIONS: dict[str, Aggregation] = {}
+LOSS_TYPES: dict[str, tuple[str, str]] = {}  # grpo_loss_type -> (surrogate, aggregation)
 
-    ``cispo``: -sg(min(ratio, cap)) x A x log p (MiniMax-M1; trl's form, whose bound is the ratio itself); the
-    others: PPO's clipped surrogate, with ``delta`` capping the unclipped ratio (INTELLECT-2; trl applies it after
-    the clipped copy is made, so it only binds where A < 0).
-    """
-    if config.loss_type == "cispo":
-        capped = torch.clamp(ratio, max=config.cispo_cap)
-        return -capped.detach() * a * logps, ((ratio > config.cispo_cap) & (a > 0)).expand_as(logps)  # trl's
+
+def register_surrogate(name: str) -> Callable[[Surrogate], Surrogate]:
+    """Decorator: ``fn(ratio, advantages, logps, config) -> (per-token loss, clipped tokens)``."""
+    def add(fn: Surrogate) -> Surrogate:
+        SURROGATES[name] = fn
+        return fn
+    return add
+
+
+def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
+    """Decorator: ``fn(per_token, mask, config, token_normalizer, seq_normalizer) -> loss`` (``mask`` as the loss's
+    dtype; a None normaliser means this micro-batch's own count)."""
+    def add(fn: Aggregation) -> Aggregation:
+        AGGREGATIONS[name] = fn
+        return fn
+    return add
+
+
+def register_loss(loss_type: str, surrogate: str, aggregation: str) -> None:
+    """``grpo_loss_type: loss_type`` is ``surrogate`` aggregated by ``aggregation``."""
+    for kind, name, table in (("surrogate", surrogate, SURROGATES), ("aggregation", aggregation, AGGREGATIONS)):
+        if name not in table:
+            raise ValueError(f"loss {loss_type!r}: no {kind} {name!r} (registered: {', '.join(table)})")
+    LOSS_TYPES[loss_type] = (surrogate, aggregation)
+
+
+@register_surrogate("clipped")
+def _clipped(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config: LossConfig
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate, with ``delta`` capping the unclipped ratio (INTELLECT-2; trl applies it after the
+    clipped copy is made, so it only binds where A < 0)."""
     clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high)
     unclipped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
     per_token = -torch.min(unclipped * a, clipped * a).expand_as(logps)
     is_clipped = ((ratio < 1 - config.eps_low) & (a < 0)) | ((ratio > 1 + config.eps_high) & (a > 0))
     return per_token, is_clipped.expand_as(logps)
+
+
+@register_surrogate("cispo")
+def _cispo(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config: LossConfig
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sg(min(ratio, cap)) x A x log p (MiniMax-M1; trl's form, whose bound is the ratio itself)."""
+    capped = torch.clamp(ratio, max=config.cispo_cap)
+    return -capped.detach() * a * logps, ((ratio > config.cispo_cap) & (a > 0)).expand_as(logps)  # trl's
+
+
+@register_aggregation("sequence_mean")
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, token_normalizer: float | None,
+                   seq_normalizer: float | None) -> torch.Tensor:
+    """Each sequence's token mean, summed over sequences, over ``seq_normalizer`` (default: the sequences of this
+    batch that enter the loss)."""
+    seq_tokens = mask.sum(dim=1)
+    kept = float((seq_tokens > 0).sum().clamp(min=1))
+    return ((per_token * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).sum() / (seq_normalizer or kept)
+
+
+@register_aggregation("batch_token_mean")
+def _batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig,
+                      token_normalizer: float | None, seq_normalizer: float | None) -> torch.Tensor:
+    """The token mean over this micro-batch."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@register_aggregation("step_token_mean")
+def _step_token_mean(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig,
+                     token_normalizer: float | None, seq_normalizer: float | None) -> torch.Tensor:
+    """The token sum over ``token_normalizer`` (default: this micro-batch's tokens): a token mean over the step."""
+    return (per_token * mask).sum() / (token_normalizer or mask.sum().clamp(min=1.0))
+
+
+@register_aggregation("constant_length")
+def _constant_length(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig,
+                     token_normalizer: float | None, seq_normalizer: float | None) -> torch.Tensor:
+    """Dr. GRPO: the token sum over N x max_completion_length."""
+    return (per_token * mask).sum() / (per_token.size(0) * config.max_completion_length)
+
+
+register_loss("grpo", "clipped", "sequence_mean")
+register_loss("bnpo", "clipped", "batch_token_mean")
+register_loss("dapo", "clipped", "step_token_mean")
+register_loss("dr_grpo", "clipped", "constant_length")
+register_loss("cispo", "cispo", "step_token_mean")
 
 
 def policy_loss(
@@ -109,7 +186,8 @@ def policy_loss(
     log_ratio = logps - old_logps
     if config.importance == "sequence":
         log_ratio = ((log_ratio * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).unsqueeze(1)
-    per_token, is_clipped = _surrogate(torch.exp(log_ratio), adv.unsqueeze(1), logps, config)
+    surrogate, aggregation = LOSS_TYPES[config.loss_type]
+    per_token, is_clipped = SURROGATES[surrogate](torch.exp(log_ratio), adv.unsqueeze(1), logps, config)
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = torch.zeros_like(logps)
@@ -118,16 +196,7 @@ def policy_loss(
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + config.beta * kl
     tokens = mask.sum().clamp(min=1.0)
-    summed = (per_token * mask).sum()
-    if config.loss_type == "grpo":
-        kept = float((seq_tokens > 0).sum().clamp(min=1))
-        loss = ((per_token * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).sum() / (seq_normalizer or kept)
-    elif config.loss_type == "bnpo":
-        loss = summed / tokens
-    elif config.loss_type in ("dapo", "cispo"):
-        loss = summed / (token_normalizer or tokens)
-    else:
-        loss = summed / (per_token.size(0) * config.max_completion_length)
+    loss = AGGREGATIONS[aggregation](per_token, mask, config, token_normalizer, seq_normalizer)
     entropy = None
     if entropies is not None:
         entropy = float((entropies.detach() * mask).sum() / tokens)

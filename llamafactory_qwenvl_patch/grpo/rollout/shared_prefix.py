@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo import linear_prefix
+from llamafactory_qwenvl_patch.grpo.rollout import linear_prefix
 
 KWARG = linear_prefix.KEYWORD  # the forward keyword that carries the layout down to the attention function
 ATTENTION = "qwenvl_shared_prefix"  # the name registered in transformers' AttentionInterface

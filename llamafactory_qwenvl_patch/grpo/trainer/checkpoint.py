@@ -10,10 +10,10 @@ from collections import defaultdict
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from llamafactory_qwenvl_patch.grpo import resume
-from llamafactory_qwenvl_patch.grpo.reference import saving_trained_adapter_only
-from llamafactory_qwenvl_patch.grpo.trainer_metrics import COMPLETIONS
-from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
+from llamafactory_qwenvl_patch.grpo.algorithm.reference import saving_trained_adapter_only
+from llamafactory_qwenvl_patch.grpo.trainer import resume
+from llamafactory_qwenvl_patch.grpo.trainer.metrics import COMPLETIONS
+from llamafactory_qwenvl_patch.grpo.trainer.rollout_phase import RolloutMixin
 
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
 
@@ -77,11 +77,11 @@ class CheckpointMixin:
         if self.args.should_save:
             resume.forget_marker(folder)
         super()._save_checkpoint(model, trial)
-        within_window = self._micro_step % (self.steps_per_generation * self.num_iterations) != 0
+        within_window = self.run_state.micro_step % (self.steps_per_generation * self.num_iterations) != 0
         resume.save_state(folder, self.args.process_index, {
-            "layout": self._layout(), "micro_step": self._micro_step,
-            "buffer": self._buffer if within_window else None, "metrics": dict(self._metrics),
-            "flat_rollouts": self._flat_rollouts, "reported_rewards": sorted(self._reported_rewards)})
+            "layout": self._layout(), "micro_step": self.run_state.micro_step,
+            "buffer": self.run_state.buffer if within_window else None, "metrics": dict(self.run_state.metrics),
+            "flat_rollouts": self.run_state.flat_rollouts, "reported_rewards": sorted(self.run_state.reported_rewards)})
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Called once when a run resumes, before its first step: restore the GRPO state saved with the checkpoint,
@@ -97,11 +97,11 @@ class CheckpointMixin:
                                "layout (written by an older version, or with other grpo_* or world-size settings): "
                                "a new rollout is sampled, so this run will not continue as the interrupted one")
             return
-        self._micro_step = state["micro_step"]
-        self._buffer = state["buffer"]
-        self._metrics = defaultdict(list, state["metrics"])
-        self._flat_rollouts = state["flat_rollouts"]
-        self._reported_rewards = set(state["reported_rewards"])
+        self.run_state.micro_step = state["micro_step"]
+        self.run_state.buffer = state["buffer"]
+        self.run_state.metrics = defaultdict(list, state["metrics"])
+        self.run_state.flat_rollouts = state["flat_rollouts"]
+        self.run_state.reported_rewards = set(state["reported_rewards"])
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         with saving_trained_adapter_only(self.accelerator.unwrap_model(self.model)):

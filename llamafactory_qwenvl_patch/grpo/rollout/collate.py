@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llamafactory_qwenvl_patch.grpo.record_meta import META_COLUMN, decode_meta
-from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta, decode_kept, prompt_text
+from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, decode_meta
+from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept, prompt_text
+from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 from llamafactory_qwenvl_patch.image_io.images import blank_like, open_image
 from llamafactory_qwenvl_patch.image_io.video import probe
 

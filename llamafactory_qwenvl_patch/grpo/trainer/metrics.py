@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
-from llamafactory_qwenvl_patch.grpo.evaluation import eval_metrics
-from llamafactory_qwenvl_patch.grpo.rewards import confident_answer
-from llamafactory_qwenvl_patch.grpo.rollout import SampleMeta
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import confident_answer
+from llamafactory_qwenvl_patch.grpo.rewards.evaluation import eval_metrics
+from llamafactory_qwenvl_patch.grpo.rollout.collate import blank_copy, blankable
+from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
 from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
@@ -40,7 +40,7 @@ class MetricsMixin:
         rows = []
         for inputs in self.get_eval_dataloader(dataset):
             features = inputs["grpo_features"]
-            if self.fa.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
+            if self.grpo_args.grpo_blank_image_ratio > 0:  # every prompt once more on blank images
                 features = features + [blank_copy(f) for f in features if blankable(f)]
             batch, meta = self._collate(features)
             _, mask, _, texts, _ = self._completions(self._sample(model, batch, meta, greedy=True)[0])
@@ -50,7 +50,7 @@ class MetricsMixin:
         real = [row for row in unique.values() if not row[0].blank]
         metrics = eval_metrics([row[0] for row in real], [row[1] for row in real], self.reward_funcs,
                                self.resize_policy, self.coords, metric_key_prefix,
-                               ([row[2] for row in real], self.max_new_tokens, self.fa.grpo_overlong_buffer))
+                               ([row[2] for row in real], self.max_new_tokens, self.grpo_args.grpo_overlong_buffer))
         blank = [confident_answer(text, sample.reference) for sample, text, _ in unique.values() if sample.blank]
         if blank:
             metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
@@ -80,12 +80,12 @@ class MetricsMixin:
         extreme of every value any rank collected, the rest averaged over them. Ranks may hold different names (a
         rank whose rollouts had no reference boxes has no monitors), so the names are gathered first and each rank
         sends a sum, a count and its extremes per name."""
-        names = sorted(self._metrics)
+        names = sorted(self.run_state.metrics)
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             names = sorted(set().union(*gather_object([names])))
-        values = [self._metrics.get(name, []) for name in names]
+        values = [self.run_state.metrics.get(name, []) for name in names]
         totals = torch.tensor([[float(sum(v)), float(len(v)), max(v, default=-math.inf), min(v, default=math.inf)]
                                for v in values], device=self.accelerator.device)
         if self.accelerator.num_processes > 1 and names:
@@ -108,10 +108,11 @@ class MetricsMixin:
     def _monitor_metrics(self) -> dict[str, float]:
         """The detection, span and click monitors since the last log, from every rank's counts merged (exact
         rates)."""
-        tallies = [self._monitors, self._span_monitors, self._click_monitors or ClickMonitorTally()]
-        self._monitors, self._span_monitors = MonitorTally(), SpanMonitorTally()
-        if self._click_monitors is not None:
-            self._click_monitors = ClickMonitorTally()
+        run = self.run_state
+        tallies = [run.monitors, run.span_monitors, run.click_monitors or ClickMonitorTally()]
+        self.run_state.monitors, self.run_state.span_monitors = MonitorTally(), SpanMonitorTally()
+        if self.run_state.click_monitors is not None:
+            self.run_state.click_monitors = ClickMonitorTally()
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -126,9 +127,10 @@ class MetricsMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the step's GRPO metrics: means averaged over ranks, error and parse-failure counts summed."""
         if "loss" in logs and torch.cuda.is_available():
-            logs["memory/max_allocated_gib"] = round(max(self._cuda_peak, torch.cuda.max_memory_allocated()) / 2**30, 3)
-        if "loss" in logs and self._metrics:
+            peak = max(self.run_state.cuda_peak, torch.cuda.max_memory_allocated())
+            logs["memory/max_allocated_gib"] = round(peak / 2**30, 3)
+        if "loss" in logs and self.run_state.metrics:
             logs.update(self._reduced_metrics())
             logs.update(self._monitor_metrics())
-            self._metrics.clear()
+            self.run_state.metrics.clear()
         super().log(logs, *args, **kwargs)

@@ -7,16 +7,14 @@ and reference log-probs and the step normalisers, and stores one ``MicroBatch`` 
 optimises its stored micro-batch with the clipped surrogate. With ``grpo_num_iterations > 1`` the same rollout is
 optimised again and the ratio to the old log-probs (and clipping) acts.
 
-The trainer is put together from one mixin per concern: ``trainer_rollout`` (sampling and scoring a rollout),
-``trainer_refill`` (DAPO's dynamic sampling), ``trainer_step`` (the loss on a stored micro-batch),
-``trainer_metrics`` (evaluation and logging) and
-``trainer_checkpoint`` (resuming as the same run).
+The trainer is put together from one mixin per concern: ``rollout_phase`` (sampling and scoring a rollout),
+``refill`` (DAPO's dynamic sampling), ``step`` (the loss on a stored micro-batch), ``metrics`` (evaluation and
+logging) and ``checkpoint`` (resuming as the same run); its own state is ``state.RunState``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -24,22 +22,22 @@ from transformers import GenerationConfig, Trainer
 
 from llamafactory_qwenvl_patch.frame.mrope import needs_token_types
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.grpo import shared_prefix
-from llamafactory_qwenvl_patch.grpo.loss import LossConfig
-from llamafactory_qwenvl_patch.grpo.rewards import Reward
-from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
-from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
-from llamafactory_qwenvl_patch.grpo.trainer_checkpoint import (
-    CheckpointMixin, _require_trainer_hooks, _Resumable, _SamplerEpoch,
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.trainer.checkpoint import (
+    CheckpointMixin,
+    _require_trainer_hooks,
+    _Resumable,
+    _SamplerEpoch,
 )
-from llamafactory_qwenvl_patch.grpo.trainer_metrics import MetricsMixin
-from llamafactory_qwenvl_patch.grpo.trainer_refill import RefillMixin
-from llamafactory_qwenvl_patch.grpo.trainer_rollout import RolloutMixin
-from llamafactory_qwenvl_patch.grpo.trainer_step import StepMixin
+from llamafactory_qwenvl_patch.grpo.trainer.metrics import MetricsMixin
+from llamafactory_qwenvl_patch.grpo.trainer.prompt_order import RolloutSampler
+from llamafactory_qwenvl_patch.grpo.trainer.refill import RefillMixin
+from llamafactory_qwenvl_patch.grpo.trainer.rollout_phase import RolloutMixin
+from llamafactory_qwenvl_patch.grpo.trainer.state import RunState
+from llamafactory_qwenvl_patch.grpo.trainer.step import StepMixin
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
-from llamafactory_qwenvl_patch.scoring.detection import MonitorTally
-from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally
-
 
 CLICK_REWARDS = ("click", "click_dense")
 
@@ -52,7 +50,7 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
         _require_trainer_hooks()
         super().__init__(processing_class=processor or tokenizer, **kwargs)
         self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
-        self.fa = finetuning_args
+        self.grpo_args = finetuning_args  # LF's FinetuningArguments with the grpo_* keys (``args``)
         self.tokenizer = tokenizer
         self.reward_funcs = reward_funcs
         self.resize_policy = resize_policy
@@ -88,21 +86,10 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
         image_processor = getattr(processor, "image_processor", None)
         # what turns an image grid into pixels: the pinned policy, else the processor's own (same factor)
         self.grid_frame = resize_policy or (ResizePolicy.from_processor(image_processor) if image_processor else None)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._monitors = MonitorTally()  # detection-hack counts since the last log
-        self._span_monitors = SpanMonitorTally()  # and the span hacks'
         clicks = any(reward.name in CLICK_REWARDS for reward in reward_funcs)
-        self._click_monitors = ClickMonitorTally() if clicks else None  # and, in a run rewarded for clicks, theirs
-        self._buffer: list[MicroBatch] | None = None
-        self._micro_step = 0
-        self._reported_rewards: set[str] = set()
-        self._flat_rollouts = 0  # rollouts in a row in which every group's rewards were all equal
+        self.run_state = RunState(click_monitors=ClickMonitorTally() if clicks else None)
         self.rollout_sampler: RolloutSampler | None = None
         self.vllm = vllm_engine
-        self._vllm_step = -1  # the global step whose weights the engine holds
-        self._cuda_peak = 0  # the CUDA peak before the last weight sync reset it
-        self._gather_checked = False  # HF rollouts under ZeRO-3: the whole-model gather checked against the GPU
-        self._first_pass = True
         self.add_callback(_SamplerEpoch(self))
         self.add_callback(_Resumable(self))  # last: its marker follows every other callback's checkpoint files
         if self.args.load_best_model_at_end and self.args.metric_for_best_model in (None, "loss", "eval_loss"):

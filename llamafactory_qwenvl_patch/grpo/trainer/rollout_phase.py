@@ -14,22 +14,30 @@ from transformers import GenerationConfig
 from transformers.trainer_utils import seed_worker
 
 from llamafactory_qwenvl_patch.frame.mrope import token_types
-from llamafactory_qwenvl_patch.grpo import shared_prefix
-from llamafactory_qwenvl_patch.grpo.collate import blank_copy, blankable
-from llamafactory_qwenvl_patch.grpo.gather_budget import zero3_budget
-from llamafactory_qwenvl_patch.grpo.advantages import (
-    batch_moments, group_advantages, outcome_values, rloo_advantages, whitened, zero_std_groups,
+from llamafactory_qwenvl_patch.grpo.algorithm.advantages import estimator, zero_std_groups
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import micro_batch_counts, step_normalizers
+from llamafactory_qwenvl_patch.grpo.generation.gather_budget import zero3_budget
+from llamafactory_qwenvl_patch.grpo.generation.hf import sample_shared_prefix
+from llamafactory_qwenvl_patch.grpo.generation.settings import generation_config_of
+from llamafactory_qwenvl_patch.grpo.generation.vllm_video import captured_videos, clips_per_sample
+from llamafactory_qwenvl_patch.grpo.rewards.builtin import confident_answer
+from llamafactory_qwenvl_patch.grpo.rewards.monitors import add_monitors, rollout_metrics
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Scored, reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.collate import blank_copy, blankable
+from llamafactory_qwenvl_patch.grpo.rollout.tensors import (
+    completion_mask,
+    cut_at_tokens,
+    decode_kept,
+    first_image_sizes,
+    images_per_sample,
+    repeat_values,
+    repeat_visual,
+    videos_per_sample,
 )
-from llamafactory_qwenvl_patch.grpo.loss import micro_batch_counts, step_normalizers
-from llamafactory_qwenvl_patch.grpo.prefix_sampling import sample_shared_prefix
-from llamafactory_qwenvl_patch.grpo.rewards import Scored, confident_answer, reward_inputs, score
-from llamafactory_qwenvl_patch.grpo.rollout import (
-    MicroBatch, SampleMeta, completion_mask, cut_at_tokens, decode_kept, first_image_sizes, images_per_sample,
-    add_monitors, repeat_values, repeat_visual, rollout_metrics, videos_per_sample,
-)
-from llamafactory_qwenvl_patch.grpo.sampler import RolloutSampler
-from llamafactory_qwenvl_patch.grpo.sampling import generation_config_of
-from llamafactory_qwenvl_patch.grpo.vllm_video import captured_videos, clips_per_sample
+from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch, SampledPart, SampleMeta
+from llamafactory_qwenvl_patch.grpo.trainer.prompt_order import RolloutSampler
+from llamafactory_qwenvl_patch.grpo.trainer.state import AcceleratorRanks
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
 
@@ -92,6 +100,10 @@ class RolloutMixin:
         return videos_per_sample(batch["input_ids"], self.video_id, batch[grid], self.video_merge_length)
 
     @property
+    def _ranks(self) -> AcceleratorRanks:
+        return AcceleratorRanks(self.accelerator)
+
+    @property
     def video_merge_length(self) -> int:
         """Patches per ``<|video_pad|>``: the vision config's spatial merge size squared."""
         return self.model.config.vision_config.spatial_merge_size ** 2
@@ -100,7 +112,7 @@ class RolloutMixin:
 
     def _check_gather_budget(self, model: Any) -> None:
         """Once, before the first HF rollout under ZeRO-3 on a GPU: can every rank hold the whole model?"""
-        self._gather_checked = True
+        self.run_state.gather_checked = True
         if not (self._zero3() and torch.cuda.is_available()):
             return
         budget = zero3_budget(self.accelerator.unwrap_model(model), self.accelerator.device)
@@ -115,7 +127,7 @@ class RolloutMixin:
     def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
         from trl.models import unwrap_model_for_generation
 
-        if not self._gather_checked:
+        if not self.run_state.gather_checked:
             self._check_gather_budget(model)
         gen_inputs = dict(batch)
         if self.pass_token_types:
@@ -138,9 +150,9 @@ class RolloutMixin:
         """(completion ids, the sampler's log-probs or None): HF ``generate`` or the vLLM engine."""
         if self.vllm is None:
             return self._generate(model, batch, self.greedy_config if greedy else self.generation_config), None
-        if self._vllm_step != self.state.global_step:
+        if self.run_state.vllm_step != self.state.global_step:
             self._sync_weights(model)
-            self._vllm_step = self.state.global_step
+            self.run_state.vllm_step = self.state.global_step
         prompts = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
         out = self.vllm.generate(prompts, [m.images or [] for m in meta], [m.index for m in meta],
                                  self.tokenizer.pad_token_id, greedy=greedy, videos=[m.videos or [] for m in meta])
@@ -153,14 +165,14 @@ class RolloutMixin:
         ZeRO-3)."""
         cuda = torch.cuda.is_available()
         if cuda:
-            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated())
+            self.run_state.cuda_peak = max(self.run_state.cuda_peak, torch.cuda.max_memory_allocated())
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         self.vllm.load_weights(self.accelerator.unwrap_model(model), zero3=self._zero3())
-        self._metrics["vllm/sync_seconds"].append(time.perf_counter() - start)
+        self.run_state.metrics["vllm/sync_seconds"].append(time.perf_counter() - start)
         if cuda:
-            self._metrics["vllm/sync_added_gib"].append((torch.cuda.max_memory_allocated() - before) / 2**30)
+            self.run_state.metrics["vllm/sync_added_gib"].append((torch.cuda.max_memory_allocated() - before) / 2**30)
 
     def _zero3(self) -> bool:
         plugin = self.accelerator.state.deepspeed_plugin
@@ -206,7 +218,7 @@ class RolloutMixin:
     def _reward_results(self, texts: list[str], meta: list[SampleMeta], lengths: list[int]) -> list[Scored]:
         """Each reward's values for ``texts`` (G per prompt of ``meta``), failures included."""
         columns, shared = reward_inputs(meta, self.num_generations, self.resize_policy, self.coords, lengths,
-                                        self.max_new_tokens, self.fa.grpo_overlong_buffer)
+                                        self.max_new_tokens, self.grpo_args.grpo_overlong_buffer)
         return [score(reward, texts, columns, shared) for reward in self.reward_funcs]
 
     def _score(self, texts: list[str], meta: list[SampleMeta], lengths: list[int],
@@ -217,9 +229,9 @@ class RolloutMixin:
         self._report_reward_failures(results)
         for reward, scored in zip(self.reward_funcs, results):
             clean = torch.tensor(scored.values)
-            self._metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
-            self._metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
-            self._metrics[f"rewards/{reward.name}/errors"].append(float(sum(scored.errors)))
+            self.run_state.metrics[f"rewards/{reward.name}/mean"].append(float(clean.mean()))
+            self.run_state.metrics[f"rewards/{reward.name}/std"].append(float(clean.std()) if len(clean) > 1 else 0.0)
+            self.run_state.metrics[f"rewards/{reward.name}/errors"].append(float(sum(scored.errors)))
         return self._weighted_total(results, len(texts))
 
     def _weighted_total(self, results: list[Scored], count: int) -> torch.Tensor:
@@ -239,13 +251,13 @@ class RolloutMixin:
             flags = torch.tensor(here, dtype=torch.int, device=self.accelerator.device)
             anywhere = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
         for reward, scored, mine, stop in zip(self.reward_funcs, results, here, anywhere):
-            if stop and self.fa.grpo_stop_on_reward_failure:
+            if stop and self.grpo_args.grpo_stop_on_reward_failure:
                 where = scored.failure if mine else "on another rank"
                 raise RuntimeError(f"reward {reward.name!r} failed on every completion of this rollout, {where}\n"
                                    "Fix the reward (or set grpo_stop_on_reward_failure: false to score such "
                                    "completions 0 and go on).")
-            if scored.failure is not None and reward.name not in self._reported_rewards:
-                self._reported_rewards.add(reward.name)
+            if scored.failure is not None and reward.name not in self.run_state.reported_rewards:
+                self.run_state.reported_rewards.add(reward.name)
                 logger.warning(f"reward {reward.name!r} failed on {sum(scored.errors)} of {len(scored.errors)} "
                                f"completions (they score 0, counted in rewards/{reward.name}/errors; shown once), "
                                f"{scored.failure}")
@@ -254,10 +266,11 @@ class RolloutMixin:
         """``features`` plus, for each prompt with images (and no videos: ``blankable``) drawn with probability
         ``grpo_blank_image_ratio``, a copy whose images are blank (``blank_like``). The draw is seeded by (seed,
         rank, micro-step, part), so a resumed run draws the same prompts."""
-        ratio = self.fa.grpo_blank_image_ratio
+        ratio = self.grpo_args.grpo_blank_image_ratio
         if ratio <= 0:
             return features
-        seed = ((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self._micro_step) * 97 + part
+        rank_key = self.args.seed * 1_000_003 + self.args.process_index
+        seed = (rank_key * 1_000_003 + self.run_state.micro_step) * 97 + part
         draws = torch.rand(len(features), generator=torch.Generator().manual_seed(seed)).tolist()
         blanks = [blank_copy(feature) for feature, draw in zip(features, draws) if blankable(feature) and draw < ratio]
         return features + blanks
@@ -277,31 +290,29 @@ class RolloutMixin:
 
     def _blank_rewards(self, texts: list[str], meta: list[SampleMeta]) -> torch.Tensor:
         """-penalty for a confident answer on a blank image (``confident_answer``), 0 for an abstention."""
-        G, penalty = self.num_generations, self.fa.grpo_blank_image_penalty
+        G, penalty = self.num_generations, self.grpo_args.grpo_blank_image_penalty
         confident = [confident_answer(text, meta[i // G].reference) for i, text in enumerate(texts)]
         if texts:
-            self._metrics["blank/confident_rate"].append(sum(confident) / len(confident))
+            self.run_state.metrics["blank/confident_rate"].append(sum(confident) / len(confident))
         return torch.tensor([-penalty if c else 0.0 for c in confident], dtype=torch.float32)
 
-    def _sample_part(self, model: Any, features: list[dict[str, Any]]) -> dict[str, Any]:
+    def _sample_part(self, model: Any, features: list[dict[str, Any]]) -> SampledPart:
         """One micro-batch's prompts collated, sampled G times each and cut into completions."""
         batch, meta = self._collate(features)
         if "image_grid_thw" in batch:
             self._check_blank_frame(batch, meta)
         sampled, sampling_logps = self._sample(model, batch, meta)
         ids, attention, stopped, texts, cut = self._completions(sampled)
-        self._metrics["vision_tokens_cut"].append(float(cut))
-        return dict(features=features, batch=batch, meta=meta, texts=texts, ids=ids, attention=attention,
-                    stopped=stopped, sampling=sampling_logps)
+        self.run_state.metrics["vision_tokens_cut"].append(float(cut))
+        return SampledPart(features, batch, meta, texts, ids, attention, stopped, sampling_logps)
 
-    def _finish_part(self, model: Any, part: dict[str, Any]) -> None:
+    def _finish_part(self, model: Any, part: SampledPart) -> None:
         """The training inputs of a sampled micro-batch, and its old and reference log-probs where needed."""
-        inputs = self._forward_inputs(part["batch"], part["ids"], part["attention"])
+        inputs = self._forward_inputs(part.batch, part.ids, part.attention)
         with torch.no_grad(), self._shared_attention():
-            part["old"] = self._token_logps(model, inputs, part["ids"])[0] if self.off_policy else None
-            part["ref"] = self._reference_logps(model, inputs, part["ids"]) if self.fa.grpo_beta != 0 else None
-        part["inputs"] = inputs
-        del part["batch"], part["features"]  # held by ``inputs`` where still needed
+            old = self._token_logps(model, inputs, part.ids)[0] if self.off_policy else None
+            ref = self._reference_logps(model, inputs, part.ids) if self.grpo_args.grpo_beta != 0 else None
+        part.finish(inputs, old, ref)
 
     def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
         G, spg = self.num_generations, self.steps_per_generation
@@ -310,19 +321,19 @@ class RolloutMixin:
         parts, scored = [], None
         for j in range(spg):
             parts.append(self._sample_part(model, self._with_blanks(features[j * per_micro:(j + 1) * per_micro], j)))
-            if not self.fa.grpo_dynamic_sampling:  # sample, then the log-probs, part by part (the RNG's order)
+            if not self.grpo_args.grpo_dynamic_sampling:  # sample, then the log-probs, part by part (the RNG's order)
                 self._finish_part(model, parts[-1])
-        if self.fa.grpo_dynamic_sampling:
+        if self.grpo_args.grpo_dynamic_sampling:
             parts, scored = self._refill(model, parts, per_micro)
             for part in parts:
                 self._finish_part(model, part)
-        meta = [m for part in parts for m in part["meta"]]
-        texts = [t for part in parts for t in part["texts"]]
-        device = parts[0]["ids"].device
+        meta = [m for part in parts for m in part.meta]
+        texts = [t for part in parts for t in part.texts]
+        device = parts[0].ids.device
         blank = torch.tensor([m.blank for m in meta for _ in range(G)], device=device)
         real_meta = [m for m in meta if not m.blank]
         real_texts = [t for t, b in zip(texts, blank.tolist()) if not b]
-        lengths = torch.cat([part["attention"].sum(dim=1) for part in parts]).float()  # widths differ per part
+        lengths = torch.cat([part.attention.sum(dim=1) for part in parts]).float()  # widths differ per part
         rewards = self._score(real_texts, real_meta, [int(n) for n in lengths[~blank].tolist()], scored).to(device)
         adv = torch.zeros(len(texts), device=device)
         adv[~blank] = self._advantages(rewards, lengths[~blank])
@@ -332,57 +343,45 @@ class RolloutMixin:
             adv[blank] = every_reward[blank] = self._blank_rewards(
                 [t for t, b in zip(texts, blank.tolist()) if b], [m for m in meta if m.blank]).to(device)
         keep = torch.ones(len(texts), dtype=torch.bool, device=device)
-        if self.fa.grpo_skip_zero_std_groups:
+        if self.grpo_args.grpo_skip_zero_std_groups:
             flat = zero_std_groups(rewards, G)
             keep[~blank] &= ~flat
-            self._metrics["groups_skipped"].append(float(flat.sum()) / G)
-        stopped = torch.cat([part["stopped"] for part in parts])
-        if self.fa.grpo_mask_truncated:
+            self.run_state.metrics["groups_skipped"].append(float(flat.sum()) / G)
+        stopped = torch.cat([part.stopped for part in parts])
+        if self.grpo_args.grpo_mask_truncated:
             keep &= stopped
-        bounds = torch.tensor([0] + [len(part["meta"]) * G for part in parts]).cumsum(0).tolist()
-        masks = [part["attention"] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
+        bounds = torch.tensor([0] + [len(part.meta) * G for part in parts]).cumsum(0).tolist()
+        masks = [part.attention * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
         stats = rollout_metrics(rewards, lengths[~blank], stopped[~blank], real_texts, real_meta, G)
-        add_monitors(self._monitors, self._span_monitors, real_texts, real_meta, G, self.coords,
-                     self._click_monitors)
+        add_monitors(self.run_state.monitors, self.run_state.span_monitors, real_texts, real_meta, G, self.coords,
+                     self.run_state.click_monitors)
         for key, value in stats.items():
-            self._metrics[key].append(value)
+            self.run_state.metrics[key].append(value)
         self._warn_if_flat(stats, real_texts, real_meta)
-        if self.fa.grpo_log_completions:
+        if self.grpo_args.grpo_log_completions:
             self._log_completions(texts, every_reward.tolist(), meta)
-        return [MicroBatch(inputs=part["inputs"], completion_ids=part["ids"], mask=masks[j],
-                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part["old"], ref_logps=part["ref"],
-                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part["sampling"])
+        return [MicroBatch(inputs=part.inputs, completion_ids=part.ids, mask=masks[j],
+                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part.old_logps, ref_logps=part.ref_logps,
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part.sampling_logps)
                 for j, part in enumerate(parts)]
 
     def _advantages(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The advantages of ``grpo_advantage_estimator`` (``advantages``); the batch statistics (``batch`` scale,
-        REINFORCE++'s whitening) are over the global batch, every rank's completions."""
-        G, estimator = self.num_generations, self.fa.grpo_advantage_estimator
-        several = self.accelerator.num_processes > 1
-        if estimator == "grpo":
-            batch_std = None
-            if self.fa.grpo_scale_rewards == "batch" and several:
-                batch_std = float(self.accelerator.gather(rewards).std())
-            return group_advantages(rewards, G, self.fa.grpo_scale_rewards, batch_std=batch_std)
-        if estimator == "rloo":
-            return rloo_advantages(rewards, G)
-        values = outcome_values(rewards, G, estimator)
-        moments = batch_moments(values, lengths).to(rewards.device)
-        if several:
-            moments = self.accelerator.reduce(moments, reduction="sum")
-        return whitened(values, moments)
+        """The advantages of ``grpo_advantage_estimator`` (the estimator registry); its batch statistics (``batch``
+        scale, REINFORCE++'s whitening) are over the global batch, every rank's completions."""
+        return estimator(self.grpo_args.grpo_advantage_estimator).advantages(
+            rewards, lengths, self.num_generations, self.grpo_args.grpo_scale_rewards, self._ranks)
 
     def _warn_if_flat(self, stats: dict[str, float], texts: list[str], meta: list[SampleMeta]) -> None:
         """Say so when GRPO cannot learn: in every group all completions got the same reward, so every advantage
         (and the policy loss) is 0, for ``FLAT_PATIENCE`` rollouts in a row. Once per streak. (Plain REINFORCE++ has
-        no group baseline: its advantages differ between groups, so it is not told.)"""
+        no group baseline: its advantages differ between groups, so it is not told: ``Estimator.group_baseline``.)"""
         flat = bool(texts) and stats["frac_reward_zero_std"] == 1.0
-        flat = flat and self.fa.grpo_advantage_estimator != "reinforce_plus_plus"
-        self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
-        if self._flat_rollouts != FLAT_PATIENCE:
+        flat = flat and estimator(self.grpo_args.grpo_advantage_estimator).group_baseline
+        self.run_state.flat_rollouts = self.run_state.flat_rollouts + 1 if flat else 0
+        if self.run_state.flat_rollouts != FLAT_PATIENCE:
             return
         grounded = sum(bool(try_parse_items(m.reference)) for m in meta) * self.num_generations
         failures = f"{stats['parse_failures']:.0f} of {grounded} completions did not parse as boxes; " if grounded \

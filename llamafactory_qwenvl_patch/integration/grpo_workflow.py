@@ -16,7 +16,7 @@ def _log_callback_class():
     callbacks = lf_compat.require_module("llamafactory.train.callbacks", ["LogCallback"])
     constants = lf_compat.require_module("llamafactory.extras.constants", ["TRAINER_LOG"])
     lf_compat.require(callbacks.LogCallback, ["_write_log", "on_log", "on_train_begin"])
-    from llamafactory_qwenvl_patch.grpo.resume import trim_jsonl
+    from llamafactory_qwenvl_patch.grpo.trainer.resume import trim_jsonl
 
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
@@ -110,8 +110,8 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("grpo_rollout_backend: vllm needs vLLM 0.28: install it with `scripts/add_vllm.sh VENV` "
                          "(see docs/grpo-vllm-scale.md)")
-    from llamafactory_qwenvl_patch.grpo.sampling import vision_token_ids
-    from llamafactory_qwenvl_patch.grpo.vllm_engine import VLLMEngine, VLLMSettings
+    from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import VLLMEngine, VLLMSettings
 
     prompts = training_args.per_device_train_batch_size * (finetuning_args.grpo_steps_per_generation or 1)
     settings = VLLMSettings(
@@ -128,12 +128,12 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
                       finetuning_args.grpo_num_generations, model.config.image_token_id)
 
 
-def _resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
+def grpo_resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
     """The checkpoint to resume from. LF's automatic resume takes the highest-numbered ``checkpoint-N`` folder, even
     one a kill cut short (every relaunch then crashed): those are skipped with a warning naming each, for the last
     complete one (or step 0). A checkpoint named in ``resume_from_checkpoint`` that is incomplete is an error. The
     checkpoint chosen is verified against its marker's checksums; a changed file is an error naming it."""
-    from llamafactory_qwenvl_patch.grpo.resume import checkpoint_problem, last_complete, verify
+    from llamafactory_qwenvl_patch.grpo.trainer.resume import checkpoint_problem, last_complete, verify
 
     chosen = training_args.resume_from_checkpoint
     if not isinstance(chosen, str):
@@ -167,13 +167,13 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     constants = lf_compat.require_module("llamafactory.extras.constants", ["IGNORE_INDEX"])
     logging_mod = lf_compat.require_module("llamafactory.extras.logging", ["get_logger"])
 
-    from llamafactory_qwenvl_patch.grpo.record_meta import carrying_meta
-    from llamafactory_qwenvl_patch.grpo.reference import add_reference_adapter, record_trainable_adapter_loads
-    from llamafactory_qwenvl_patch.grpo.rewards import load_rewards
-    from llamafactory_qwenvl_patch.grpo.sampling import sampling_settings, vision_token_ids
-    from llamafactory_qwenvl_patch.grpo.collate import GRPOCollator
-    from llamafactory_qwenvl_patch.grpo.trainer import GRPOTrainer
     from llamafactory_qwenvl_patch.frame.families import resolve_family
+    from llamafactory_qwenvl_patch.grpo.algorithm.reference import add_reference_adapter, record_trainable_adapter_loads
+    from llamafactory_qwenvl_patch.grpo.generation.settings import sampling_settings, vision_token_ids
+    from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards
+    from llamafactory_qwenvl_patch.grpo.rollout.collate import GRPOCollator
+    from llamafactory_qwenvl_patch.grpo.trainer.trainer import GRPOTrainer
+    from llamafactory_qwenvl_patch.integration.grpo_meta import carrying_meta
 
     logger = logging_mod.get_logger("llamafactory.qwenvl_patch.grpo")
     rewards = load_rewards(finetuning_args.reward_funcs, finetuning_args.reward_weights, finetuning_args.cheat_rules)
@@ -219,8 +219,8 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
         suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )
     if training_args.do_train:
-        training_args.resume_from_checkpoint = _resume_point(training_args, "resume_from_checkpoint" in explicit,
-                                                             logger)
+        training_args.resume_from_checkpoint = grpo_resume_point(training_args,
+                                                                 "resume_from_checkpoint" in explicit, logger)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.log_metrics("train", result.metrics)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from llamafactory_qwenvl_patch.grpo.shared_prefix import following, language_model, received_positions
+from llamafactory_qwenvl_patch.grpo.rollout.shared_prefix import following, language_model, received_positions
 
 # GenerationConfig options generate resolves before building its processors (with its special-token tensors)
 UNSUPPORTED = ("min_length", "min_new_tokens", "forced_eos_token_id", "exponential_decay_length_penalty")

@@ -1,5 +1,5 @@
 """Carry each record's ``meta`` (written by ``qwenvl-prep convert`` as JSON text) through LLaMA-Factory's dataset
-pipeline to the GRPO rewards, which receive it as ``metas``.
+pipeline to the GRPO rewards, which receive it as ``metas`` (decoded by ``grpo.rollout.meta``).
 
 LF drops every column it does not know, twice: ``align_dataset`` keeps only ``_prompt``, ``_response``, ... and the
 PPO-stage processor only ``input_ids``, ``labels``, ``images``, ... So, while ``stage: grpo`` builds its datasets,
@@ -14,9 +14,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN
 from llamafactory_qwenvl_patch.integration import lf_compat
 
-META_COLUMN = "grpo_meta"
 _state: dict[str, Any] = {}
 
 
@@ -62,13 +62,3 @@ def carrying_meta() -> Iterator[None]:
     finally:
         converter.get_dataset_converter = _state["get_dataset_converter"]
         unsupervised.UnsupervisedDatasetProcessor.preprocess_dataset = _state["preprocess_dataset"]
-
-
-def decode_meta(text: str | None) -> Any:
-    """The record's ``meta``: parsed JSON when it is JSON text, the text itself otherwise, None when absent."""
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text

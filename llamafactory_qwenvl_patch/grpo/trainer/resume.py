@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo.rollout import MicroBatch
-from llamafactory_qwenvl_patch.grpo.shared_prefix import PrefixLayout
+from llamafactory_qwenvl_patch.grpo.rollout.shared_prefix import PrefixLayout
+from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch
 
 MARKER = "qwenvl_checkpoint_complete.json"
 RUN_FILE = "qwenvl_run.json"

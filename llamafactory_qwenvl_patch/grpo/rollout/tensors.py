@@ -1,51 +1,16 @@
-"""What one rollout produces, and the pure tensor and text helpers that build it."""
+"""The pure tensor and text helpers that turn sampled ids into a rollout's rows: completion masks and cuts, the
+text kept for rewards, images and videos per prompt, the visual inputs repeated per completion."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, frame_extent
-from llamafactory_qwenvl_patch.grpo.advantages import zero_std_groups
-from llamafactory_qwenvl_patch.scoring.answers import try_parse_items
-from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
-from llamafactory_qwenvl_patch.scoring.detection import MonitorTally, detections
-from llamafactory_qwenvl_patch.scoring.temporal import SpanMonitorTally, meta_duration, reference_kind, try_parse_spans
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 _IMAGE_PAD_RUN = re.compile(r"(?:<\|image_pad\|>)+")
-
-
-@dataclass
-class SampleMeta:
-    """What rewards need about one prompt, captured before LF's collator turns paths into tensors."""
-
-    index: int
-    prompt: str
-    reference: str
-    orig_hw: tuple[int, int] | None
-    model_hw: tuple[int, int] | None = None
-    blank: bool = False  # sampled with every image blanked (image-reliance control)
-    meta: Any = None  # the record's ``meta`` (qwenvl-prep convert keeps it), decoded
-    images: list[Any] | None = None  # model-input images, for a vLLM rollout
-    videos: list[Any] | None = None  # the training clips (``vllm_video.VideoClip``), for a vLLM rollout
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of a rollout, ready to be optimised (possibly several times)."""
-
-    inputs: dict[str, torch.Tensor]  # prompt + completion forward inputs (images repeated per completion)
-    completion_ids: torch.Tensor  # (N, T)
-    mask: torch.Tensor  # (N, T): completion tokens that enter the loss
-    advantages: torch.Tensor  # (N,)
-    old_logps: torch.Tensor | None  # None: on-policy, the detached current log-probs
-    ref_logps: torch.Tensor | None
-    token_normalizer: float
-    seq_normalizer: float
-    sampling_logps: torch.Tensor | None = None  # the sampler's (vLLM's) log-probs, when it is not the model
 
 
 def completion_mask(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,40 +108,7 @@ def first_image_sizes(grid: torch.Tensor, per_sample: list[int], frame: ResizePo
     return sizes
 
 
-def rollout_metrics(rewards: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor, texts: list[str],
-                    meta: list[SampleMeta], generations: int) -> dict[str, float]:
-    """The logged statistics of one rollout's scored (non-blank) completions, G per prompt in ``meta``."""
-    grounded = [bool(try_parse_items(sample.reference)) for sample in meta]  # once per prompt, not per completion
-    stats = {
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float(zero_std_groups(rewards, generations).float().mean()),
-        "completion_length/mean": float(lengths.mean()),
-        "completion_length/max": float(lengths.max()),
-        "truncated_ratio": float((~stopped).float().mean()),
-        "parse_failures": float(sum(not try_parse_items(text) for i, text in enumerate(texts)
-                                    if grounded[i // generations])),
-    }
-    return stats
-
-
-def add_monitors(tally: MonitorTally, spans: SpanMonitorTally, texts: list[str], meta: list[SampleMeta],
-                 generations: int, coords: str, clicks: ClickMonitorTally | None = None) -> None:
-    """Count the detection-hack monitors of completions whose prompts have reference boxes, in the model frame (a
-    box track is not a many-box answer: it is left out), the span monitors of those with reference spans and, given
-    ``clicks`` (a run rewarded for clicks), the click monitors of every group whose prompt has an image."""
-    if clicks is not None:
-        for start in range(0, len(texts), generations):
-            sample = meta[start // generations]
-            if sample.orig_hw is not None and sample.model_hw is not None and reference_kind(sample.reference) is None:
-                clicks.add_group(texts[start:start + generations],
-                                 frame_extent(coords, sample.orig_hw, sample.model_hw))
-    for i, text in enumerate(texts):
-        sample = meta[i // generations]
-        kind = reference_kind(sample.reference)
-        if kind == "span":
-            spans.add(try_parse_spans(sample.reference) or [], try_parse_spans(text), meta_duration(sample.meta))
-            continue
-        truth = detections(sample.reference) if kind is None else None
-        if truth and sample.orig_hw is not None and sample.model_hw is not None:
-            tally.add(truth, detections(text), frame_extent(coords, sample.orig_hw, sample.model_hw))
+def stack_rows(rows: list[torch.Tensor], pad: float) -> torch.Tensor:
+    """(1, T_i) rows of different widths as one (N, max T) tensor, padded on the right."""
+    width = max(row.size(1) for row in rows)
+    return torch.cat([torch.nn.functional.pad(row, (0, width - row.size(1)), value=pad) for row in rows])

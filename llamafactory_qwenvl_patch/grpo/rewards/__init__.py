@@ -1,0 +1,6 @@
+"""How completions are scored: the reward API, loader and harness (``registry``), the built-ins (``builtin``,
+``video``, ``length``), the rollout's logged statistics and hack monitors (``monitors``) and the greedy evaluation
+metrics (``evaluation``).
+
+May import: ``frame``, ``image_io``, ``scoring``, ``grpo.algorithm``, ``grpo.rollout`` and ``grpo.rewards``.
+"""
