@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+# tests/ (helpers) and every folder of test files on the path: a test module that imports another one
+# (test_vllm_serve reads test_portable_export's exports) finds it by its basename from any folder, as when they all
+# sat in tests/. Basenames are unique (pytest's default import mode refuses two alike).
+sys.path[:0] = [str(TESTS), *sorted({str(path.parent) for path in TESTS.rglob("test_*.py")} - {str(TESTS)})]
 import helpers  # noqa: E402  (tests/ is on the path from here on)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")

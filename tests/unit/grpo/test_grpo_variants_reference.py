@@ -24,7 +24,7 @@ from llamafactory_qwenvl_patch.grpo.sampler_correction import importance_weights
 from llamafactory_qwenvl_patch.grpo.token_stats import row_logps_and_entropy
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "grpo_reference.json").read_text())
+FIXTURE = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "grpo_reference.json").read_text())
 SEEDS = sorted(FIXTURE["cases"])
 G = 3
 # name -> (loss_type, importance, delta, entropy coef, sampler IS level, eps low, eps high, beta), as the script ran
