@@ -30,6 +30,7 @@ def this_cpu() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1800)
 def test_default_demo_learns_to_localise(tmp_path):
     """The main job as a user runs it (a fixed step count, so no timing enters): on held-out images the trained model
