@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+# tests/ (helpers, hostile) and every folder of test files on the path: a test module that imports another one
+# (test_vllm_serve reads test_portable_export's exports) finds it by its basename from any folder, as when they all
+# sat in tests/. Basenames are unique (pytest's default import mode refuses two alike).
+sys.path[:0] = [str(TESTS), *sorted({str(path.parent) for path in TESTS.rglob("test_*.py")} - {str(TESTS)})]
 import helpers  # noqa: E402  (tests/ is on the path from here on)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per worker: the workers share the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -15,11 +19,15 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per 
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The learning runs (``test_*_learns.py``, the demos' 5-10 minutes each) first, and ``--no-loadscope-reorder``
+    """The learning runs (marked ``learning``, the demos' 5-10 minutes each) first, and ``--no-loadscope-reorder``
     keeps that order: the two workers take them at the start and the short files fill in around them. xdist's default
     order puts files with the fewest tests last, and two demo runs queued one after the other on one worker while the
-    other had nothing left."""
-    items.sort(key=lambda item: not item.path.name.endswith("_learns.py"))
+    other had nothing left. A learning run is also ``slow``, so that ``-m "not slow"`` leaves it out."""
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("learning")
+                and not item.get_closest_marker("slow")]
+    if unmarked:
+        raise pytest.UsageError(f"marked learning but not slow: {unmarked}")
+    items.sort(key=lambda item: item.get_closest_marker("learning") is None)
 
 
 # The oldest transformers that reads Qwen2.5-VL (no torch: configs, tokenizers, slow image processors), with what its

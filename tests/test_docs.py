@@ -18,7 +18,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 SHELL_OR_YAML = {"bash", "sh", "shell", "console", "yaml", "yml"}
-WORKED = ("<!-- worked-example: start -->", "<!-- worked-example: end -->")  # run by tests/test_readme_example.py
+WORKED = ("<!-- worked-example: start -->", "<!-- worked-example: end -->")  # run by tests/cli/test_readme_example.py
 MARKER = re.compile(r"^<!-- (tested|not run): (.{10,}) -->$")
 
 
@@ -72,7 +72,7 @@ def test_every_shell_and_yaml_block_is_run_or_says_why_not(page):
         marker = MARKER.match(before)
         assert marker, f"{page.name}:{line}: a {lang} block without a 'tested:' or 'not run:' marker"
         if marker.group(1) == "tested":
-            named = re.findall(r"(tests/\w+\.py|\.ci/run)", marker.group(2))
+            named = re.findall(r"(tests/[\w/]+\.py|\.ci/run)", marker.group(2))
             assert named and all((ROOT / path).is_file() for path in named), f"{page.name}:{line}: {before}"
 
 

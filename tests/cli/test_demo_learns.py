@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-DEMO_PAGE = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"  # the demo tables
+DEMO_PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"  # the demo tables
 CPU_SPREAD = (0.20, 0.08)  # (Acc@0.5, mean IoU): how far another CPU model or thread count moved the trained row
 REFERENCE = re.compile(r"Reference\s+run\s+of\s+the\s+learning\s+test:\s+`([^`]+)`,\s+OMP_NUM_THREADS=1:\s+trained\s+"
                        r"Acc@0\.5\s+([0-9]+\.[0-9]+),\s+mean\s+IoU\s+([0-9]+\.[0-9]+)")
@@ -30,6 +30,7 @@ def this_cpu() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1800)
 def test_default_demo_learns_to_localise(tmp_path):
     """The main job as a user runs it (a fixed step count, so no timing enters): on held-out images the trained model

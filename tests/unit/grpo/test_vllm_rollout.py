@@ -379,7 +379,7 @@ def test_zero3_two_ranks_sync_block_by_block(small_model, grpo_data):
     from helpers import torchrun_env
 
     root, data_dir = grpo_data
-    deepspeed = Path(__file__).resolve().parents[1] / "configs" / "ds_z3_cpu_test.json"
+    deepspeed = Path(__file__).resolve().parents[3] / "configs" / "ds_z3_cpu_test.json"
     steps = grpo_run(small_model, root, data_dir, "vllm-z3", grpo_rollout_backend="vllm", per_device_train_batch_size=1,
                      gradient_accumulation_steps=1, deepspeed=str(deepspeed), ddp_backend="gloo", use_cpu=None,
                      env=torchrun_env(2), grpo_vllm_is_mode="sequence_truncate")

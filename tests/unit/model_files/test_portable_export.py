@@ -1,7 +1,7 @@
 """The portable layout: an export under ``qwenvl_patch: true`` is read by transformers 4.49 (a real side
-environment), 5.x (installed) and, in the vLLM set (tests/test_vllm_serve.py), vLLM 0.11, all in the training frame;
-``qwenvl-prep fix-config`` names each reader's problem by file and key, repairs with backups, and refuses what it
-cannot repair without writing anything."""
+environment), 5.x (installed) and, in the vLLM set (tests/serving/test_vllm_serve.py), vLLM 0.11, all in the training
+frame; ``qwenvl-prep fix-config`` names each reader's problem by file and key, repairs with backups, and refuses what
+it cannot repair without writing anything."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ GRPO_TOLERANCE = 0.025
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1800)
 def test_default_fields_demo_learns_to_read(tmp_path):
     """The field-extraction demo as a user runs it (a fixed step count, so no timing enters): curriculum stages in

@@ -56,7 +56,7 @@ def self_iou(completions, *, references, **kw):
 
     return iou_reward(references, references=references)
 '''
-CONFIG = Path(__file__).resolve().parents[1] / "configs"
+CONFIG = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture(scope="module")

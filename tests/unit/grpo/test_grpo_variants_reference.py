@@ -28,7 +28,7 @@ from llamafactory_qwenvl_patch.grpo.algorithm.token_stats import row_logps_and_e
 from llamafactory_qwenvl_patch.grpo.rewards.length import overlong_reward
 from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "grpo_reference.json").read_text())
+FIXTURE = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "grpo_reference.json").read_text())
 SEEDS = sorted(FIXTURE["cases"])
 G = 3
 # name -> (loss_type, importance, delta, entropy coef, sampler IS level, eps low, eps high, beta), as the script ran

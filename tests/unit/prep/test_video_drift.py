@@ -21,7 +21,7 @@ from qwenvl_prep.lf.drift import (
     stock_llamafactory_video_indices,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 # LF's defaults; a run whose video_maxlen binds (second_per_grid_ts 1.25, truncated to 1) and whose pre-fit shrinks
 KEYS = [{"video_min_pixels": 256, "video_max_pixels": 65536, "video_fps": 2.0, "video_maxlen": 128},
         {"video_min_pixels": 256, "video_max_pixels": 16384, "video_fps": 1.5, "video_maxlen": 16}]

@@ -22,7 +22,7 @@ import yaml
 from helpers import BIN
 from PIL import Image, ImageDraw
 
-README = Path(__file__).resolve().parents[1] / "docs" / "worked-example.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "worked-example.md"
 START, END = "<!-- worked-example: start -->", "<!-- worked-example: end -->"
 HUB_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 PORT = "8000"

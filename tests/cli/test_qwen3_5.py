@@ -1,7 +1,7 @@
 """Qwen3.5 and Qwen3.5-MoE end to end: the checkpoint alone decides the frame (no template hint), and the MoE goes
 through convert -> SFT (LoRA, batch 2 of mixed sizes, accumulation 2) -> GRPO from the SFT adapter (shared prefix
 on) -> export -> fix-config -> predict -> eval with ``llamafactory-cli`` and ``qwenvl-prep``. The dense model's
-chain is the demo's smoke run (``tests/test_demo.py``)."""
+chain is the demo's smoke run (``tests/cli/test_demo.py``)."""
 
 from __future__ import annotations
 

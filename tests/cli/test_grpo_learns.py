@@ -36,6 +36,7 @@ def learn(task, tiny_model, reward: str, weight: str, seed: int) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reward_rises(task, tiny_model, seed):
     curve = learn(task, tiny_model, "target", "1", seed)
@@ -44,6 +45,7 @@ def test_reward_rises(task, tiny_model, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_flipped_sign_drives_the_reward_down(task, tiny_model):
     curve = learn(task, tiny_model, "absent", "-1", 0)
     assert curve[0] >= 0.9
