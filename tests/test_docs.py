@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-PAGES = [README, *sorted(DOCS.glob("*.md"))]
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 SHELL_OR_YAML = {"bash", "sh", "shell", "console", "yaml", "yml"}
 WORKED = ("<!-- worked-example: start -->", "<!-- worked-example: end -->")  # run by tests/test_readme_example.py
 MARKER = re.compile(r"^<!-- (tested|not run): (.{10,}) -->$")
