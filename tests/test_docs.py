@@ -1,7 +1,7 @@
 """The front door and the docs site (issue 34): README.md stays short and agrees with the docs where it repeats them
 (generated from them by scripts/sync_docs.py, issue 48), the site builds with ``mkdocs build --strict`` (reference
-pages generated from the code), and every shell or YAML block is either run or checked by a test, or says why it is
-not run."""
+pages generated from the code), every shell or YAML block is either run or checked by a test, or says why it is not
+run, and the architecture page names every module."""
 
 from __future__ import annotations
 
@@ -69,6 +69,53 @@ def test_what_the_readme_repeats_agrees_with_the_docs():
     assert commands[:2] == started[:2]
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1].strip() in ci.splitlines()
+
+
+ARCHITECTURE_ROOTS = ("llamafactory_qwenvl_patch/", "preprocessing/qwenvl_prep/")
+
+
+def architecture_entries() -> dict[str, str]:
+    """The folder entries of docs/architecture.md's layout block: {folder relative to the repository: its text}.
+
+    A line at column 0 that starts with ``PATH/`` opens a top-level entry (``preprocessing/qwenvl_prep/``); a line
+    indented two spaces that starts with ``PATH/`` opens a folder entry relative to the last top-level one
+    (``  grpo/algorithm/``); every other line continues the entry above it."""
+    text = (DOCS / "architecture.md").read_text()
+    block = re.search(r"^```\n(llamafactory_qwenvl_patch/.*?)^```", text, re.DOTALL | re.MULTILINE).group(1)
+    entries: dict[str, str] = {}
+    top = folder = ""
+    for line in block.splitlines():
+        opened = re.match(r"^( {2})?([\w./-]+/)(\s|$)", line)
+        if opened:
+            folder = opened.group(2) if not opened.group(1) else top + opened.group(2)
+            top = folder if not opened.group(1) else top
+            line = line[opened.end():]
+        entries[folder] = entries.get(folder, "") + " " + line
+    return entries
+
+
+def test_the_architecture_page_names_every_module():
+    """Every .py under the two packages is named in its own folder's entry of the layout, by its file name
+    (``losses.py`` in the ``  grpo/algorithm/`` entry); a folder's ``__init__.py`` may go unnamed. Names of modules
+    that do not exist fail too, so the page cannot keep a module that moved."""
+    entries = architecture_entries()
+    missing, stale = [], []
+    for root in ARCHITECTURE_ROOTS:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            relative = path.relative_to(ROOT).as_posix()
+            folder = relative.rsplit("/", 1)[0] + "/"
+            named = re.findall(r"(?<![\w./])(\w+\.py)\b", entries.get(folder, ""))
+            if path.name not in named and path.name != "__init__.py":
+                missing.append(relative)
+    for folder, text in entries.items():
+        if folder.startswith(ARCHITECTURE_ROOTS):
+            for name in re.findall(r"(?<![\w./])(\w+\.py)\b", text):
+                if not (ROOT / folder / name).is_file():
+                    stale.append(folder + name)
+    assert not missing, f"docs/architecture.md does not name these modules in their folder's entry: {missing}"
+    assert not stale, f"docs/architecture.md names modules that do not exist: {sorted(set(stale))}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
