@@ -25,7 +25,7 @@ and the best round of each is reported::
 0.24 also writes ``model.warnings_issued``, which transformers 5.x models no longer have; the script sets it to an
 empty dict.
 
-``--learn`` compares learning instead of speed: the task of ``tests/test_grpo_learns.py`` (reward = how often the
+``--learn`` compares learning instead of speed: the task of ``tests/cli/test_grpo_learns.py`` (reward = how often the
 completion says "cat", capped at 3), same tiny model, same 8 images in the same frame, same prompt, full fine-tuning,
 2 prompts x 8 completions of 8 tokens per step, lr 1e-2 constant, beta 0, temperature 1, loss ``grpo``, same seeds;
 trl with ``top_k=0`` (the distribution stage: grpo samples) and with its default ``top_k=None``, which

@@ -8,7 +8,7 @@ Each case is ``torchrun`` with 2 ranks (gloo) over a random-weight Qwen2.5-VL of
 LoRA r=64 on every linear layer of the language model, under DeepSpeed ZeRO-3 (``--no-zero3``: plain, every rank
 holding the model). A sync is what ``VLLMEngine.load_weights`` does before it calls vLLM, with vLLM's side replaced
 by what its layerwise reload keeps alive (the tensors of the layer being loaded; the real reload is tested in
-tests/test_vllm_rollout.py):
+tests/unit/grpo/test_vllm_rollout.py):
 
 - a revision whose ``engine_weights(model)`` returns a dict (before issue 32): every parameter gathered at once,
   then a dict of every weight with each adapted one as a base + delta copy, handed over whole;

@@ -1,7 +1,7 @@
 """How often stock LLaMA-Factory 0.9.5 feeds Qwen2.5-VL another frame than ``smart_resize`` labels assume.
 
 Pure arithmetic with the policy core (``stock_llamafactory_size`` is checked against the real LF pipeline in
-tests/test_frame_consistency.py). Sizes: COCO-like, phone photos, screenshots, scans, and uniform random sides.
+tests/unit/integration/test_frame_consistency.py). Sizes: COCO-like, phone photos, screenshots, scans, and uniform random sides.
 
     .venv/bin/python benchmarks/drift_audit.py
 """

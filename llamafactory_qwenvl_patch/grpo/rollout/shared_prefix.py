@@ -7,7 +7,7 @@ its own earlier tokens only: prefix self-attention plus suffix concat-attention,
 the language model gives every completion token the position it has in the repeated layout (the position of the
 prompt's last token + 1 + its index: the same in each M-RoPE section, as ``get_rope_index`` gives text after the
 prompt), so the model's own code computes the prompt's 3-D positions, images and deepstack features. Log-probs and
-gradients equal those of the repeated layout up to float rounding (``tests/test_grpo_shared_prefix.py``).
+gradients equal those of the repeated layout up to float rounding (``tests/unit/grpo/test_grpo_shared_prefix.py``).
 Linear-attention layers (Qwen3.5's Gated DeltaNet) start every completion from the prompt's end states instead
 (``linear_prefix``), so hybrid models are exact too.
 
