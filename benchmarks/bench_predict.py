@@ -23,6 +23,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 
@@ -55,7 +56,7 @@ def main() -> None:
             from qwenvl_prep.demos.tiny_model import build_tiny_model
 
             model = build_tiny_model(root / "model", args.family, size="small")
-            factor = 32 if args.family.startswith("qwen3") else 28
+            factor = FAMILIES[args.family].factor
             write_policy_record(model, ResizePolicy(64 * factor * factor, 256 * factor * factor, factor))
         images = []
         for k in range(args.images):

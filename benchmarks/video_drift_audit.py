@@ -30,8 +30,8 @@ import json
 import sys
 from pathlib import Path
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, VideoPolicy, frame_list_times
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy, frame_list_times
 from qwenvl_prep.lf.drift import FrameList, VideoHeader, stock_llamafactory_video
 
 SIZES = ["1920x1080", "1080x1920", "1280x720", "3840x2160", "2160x3840", "640x480", "2560x1440", "2880x1800",

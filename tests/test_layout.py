@@ -18,6 +18,7 @@ No product module is over 500 lines."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,11 @@ PREP_BELOW = {"plumbing": set(), "lf": {"plumbing"}, "formats": {"plumbing", "lf
 PREP_ALLOWED = {name: below | {name} for name, below in PREP_BELOW.items()}
 PREP_ALLOWED["cli"] = {"commands", "plumbing"}
 MAX_LINES = 500
+REGISTRY = ROOT / PKG / "frame" / "families.py"
+# Family facts as they are written: the hub processors' bounds (65,536 and 4,096, also cache sizes, are left out), LF's
+# defaults for the frame keys (32*32, 768*768, 16*16, 256*256) and a resize factor given as a number
+FAMILY_FACTS = re.compile(r"\b(?:3,?136|12,?845,?056|16,?777,?216|25,?165,?824|589,?824)\b|\b(32|768|16|256) ?\* ?\1\b"
+                          r"|factor\w*\s*(?::\s*int\s*)?=[^=\n]*\b(?:28|32)\b")
 
 
 def module_name(path: Path) -> str:
@@ -192,3 +198,13 @@ def test_the_cli_starts_without_torch():
     code = "import sys, qwenvl_prep.cli; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert found == "[]"
+
+
+def test_family_facts_live_only_in_the_registry():
+    """The factor, the hub processors' bounds and LF's frame-key defaults are written once, in ``frame/families.py``;
+    every other module asks it (a copy in ``frame/policy.py`` gave every family Qwen2.5-VL's bounds in ``check``)."""
+    assert FAMILY_FACTS.search(REGISTRY.read_text())  # the pattern finds what the registry writes
+    modules = [*(ROOT / PKG).rglob("*.py"), *PREP_ROOT.rglob("*.py")]
+    outside = {str(p.relative_to(ROOT)): m.group(0) for p in modules
+               if p != REGISTRY and (m := FAMILY_FACTS.search(p.read_text()))}
+    assert not outside, f"family facts outside {REGISTRY.relative_to(ROOT)}: {outside}"

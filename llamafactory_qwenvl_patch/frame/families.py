@@ -1,8 +1,9 @@
 """The model-family registry: everything that differs between Qwen-VL generations, in one place.
 
 A new generation is one ``register(Family(...))`` here (and a test): the resize factor, the coordinate convention it
-answers in, how to recognise it from a checkpoint's ``config.json`` or an LLaMA-Factory template, and LF's plugin.
-Every caller resolves a family with ``resolve_family``.
+answers in, how to recognise it from a checkpoint's ``config.json`` or an LLaMA-Factory template, LF's plugin and the
+bounds its hub checkpoints' processors ship. Every caller resolves a family with ``resolve_family``. The defaults
+LLaMA-Factory gives the frame keys live here too, so no frame number is written anywhere else.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Family:
     video_bounds_per_frame: bool = False  # its HF video processor bounds each frame's pixels (Qwen2VLVideoProcessor:
     # smart_resize(h, w, ...) per clip size), so an export's video_preprocessor_config.json can state the pinned frame;
     # Qwen3VLVideoProcessor bounds t*h*w over the whole clip, which no per-frame policy can be written as
+    hub_image_bounds: tuple[int, int] | None = None  # (min, max) pixels of its hub checkpoints' image processor:
+    # stock LF's second resize of every image when a check is given no model folder
+    hub_video_bounds: tuple[int, int] | None = None  # the same for their video processor (per frame or over the
+    # clip, as ``video_bounds_per_frame`` says)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -43,19 +48,40 @@ def register(family: Family) -> Family:
     return family
 
 
+# Where the hub bounds come from. Qwen2-VL and Qwen2.5-VL (Qwen/Qwen2-VL-*, Qwen/Qwen2.5-VL-*):
+# preprocessor_config.json min_pixels 3136, max_pixels 12845056 (qwenvl-facts.md); they ship no video config, so
+# AutoVideoProcessor reads that file too (video-facts.md), not Qwen2VLVideoProcessor.size (128*28*28 to 768*28*28).
+_QWEN2_HUB = (3136, 12845056)
+# Qwen3-VL and Qwen3.5: preprocessor_config.json size 65536 to 16777216 for Qwen2VLImageProcessor at patch 16, merge 2
+# (transformers 5.6 auto/image_processing_auto.py maps qwen3_vl, qwen3_5 and qwen3_5_moe to it); their
+# video_preprocessor_config.json 4096 to 25165824 over t*h*w for Qwen3VLVideoProcessor (video-facts.md;
+# auto/video_processing_auto.py), not that class's own 128*32*32 to 768*32*32.
+_QWEN3_HUB_IMAGE, _QWEN3_HUB_VIDEO = (65536, 16777216), (4096, 25165824)
+
 register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
-                video_clock="seconds", video_bounds_per_frame=True))
+                video_clock="seconds", video_bounds_per_frame=True, hub_image_bounds=_QWEN2_HUB,
+                hub_video_bounds=_QWEN2_HUB))
 register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
-                since_transformers="4.45", video_clock="index", video_bounds_per_frame=True))
+                since_transformers="4.45", video_clock="index", video_bounds_per_frame=True,
+                hub_image_bounds=_QWEN2_HUB, hub_video_bounds=_QWEN2_HUB))
 # Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
-                flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True))
+                flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True,
+                hub_image_bounds=_QWEN3_HUB_IMAGE, hub_video_bounds=_QWEN3_HUB_VIDEO))
 # Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``; LF's ``qwen3_6`` templates serve its successor of the same
 # architecture). Its frame is Qwen3-VL's: transformers 5.2+ pairs it with ``Qwen3VLProcessor`` and
 # ``Qwen2VLImageProcessor`` at patch 16, merge 2 (factor 32), LF 0.9.5 gives its templates the Qwen3-VL plugin, and
 # Qwen's grounding cookbooks for Qwen3-VL and Qwen3.5 answer ``bbox_2d`` / ``point_2d`` relative 0-1000.
 register(Family("qwen3_5", 32, "rel1000", ("qwen3_5",), ("qwen3_5", "qwen3_6"), "Qwen3VLPlugin", "qwen3_5_nothink",
-                flat_config=False, tiny=True, since_transformers="5.2"))
+                flat_config=False, tiny=True, since_transformers="5.2", hub_image_bounds=_QWEN3_HUB_IMAGE,
+                hub_video_bounds=_QWEN3_HUB_VIDEO))
+
+DEFAULT_FACTOR = FAMILIES[DEFAULT].factor  # the factor of a policy that names no family (Qwen2.5-VL: patch 14 x 2)
+
+# LLaMA-Factory 0.9.5's defaults for the frame keys a YAML may omit (hparams/model_args.py ~305-336)
+LF_IMAGE_DEFAULTS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768}
+LF_VIDEO_DEFAULTS = {"video_min_pixels": 16 * 16, "video_max_pixels": 256 * 256, "video_fps": 2.0, "video_maxlen": 128}
+LF_MIN_SIDE = 28  # Qwen2VLPlugin._preprocess_image widens a shorter side to 28 px, for every family's plugin
 
 
 def family_of_model_type(model_type: str | None) -> str | None:

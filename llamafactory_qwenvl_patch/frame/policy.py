@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
+
 MAX_ASPECT_RATIO = 200
 MERGE_SIZE = 2
 
@@ -33,7 +35,7 @@ class ResizePolicy:
 
     min_pixels: int
     max_pixels: int
-    factor: int = 28
+    factor: int = DEFAULT_FACTOR
 
     def __post_init__(self) -> None:
         if self.factor <= 0 or self.factor % MERGE_SIZE:
@@ -250,8 +252,3 @@ def check_point(point: Sequence[float], convention: str, orig_hw: tuple[int, int
     max_x, max_y = _frame_scale(convention, orig_hw, model_hw)
     if not (0 <= point[0] <= max_x and 0 <= point[1] <= max_y):
         raise PolicyError(f"point {list(point)} lies outside the {convention} frame {max_x:g}x{max_y:g} (WxH)")
-
-
-# Processor bounds shipped in the official Qwen2-VL / Qwen2.5-VL ``preprocessor_config.json``.
-HUB_PROCESSOR_MIN_PIXELS = 3136
-HUB_PROCESSOR_MAX_PIXELS = 12845056

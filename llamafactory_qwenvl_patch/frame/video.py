@@ -37,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR, LF_VIDEO_DEFAULTS
 from llamafactory_qwenvl_patch.frame.keys import frame_key
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
@@ -47,9 +48,7 @@ CLOCKS = ("seconds", "stamps", "index")
 # A clip's sampled times are compared with presentation times that containers round to their time base (1/1000 s in
 # webm): a frame due at 0.5 s may carry 0.49999. This tolerance keeps such a frame on time.
 TIME_EPSILON = 1e-6
-MAX_FRAMES_LIMIT = 100_000
-# LLaMA-Factory 0.9.5's defaults for the video keys a YAML may omit (hparams/model_args.py)
-LF_VIDEO_DEFAULTS = {"video_min_pixels": 16 * 16, "video_max_pixels": 256 * 256, "video_fps": 2.0, "video_maxlen": 128}  # far beyond any real video_maxlen; a bigger one is a typo that would exhaust memory
+MAX_FRAMES_LIMIT = 100_000  # far beyond any real video_maxlen; a bigger one is a typo that would exhaust memory
 
 
 class VideoError(PolicyError):
@@ -62,9 +61,9 @@ class VideoPolicy:
 
     min_pixels: int
     max_pixels: int
-    factor: int = 28
-    fps: float = 2.0
-    max_frames: int = 128
+    factor: int = DEFAULT_FACTOR
+    fps: float = LF_VIDEO_DEFAULTS["video_fps"]
+    max_frames: int = LF_VIDEO_DEFAULTS["video_maxlen"]
     clock: str = "seconds"
 
     def __post_init__(self) -> None:

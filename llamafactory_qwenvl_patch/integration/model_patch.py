@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from types import MethodType, ModuleType
 from typing import Any, Callable
 
+from llamafactory_qwenvl_patch.frame.families import LF_VIDEO_DEFAULTS
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
-from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, VideoPolicy
+from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import (
     set_image_processor_bounds, set_video_processor_bounds, write_policy_record,
 )

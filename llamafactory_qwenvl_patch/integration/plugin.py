@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
@@ -25,7 +26,7 @@ class _PinnedStills:
 
     qwenvl_min_pixels: int = 0
     qwenvl_max_pixels: int = 0
-    qwenvl_factor: int = 28
+    qwenvl_factor: int = DEFAULT_FACTOR
 
     @property
     def policy(self) -> ResizePolicy:

@@ -38,7 +38,6 @@ class Item:
     label: str | None = None
 
 
-_MAX_STARTS = 64  # JSON start positions tried in prose (bounds the work on long hostile text)
 # What a coordinate looks like outside readable JSON: a key with a number after it, or a box token. The bare words
 # (prompts say "output the bbox_2d coordinates") are not coordinates.
 _COORD_TEXT = re.compile(r"(?:bbox_2d|point_2d)[\"']?\s*[:=]\s*[\[(]?\s*[-+]?\.?\d|<\|box_start\|>|<\|box_end\|>")
@@ -165,27 +164,17 @@ def _json_sites(text: str, wanted: Callable[[Any], bool] = _has_coords,
             start = fence.start(1) + body.index(stripped[0]) if stripped else fence.start(1)
             sites.append(_Site(start, start + len(stripped), value))
     fenced = [(f.start(), f.end()) for f in FENCE.finditer(text)]
-    i, tries = 0, 0
-    while tries < _MAX_STARTS:
-        starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
-        if not starts:
-            break
-        j = min(starts)
-        if any(a <= j < b for a, b in fenced):
-            i = next(b for a, b in fenced if a <= j < b)
-            continue
-        tries += 1
-        try:
-            value, end = json_text.raw_decode(text, j, allow_nan=True)
-        except JSONTextError as exc:
-            raise AnswerError(str(exc)) from None
-        except ValueError:
-            i = j + 1
-            continue
-        if wanted(value):
-            sites.append(_Site(j, end, value))
-        i = end
+    try:
+        for start, end, value in json_text.embedded(text, _raw_decode, skip=fenced):
+            if wanted(value):
+                sites.append(_Site(start, end, value))
+    except JSONTextError as exc:
+        raise AnswerError(str(exc)) from None
     return sites
+
+
+def _raw_decode(text: str, start: int) -> tuple[Any, int]:
+    return json_text.raw_decode(text, start, allow_nan=True)  # a NaN coordinate is named by read_number
 
 
 def _token_sites(text: str, taken: list[_Site]) -> list[_Site]:

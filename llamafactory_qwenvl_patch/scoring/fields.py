@@ -37,7 +37,7 @@ _MONTHS = {name: i for i, names in enumerate(
      ("jul", "july"), ("aug", "august"), ("sep", "sept", "september"), ("oct", "october"), ("nov", "november"),
      ("dec", "december")], start=1) for name in names}
 _MISSING = object()
-_MAX_STARTS = 16  # JSON start positions tried in prose; bounds the work on long hostile outputs
+_MAX_STARTS = 16  # JSON start positions tried in prose (the first that reads wins); bounds the work on hostile outputs
 _MAX_VALUE_CHARS = 64  # longer text is never a number or a date (and regexes stay linear)
 _MAX_EXTRA_ITEMS = 4  # answer items considered for matching, in multiples of the reference's list length
 # Abstentions (``is_abstention``, docs/fields.md): words that say a value is absent on their own, negations that need
@@ -202,14 +202,11 @@ def _find_json(text: str) -> tuple[Any, bool] | None:
     value = _json(stripped)
     if value is not _MISSING:
         return value, True
-    starts = [m.start() for m in re.finditer(r"[\[{]", text)][:_MAX_STARTS]
-    for start in starts:
-        try:
-            return _bounded(_DECODER.raw_decode(text, start)[0]), False
-        except (RecursionError, json_text.DuplicateKeyError):
-            raise _Refused from None
-        except ValueError:
-            continue
+    try:
+        for _, _, value in json_text.embedded(text, _DECODER.raw_decode, _MAX_STARTS):
+            return _bounded(value), False
+    except (RecursionError, json_text.DuplicateKeyError):
+        raise _Refused from None
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 MAX_DEPTH = 100  # objects and arrays nested deeper than this are refused (real labels nest a few levels)
 MAX_NUMBER_CHARS = 300  # a longer number is refused: every integer this long still converts to a float
@@ -130,6 +130,43 @@ def raw_decode(text: str, start: int = 0, allow_nan: bool = False) -> tuple[Any,
     except RecursionError:
         raise TooDeepError() from None
     return _bounded(value, text.count("[", start, end) + text.count("{", start, end)), end
+
+
+MAX_STARTS = 64  # start positions ``embedded`` tries by default: bounds the work on long hostile text
+
+
+def embedded(text: str, decode: Callable[[str, int], tuple[Any, int]] = raw_decode, max_starts: int = MAX_STARTS,
+             skip: Sequence[tuple[int, int]] = (), not_json: tuple[type[Exception], ...] = (ValueError,)
+             ) -> Iterator[tuple[int, int, Any]]:
+    """``(start, end, value)`` of each JSON array or object in free text (a model's prose, a label), in text order:
+    ``decode(text, i)`` is tried at each ``[`` or ``{`` after the previous value, at most ``max_starts`` times.
+
+    The one scanner of answers (coordinates, video spans), field answers and video labels; each keeps its own rules
+    through the parameters: ``decode`` (numbers as written, Python's numbers, or plain ``json`` that keeps the last
+    of two equal keys), ``max_starts`` (the field answers take the first of 16), ``skip`` (``(start, end)`` regions
+    not scanned and not counted: the code fences answers read apart) and ``not_json`` (the errors that mean "no JSON
+    here, try the next bracket"; video labels add RecursionError). A ``JSONTextError`` (JSON that cannot be taken as
+    written) is always raised to the caller."""
+    i, tries = 0, 0
+    while tries < max_starts:
+        starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
+        if not starts:
+            return
+        j = min(starts)
+        region = next((end for start, end in skip if start <= j < end), None)
+        if region is not None:
+            i = region
+            continue
+        tries += 1
+        try:
+            value, end = decode(text, j)
+        except JSONTextError:
+            raise
+        except not_json:
+            i = j + 1
+            continue
+        yield j, end, value
+        i = end
 
 
 def plain(value: Any) -> Any:

@@ -9,7 +9,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES
+from llamafactory_qwenvl_patch.frame.families import DEFAULT, FAMILIES, LF_VIDEO_DEFAULTS
 from llamafactory_qwenvl_patch.frame.keys import FrameKeyError, frame_key
 
 if TYPE_CHECKING:
@@ -145,8 +145,9 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
                        "qwen2_5_vl)")
     video = parser.add_argument_group(
         "video policy (the run's video frame and sampling)", "With --from-yaml, the YAML's video_min_pixels, "
-        "video_max_pixels, video_fps and video_maxlen (LLaMA-Factory's defaults 256, 65536, 2.0 and 128 for those it "
-        "omits); without it, these flags (the same defaults)")
+        "video_max_pixels, video_fps and video_maxlen (LLaMA-Factory's defaults "
+        f"{', '.join(map(str, list(LF_VIDEO_DEFAULTS.values())[:-1]))} and {LF_VIDEO_DEFAULTS['video_maxlen']} for "
+        "those it omits); without it, these flags (the same defaults)")
     video.add_argument("--video-min-pixels", type=frame_flag("video_min_pixels"),
                        help="pinned video_min_pixels (without --from-yaml)")
     video.add_argument("--video-max-pixels", type=frame_flag("video_max_pixels"),

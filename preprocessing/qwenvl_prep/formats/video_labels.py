@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
+
+from llamafactory_qwenvl_patch.scoring import json_text
 
 COORD_KEYS = ("bbox_2d", "point_2d")
-_MAX_STARTS = 64  # JSON start positions tried in a text (bounds the work on long hostile text, as the answer parser)
+_DECODER = json.JSONDecoder()
 
 
 class LabelError(ValueError):
@@ -44,26 +46,6 @@ class VideoLabels:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _json_values(text: str) -> Iterator[Any]:
-    """Every JSON array or object in ``text`` (the whole text, code-fence bodies and JSON in prose), outermost
-    first, at most ``_MAX_STARTS`` tries."""
-    decoder = json.JSONDecoder()
-    i, tries = 0, 0
-    while tries < _MAX_STARTS:
-        starts = [j for j in (text.find("[", i), text.find("{", i)) if j >= 0]
-        if not starts:
-            return
-        j = min(starts)
-        tries += 1
-        try:
-            value, end = decoder.raw_decode(text, j)
-        except (ValueError, RecursionError):
-            i = j + 1
-            continue
-        yield value
-        i = end
 
 
 def _walk(value: Any, out: VideoLabels, depth: int = 0) -> None:
@@ -99,7 +81,9 @@ def video_labels(text: str) -> VideoLabels:
     out = VideoLabels()
     if "span" not in text and "time" not in text:
         return out
-    for value in _json_values(text):
+    # every JSON array or object, the whole text's, fence bodies' and those in prose alike, found as the answer
+    # parser finds them; read by Python's json (a repeated key keeps its last value), too deep a nesting is no JSON
+    for _, _, value in json_text.embedded(text, _DECODER.raw_decode, not_json=(ValueError, RecursionError)):
         _walk(value, out)
     return out
 

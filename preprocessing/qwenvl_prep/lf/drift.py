@@ -8,28 +8,31 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from llamafactory_qwenvl_patch.frame.policy import (
-    HUB_PROCESSOR_MAX_PIXELS,
-    HUB_PROCESSOR_MIN_PIXELS,
-    MAX_ASPECT_RATIO,
-    ResizePolicy,
-    map_coords,
+from llamafactory_qwenvl_patch.frame.families import (
+    DEFAULT,
+    DEFAULT_FACTOR,
+    FAMILIES,
+    LF_IMAGE_DEFAULTS,
+    LF_MIN_SIDE,
+    LF_VIDEO_DEFAULTS,
 )
+from llamafactory_qwenvl_patch.frame.policy import MAX_ASPECT_RATIO, ResizePolicy, map_coords
 from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
-from llamafactory_qwenvl_patch.frame.video import LF_VIDEO_DEFAULTS, TEMPORAL_PATCH
+from llamafactory_qwenvl_patch.frame.video import TEMPORAL_PATCH
+
+_DEFAULT_HUB = FAMILIES[DEFAULT].hub_image_bounds
 
 
 def stock_llamafactory_size(
     height: int,
     width: int,
-    image_min_pixels: int = 32 * 32,
-    image_max_pixels: int = 768 * 768,
-    processor_min_pixels: int = HUB_PROCESSOR_MIN_PIXELS,
-    processor_max_pixels: int = HUB_PROCESSOR_MAX_PIXELS,
-    factor: int = 28,
+    image_min_pixels: int = LF_IMAGE_DEFAULTS["image_min_pixels"],
+    image_max_pixels: int = LF_IMAGE_DEFAULTS["image_max_pixels"],
+    processor_min_pixels: int = _DEFAULT_HUB[0],
+    processor_max_pixels: int = _DEFAULT_HUB[1],
+    factor: int = DEFAULT_FACTOR,
 ) -> tuple[int, int]:
-    """(height, width) that stock LLaMA-Factory 0.9.5 feeds the encoder.
+    """(height, width) that stock LLaMA-Factory 0.9.5 feeds the encoder (by default: Qwen2.5-VL's hub processor).
 
     LF scales the area into [image_min_pixels, image_max_pixels] with ``int()`` truncation, forces each side to at
     least 28, squashes ratios over 200 to 180:1, then the HF processor applies its own ``smart_resize``.
@@ -52,20 +55,13 @@ def lf_prefit_size(height: int, width: int, min_pixels: int, max_pixels: int) ->
     if w * h < min_pixels:
         scale = math.sqrt(min_pixels / (w * h))
         w, h = int(w * scale), int(h * scale)
-    if min(w, h) < 28:
-        w, h = max(w, 28), max(h, 28)
+    if min(w, h) < LF_MIN_SIDE:
+        w, h = max(w, LF_MIN_SIDE), max(h, LF_MIN_SIDE)
     if w / h > MAX_ASPECT_RATIO:
         w = h * 180
     if h / w > MAX_ASPECT_RATIO:
         h = w * 180
     return h, w
-
-
-# The HF video processor's own bounds in the hub checkpoints (stock LF's second resize of every frame): Qwen2-VL and
-# Qwen2.5-VL ship no video config, so transformers reads preprocessor_config.json; Qwen3-VL's
-# video_preprocessor_config.json budgets all frames together (t*h*w).
-HUB_VIDEO_PROCESSOR_BOUNDS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056),
-                              "qwen3_vl": (4096, 25165824)}
 
 
 @dataclass(frozen=True)
@@ -147,9 +143,9 @@ def stock_llamafactory_video_frame(height: int, width: int, frames: int, family:
     then the HF video processor's ``smart_resize`` under its own bounds: per frame for Qwen2/2.5-VL, over all
     ``frames`` together (``t*h*w``, the count after padding) for Qwen3-VL and Qwen3.5."""
     fam = FAMILIES[family]
-    low, high = processor_bounds or _hub_video_bounds(family)
+    low, high = processor_bounds or _hub_bounds(fam.hub_video_bounds, family, "video")
     h, w = lf_prefit_size(height, width, video_min_pixels, video_max_pixels)
-    if fam.lf_plugin == "Qwen3VLPlugin":
+    if not fam.video_bounds_per_frame:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as budget_resize
 
         return tuple(budget_resize(num_frames=frames, height=h, width=w, temporal_factor=TEMPORAL_PATCH,
@@ -192,15 +188,18 @@ def stock_llamafactory_video(clip: VideoHeader | FrameList, family: str = "qwen2
                       TEMPORAL_PATCH / fps_per_video, tuple(stamps[:len(padded) // TEMPORAL_PATCH]))
 
 
-def _hub_video_bounds(family: str) -> tuple[int, int]:
-    if family not in HUB_VIDEO_PROCESSOR_BOUNDS:
-        raise ValueError(f"no known hub video-processor bounds for {family}; pass processor_bounds")
-    return HUB_VIDEO_PROCESSOR_BOUNDS[family]
+def _hub_bounds(bounds: tuple[int, int] | None, family: str, kind: str) -> tuple[int, int]:
+    if bounds is None:
+        raise ValueError(f"no known hub {kind}-processor bounds for {family} (Family.hub_{kind}_bounds); pass "
+                         "the model folder or processor_bounds")
+    return bounds
 
 
-def processor_bounds(model: str | None) -> tuple[int, int]:
-    """The base model's own processor bounds (what stock LF's second resize uses), hub defaults otherwise."""
-    return (read_processor_bounds(model) if model else None) or (HUB_PROCESSOR_MIN_PIXELS, HUB_PROCESSOR_MAX_PIXELS)
+def processor_bounds(model: str | None, family: str = DEFAULT) -> tuple[int, int]:
+    """The base model's own image processor bounds (what stock LF's second resize uses), else those of ``family``'s
+    hub checkpoints."""
+    return (read_processor_bounds(model) if model else None) or _hub_bounds(
+        FAMILIES[family].hub_image_bounds, family, "image")
 
 
 @dataclass

@@ -10,15 +10,11 @@ from pathlib import Path
 
 import yaml
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_for_template, resolve_family
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_IMAGE_DEFAULTS, family_for_template, resolve_family
 from llamafactory_qwenvl_patch.frame.keys import frame_key, frame_keys
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-
-# LLaMA-Factory 0.9.5 defaults for the keys a YAML may omit (hparams/model_args.py).
-LF_DEFAULT_MIN_PIXELS = 32 * 32
-LF_DEFAULT_MAX_PIXELS = 768 * 768
 
 
 @dataclass(frozen=True)
@@ -67,8 +63,8 @@ def spec_from_yaml(path: str | os.PathLike, family: str | None = None) -> RunSpe
     model = config.get("model_name_or_path")
     family = FAMILIES[family] if family else resolve_family(model, template)
     keys = frame_keys(config)
-    policy = ResizePolicy(keys.get("image_min_pixels", LF_DEFAULT_MIN_PIXELS),
-                          keys.get("image_max_pixels", LF_DEFAULT_MAX_PIXELS), family.factor)
+    bounds = {**LF_IMAGE_DEFAULTS, **keys}  # LF's defaults for the keys the YAML omits
+    policy = ResizePolicy(bounds["image_min_pixels"], bounds["image_max_pixels"], family.factor)
     dataset_dir = config.get("dataset_dir", "data")
     if dataset_dir and not os.path.isabs(dataset_dir):
         dataset_dir = str(Path(path).resolve().parent / dataset_dir) if not Path(dataset_dir).exists() else dataset_dir

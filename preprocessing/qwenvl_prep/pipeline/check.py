@@ -126,7 +126,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             report.setup_problems.append(f"{exc}; LF's reading of this entry cannot be checked")
             return report
     data_stamp = ref.stamp or spec.stamp
-    drift = DriftAudit(policy, processor_bounds(model))
+    drift = DriftAudit(policy, processor_bounds(model, spec.stamp.family))  # the run's family's hub bounds
     count_text = _text_counter(model)
     cutoff = spec.cutoff_len or 2048
     to_decode: list[tuple[int, str]] = []

@@ -67,3 +67,40 @@ def test_qwen3_5_templates():
     for template in ("qwen3_5", "qwen3_5_nothink", "qwen3_6"):
         assert resolve_family(None, template).name == "qwen3_5"
     assert resolve_family(None, "qwen3_vl").name == "qwen3_vl"
+
+
+def test_every_family_names_its_hub_processor_bounds():
+    """Stock LF's second resize is the hub processor's: Qwen2-VL and Qwen2.5-VL keep the bounds the audit always
+    used; Qwen3-VL and Qwen3.5 have their own (patch 16), for images and for videos over the whole clip."""
+    from qwenvl_prep.lf.drift import processor_bounds
+
+    assert all(f.hub_image_bounds and f.hub_video_bounds for f in FAMILIES.values())
+    for name in ("qwen2_vl", "qwen2_5_vl"):
+        assert processor_bounds(None, name) == FAMILIES[name].hub_video_bounds == (3136, 12845056)
+    for name in ("qwen3_vl", "qwen3_5"):
+        assert processor_bounds("Qwen/not-a-folder", name) == (65536, 16777216)
+        assert FAMILIES[name].hub_video_bounds == (4096, 25165824)
+
+
+@pytest.mark.parametrize("template, family, bounds", [("qwen2_vl", "qwen2_5_vl", [3136, 12845056]),
+                                                      ("qwen3_vl_nothink", "qwen3_vl", [65536, 16777216]),
+                                                      ("qwen3_5_nothink", "qwen3_5", [65536, 16777216])])
+def test_check_without_a_model_folder_audits_with_the_familys_hub_processor(tmp_path, capsys, template, family,
+                                                                             bounds):
+    """A YAML naming a hub model (no folder to read the processor from): the drift audit resizes as that family's
+    hub processor does, not as Qwen2.5-VL's (every family used to get Qwen2.5-VL's bounds)."""
+    from qwenvl_prep.cli import main
+
+    factor = FAMILIES[family].factor
+    save_image(tmp_path / "photo.jpg", 1600, 1200)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"image": "photo.jpg", "question": "Where?",
+                                                   "answer": '[{"bbox_2d": [10, 10, 800, 600]}]'}) + "\n")
+    flags = ["--min-pixels", str(4 * factor * factor), "--max-pixels", str(64 * factor * factor)]
+    assert main(["convert", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "data" / "g.json"), "--input-coords",
+                 "abs", "--family", family, *flags, "-q", "--workers", "1"]) == 0
+    capsys.readouterr()
+    yaml = tmp_path / "train.yaml"
+    yaml.write_text(f"model_name_or_path: Qwen/hub-model\ntemplate: {template}\nqwenvl_patch: true\ndataset: g\n"
+                    f"dataset_dir: {tmp_path / 'data'}\nimage_min_pixels: {flags[1]}\nimage_max_pixels: {flags[3]}\n")
+    assert main(["check", "--yaml", str(yaml), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["drift"]["stock_processor_bounds"] == bounds
