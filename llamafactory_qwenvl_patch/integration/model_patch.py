@@ -11,6 +11,7 @@ from types import MethodType, ModuleType
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.families import LF_VIDEO_DEFAULTS
+from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import (
@@ -182,7 +183,7 @@ def _experts_on_cpu(config: Any, init_kwargs: dict[str, Any]) -> None:
 
 
 def patch_model_loader(loader: ModuleType) -> None:
-    lf_compat.require(loader, ["load_tokenizer", "patch_config"])
+    lf_compat.require(loader, ["load_tokenizer", "patch_config", "load_model"])
 
     def make_patch_config(patch_config: Callable) -> Callable:
         def wrapper(config: Any, tokenizer: Any, model_args: Any, init_kwargs: dict[str, Any], *args: Any,
@@ -221,3 +222,14 @@ def patch_model_loader(loader: ModuleType) -> None:
         return wrapper
 
     _replace(loader, "load_tokenizer", make)
+
+    def make_load_model(load_model: Callable) -> Callable:
+        def wrapper(tokenizer: Any, model_args: Any, *args: Any, **kwargs: Any) -> Any:
+            model = load_model(tokenizer, model_args, *args, **kwargs)
+            if getattr(model_args, "qwenvl_patch", False):
+                pin_pretrained_positions(model)  # Qwen2/2.5-VL: text after a video where pretraining put it
+            return model
+
+        return wrapper
+
+    _replace(loader, "load_model", make_load_model)

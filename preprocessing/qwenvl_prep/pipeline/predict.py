@@ -255,6 +255,8 @@ class Predictor(FolderModel):
         import torch
         from transformers import AutoModelForImageTextToText
 
+        from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
+
         base = self.base
         self.model = AutoModelForImageTextToText.from_pretrained(
             base or model_dir, dtype=torch.float32, **folder_experts_load_kwargs(base or model_dir))
@@ -262,6 +264,7 @@ class Predictor(FolderModel):
             from peft import PeftModel
 
             self.model = PeftModel.from_pretrained(self.model, model_dir).merge_and_unload()
+        pin_pretrained_positions(self.model)  # as training under the plugin placed them (Qwen2/2.5-VL videos)
         self.model.eval()
 
     def seed_batch(self, index: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from helpers import lf_sft_dataset, save_image, write_clip, write_sharegpt
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.video import probe
 
@@ -59,6 +60,8 @@ def collate(model_dir: Path, data: Path, out: Path, family: str, dataset: str, p
         model_dir, data, out, template=TEMPLATES[family], dataset=dataset, qwenvl_patch=patch,
         video_min_pixels=VIDEO_MIN, video_max_pixels=VIDEO_MAX, qwenvl_frame_list_fps=1.0, cutoff_len=16384)
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    if patch:  # what the plugin's load_model does: Qwen2/2.5-VL positions as pretrained
+        pin_pretrained_positions(model)
     collator = MultiModalDataCollatorForSeq2Seq(template=template, model=model, pad_to_multiple_of=8, **module)
     batches = [collator([dataset_rows[i]]) for i in range(len(dataset_rows))]
     tokenizer = module["tokenizer"]
@@ -86,6 +89,17 @@ def check_grids(batch: dict, expected: list, vpad: int) -> None:
     assert int((batch["input_ids"] == vpad).sum()) == sum(g * h * w // 4 for g, h, w in grid)
 
 
+def check_text_after_videos(batch: dict, vpad: int) -> None:
+    """The first token after every video block sits at the largest position so far + 1 in all three sections, where
+    each family was pretrained to see it (issue 49: transformers 5.6 put Qwen2/2.5-VL's inside the video's time)."""
+    ids, positions = batch["input_ids"][0], batch["position_ids"][:, 0]
+    real = batch["attention_mask"][0].bool()
+    after = [i for i in range(1, len(ids)) if ids[i - 1] == vpad and ids[i] != vpad and real[i]]
+    assert after
+    for i in after:
+        assert positions[:, i].tolist() == [int(positions[:, :i].max()) + 1] * positions.size(0)
+
+
 @pytest.mark.parametrize("family,fixture", [("qwen2_5_vl", "tiny_model"), ("qwen2_vl", "tiny_model_qwen2"),
                                             ("qwen3_vl", "tiny_model_qwen3"), ("qwen3_5", "tiny_model_qwen3_5")])
 def test_every_frame_group_in_its_frame_and_at_its_time(request, family, fixture, clips, tmp_path):
@@ -95,6 +109,7 @@ def test_every_frame_group_in_its_frame_and_at_its_time(request, family, fixture
     for batch, text, videos in zip(batches, texts, VIDEOS):
         expected = plans(clips, videos, family)
         check_grids(batch, expected, vpad)
+        check_text_after_videos(batch, vpad)
         if family == "qwen2_5_vl":  # M-RoPE: group g of each video at tokens_per_second x its real start time
             assert list(batch["second_per_grid_ts"]) == [plan.second_per_grid_ts for plan, _, _ in expected]
             tps = model.config.vision_config.tokens_per_second
