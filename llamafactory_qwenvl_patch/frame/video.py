@@ -199,9 +199,14 @@ class VideoPlan:
         return list(self.times)
 
     def metadata(self, frames: int) -> dict[str, Any]:
-        """The clip's ``video_metadata`` for a Qwen3 processor (transformers' or vLLM's) given its ``frames`` sampled
-        frames, not to be sampled again: the plan's times as ``frames_indices`` at ``METADATA_FPS``."""
-        return {"fps": METADATA_FPS, "frames_indices": self.frames_indices, "total_num_frames": frames,
+        """The clip's ``video_metadata`` for a processor (transformers' or vLLM's) given its ``frames`` sampled frames,
+        not to be sampled again. The Qwen3 clock: the plan's times as ``frames_indices`` at ``METADATA_FPS`` (the
+        stamps). Qwen2.5-VL's: the sampled rate as ``fps`` over every frame, so the processor's ``second_per_grid_ts``
+        (``temporal_patch / sampled_fps``) is the plan's whole number exactly (Qwen2-VL has no clock: the same)."""
+        if self.clock == "stamps":
+            return {"fps": METADATA_FPS, "frames_indices": self.frames_indices, "total_num_frames": frames,
+                    "duration": self.duration}
+        return {"fps": self.rate, "frames_indices": list(range(frames)), "total_num_frames": frames,
                 "duration": self.duration}
 
     def tokens(self, frame_tokens: int) -> int:

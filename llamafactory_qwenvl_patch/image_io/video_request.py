@@ -9,16 +9,17 @@ times as ``frames_indices`` at a rate whose integer indices keep every printed `
 ``do_resize: false`` where the checkpoint's clip budget would resize them (``server_resizes``); images in such a
 request go pre-sized too (``vllm_image_part``). The server needs nothing of this package.
 
-Only the Qwen3 clock (stamps: Qwen3-VL, Qwen3.5): vLLM 0.28 places the text after a Qwen2-VL or Qwen2.5-VL video at
-other M-RoPE positions than transformers (its largest position + 1, against start + max(h, w) / merge), so a model
-trained with transformers would be served under positions it never saw. One video per request: the metadata is the
-request's, not the video's. vLLM 0.32 takes a request's ``media_io_kwargs`` only on a server started with
+Every family's clock: the Qwen3 stamps (times as integer indices), Qwen2.5-VL's seconds (the sampled rate as
+``fps``, so vLLM's ``second_per_grid_ts`` is the plan's) and Qwen2-VL's group index. vLLM places the text after a
+video at its largest position + 1, where a model trained under the plugin saw it (``frame.mrope``). One video per
+request: the metadata is the request's, not the video's. vLLM 0.32 takes a request's ``media_io_kwargs`` only on a server started with
 ``--trust-request-mm-kwargs``.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,6 @@ from llamafactory_qwenvl_patch.frame.video import VideoPlan
 from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image
 from llamafactory_qwenvl_patch.image_io.video import read_clip
 
-SERVED_CLOCK = "stamps"
 TIME_BASES = (1_000, 10_000, 100_000, 1_000_000)  # indices per second tried, coarsest first
 
 
@@ -66,18 +66,16 @@ def vllm_video_request(video: Any, folder: str | Path) -> tuple[dict[str, Any], 
         raise VideoRequestError(f"{folder} records no video policy (qwenvl_policy.json without 'video'): export it "
                                 "from a qwenvl_patch run")
     policy, frame_list_fps = found
-    if policy.clock != SERVED_CLOCK:
-        raise VideoRequestError(
-            f"{folder}: its family's clock is {policy.clock!r}; vLLM 0.28 places the text after a Qwen2-VL or "
-            "Qwen2.5-VL video at other M-RoPE positions than the transformers it was trained with, so its videos "
-            "are not served through vLLM in the training frame (use LF's API, infer_backend: huggingface)")
     frames, plan = read_clip(video, policy, frame_list_fps)
-    rate, indices = integer_times(plan)
+    if plan.clock == "stamps":
+        rate, indices = integer_times(plan)
+        clock = {"fps": float(rate), "frames_indices": indices, "total_num_frames": max(indices) + 1}
+    else:  # Qwen2.5-VL's seconds per group, temporal patch / fps, is the plan's whole number (``VideoPlan.metadata``)
+        clock = {key: plan.metadata(len(frames))[key] for key in ("fps", "frames_indices", "total_num_frames")}
     part = {"type": "video_url",
             "video_url": {"url": "data:video/jpeg;base64," + ",".join(_png_data(frame) for frame in frames)}}
     extra: dict[str, Any] = {"media_io_kwargs": {"video": {
-        "num_frames": -1, "fps": float(rate), "frames_indices": indices, "total_num_frames": max(indices) + 1,
-        "duration": plan.duration, "do_sample_frames": False}}}
+        "num_frames": -1, **clock, "duration": plan.duration, "do_sample_frames": False}}}
     if server_resizes(folder, len(frames), frames[0].height, frames[0].width):
         extra["mm_processor_kwargs"] = {"do_resize": False}
     return part, extra
@@ -85,19 +83,24 @@ def vllm_video_request(video: Any, folder: str | Path) -> tuple[dict[str, Any], 
 
 def server_resizes(folder: str | Path, frames: int, height: int, width: int) -> bool:
     """Whether the folder's own video processor would resize frames already in the frame: a Qwen3 clip of t x h x w
-    outside its ``size`` budget. Only then does the request carry ``do_resize: false``, which newer vLLM (0.32)
-    accepts from a request only on a server started with ``--trust-request-mm-kwargs``."""
+    outside its ``size`` budget, or a Qwen2/2.5-VL frame outside its per-frame bounds. Only then does the request
+    carry ``do_resize: false``, which newer vLLM (0.32) accepts from a request only on a server started with
+    ``--trust-request-mm-kwargs``."""
     import transformers
     from transformers import AutoVideoProcessor
 
     processor = AutoVideoProcessor.from_pretrained(str(folder))
-    try:
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-    except ImportError:
-        raise VideoRequestError(f"transformers {transformers.__version__} has no Qwen3-VL video processor "
-                                "(transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize)") from None
     size = processor.size
     factor = processor.patch_size * processor.merge_size
+    module = "qwen2_vl.image_processing_qwen2_vl" if type(processor).__name__.startswith("Qwen2VL") else \
+        "qwen3_vl.video_processing_qwen3_vl"
+    try:
+        smart_resize = importlib.import_module(f"transformers.models.{module}").smart_resize
+    except (ImportError, AttributeError):
+        raise VideoRequestError(f"transformers {transformers.__version__} has no transformers.models.{module}."
+                                "smart_resize, which says whether the server would resize the clip") from None
+    if module.startswith("qwen2_vl"):  # bounds on each frame
+        return smart_resize(height, width, factor, size["shortest_edge"], size["longest_edge"]) != (height, width)
     return smart_resize(frames, height, width, processor.temporal_patch_size, factor, size["shortest_edge"],
                         size["longest_edge"]) != (height, width)
 

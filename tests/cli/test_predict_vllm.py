@@ -1,8 +1,9 @@
 """``qwenvl-prep predict --backend vllm`` (issue 43, items 1-2): offline vLLM in the folder's recorded frame gives
 the HF backend's greedy answers, token for token, and the same frame (image tokens, model size, boxes mapped to
 original pixels) on mixed image sizes, for Qwen2.5-VL and Qwen3-VL (``--size small``: vLLM's CPU attention needs
-its heads), and on Qwen3-VL clips (the same frames, groups and stamps); an adapter folder, and a Qwen2.5-VL clip,
-are refused."""
+its heads), and on clips of both (Qwen3-VL: the same frames, groups and stamps; Qwen2.5-VL: the same frames and
+seconds per group, and the text after the video where the HF backend's pinned model puts it; issue 49); an adapter
+folder is refused."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
     # the folder's record and its processor agree, as an export's do
     write_policy_record(model, policy, VideoPolicy(2048, 8192, factor, 2.0, 8, FAMILIES[family].video_clock))
     images = [str(save_image(tmp_path / f"i{k}.jpg", w, h)) for k, (w, h) in enumerate(SIZES)]
-    # Qwen3-VL's clips (mp4, and webm at a size the frame rounds) mixed with the images, in the same batches
+    # clips (mp4, and webm at a size the frame rounds) mixed with the images, in the same batches
     clips = [str(write_clip(tmp_path / "a.mp4", 3, 10, 160, 90)),
-             str(write_clip(tmp_path / "b.webm", 5, 10, 150, 100, codec="libvpx"))] if family == "qwen3_vl" else []
+             str(write_clip(tmp_path / "b.webm", 5, 10, 150, 100, codec="libvpx"))]
     rows = {}
     for backend in ("hf", "vllm"):
         out = tmp_path / f"{backend}.jsonl"

@@ -4,7 +4,7 @@ vLLM runs its own HF processor on the images it is given. Handed the original im
 checkpoint's bounds, and the rollout would see another image than the loss. So it receives the exact model-input
 image (``qwen_vl_utils.fetch_image`` under the run's pinned policy) and the same bounds as ``mm_processor_kwargs``
 (its resize is then the identity), and every batch is checked: the image tokens vLLM put in each prompt must equal
-the training batch's, or the run stops. Video prompts (the Qwen3 clock only) get the frames training decoded and
+the training batch's, or the run stops. Video prompts (every family's clock) get the frames training decoded and
 their clock: see ``vllm_video``.
 
 Log-probs for the loss still come from the training model; vLLM's sampling log-probs (``processed_logprobs``:
@@ -21,13 +21,11 @@ from typing import Any
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.generation.vllm_video import (
     VideoClip,
     check_videos,
     collapse_videos,
-    refuse_other_clocks,
     token_runs,
     vllm_video_grids,
 )
@@ -173,9 +171,6 @@ class VLLMEngine:
         self.suppress = suppress_token_ids
         self.num_generations = num_generations
         config = self.llm.llm_engine.model_config.hf_config
-        family = family_of_model_type(getattr(config, "model_type", None))
-        self.model_type = str(getattr(config, "model_type", None))
-        self.video_clock = FAMILIES[family].video_clock if family else None
         self.video_ids = {"start": getattr(config, "vision_start_token_id", None), "end": getattr(
             config, "vision_end_token_id", None), "pad": getattr(config, "video_token_id", None)}
         vision = getattr(config, "vision_config", None)
@@ -209,8 +204,6 @@ class VLLMEngine:
             dist.all_gather_object(shared, (prompts, images, indices, videos), group=self.tp_group)
             own = group_slice([len(part[0]) for part in shared], dist.get_rank(group=self.tp_group))
             prompts, images, indices, videos = ([x for part in shared for x in part[k]] for k in range(4))
-        if any(videos):  # after the gather: every rank of a group refuses together
-            self.check_video_support()
         requests = [self._request(ids, pictures, clips, index)
                     for ids, pictures, clips, index in zip(prompts, images, videos, indices)]
         with vllm_video_grids(self.llm, vllm_version()) as video_grids:
@@ -240,10 +233,6 @@ class VLLMEngine:
         ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
         lp = torch.tensor([v + [0.0] * (width - len(v)) for v in logps], dtype=torch.float32)
         return Rollout(ids, lp)
-
-    def check_video_support(self) -> None:
-        """Refuse video prompts of a model whose clock vLLM does not place as training does (Qwen2-VL, Qwen2.5-VL)."""
-        refuse_other_clocks(self.video_clock, self.model_type)
 
     def _request(self, ids: list[int], pictures: list[Any], clips: list[VideoClip], index: int) -> dict[str, Any]:
         """vLLM's request: each image's pads and each video's stamps and groups as one placeholder, the images and

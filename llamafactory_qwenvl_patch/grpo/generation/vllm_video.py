@@ -7,10 +7,11 @@ itself from that metadata. The training prompt is therefore collapsed to one ``<
 <|vision_end|>`` per video, stamps removed, and after sampling every video is checked: vLLM's grid, its pad count
 and the whole prompt must be the training batch's.
 
-Only the Qwen3 clock (``<t seconds>`` stamps: Qwen3-VL, Qwen3.5) is served. vLLM 0.28 numbers the text after a
-video from the video's largest position + 1 (``qwen2_5_vl.py`` ``get_mrope_input_positions``), transformers 5.6
-from the video's start + max(h, w) / merge (``get_rope_index``): a Qwen2-VL or Qwen2.5-VL rollout would sample
-under other positions than the loss scores.
+Every family's clock is served: the Qwen3 stamps, Qwen2.5-VL's seconds (vLLM computes each video's
+``second_per_grid_ts`` from the plan's rate, checked against the plan's) and Qwen2-VL's group index. vLLM numbers the
+text after a video from the video's largest M-RoPE position + 1, the rule the models were pretrained with; the
+training model follows it too under the plugin (``frame.mrope.pin_pretrained_positions``), so rollouts sample under
+the positions the loss scores.
 """
 
 from __future__ import annotations
@@ -23,12 +24,6 @@ from typing import Any
 import numpy as np
 
 from llamafactory_qwenvl_patch.frame.video import VideoPlan
-
-SERVED_CLOCK = "stamps"
-POSITIONS_REASON = ("vLLM 0.28 numbers the positions of the text after a video differently from transformers "
-                    "(vLLM: the video's largest M-RoPE position + 1; transformers' get_rope_index: its start + "
-                    "max(h, w) / merge), so vLLM would sample under other positions than the loss scores")
-
 
 class VideoFrameMismatchError(RuntimeError):
     """vLLM encoded a video in another grid, with other pads or stamps than the training batch."""
@@ -45,13 +40,6 @@ class VideoClip:
     def vllm_item(self) -> tuple[np.ndarray, dict[str, Any]]:
         """vLLM's ``multi_modal_data["video"]`` item: the frames and the plan's clock, not resampled."""
         return self.frames, {**self.plan.metadata(len(self.frames)), "do_sample_frames": False}
-
-
-def refuse_other_clocks(clock: str | None, model_type: str) -> None:
-    """Video prompts only where vLLM's M-RoPE positions are the training model's (the Qwen3 clock)."""
-    if clock != SERVED_CLOCK:
-        raise ValueError(f"grpo_rollout_backend: vllm cannot sample video prompts of {model_type}: "
-                         f"{POSITIONS_REASON}. Use grpo_rollout_backend: hf for video prompts of this model.")
 
 
 @contextmanager
@@ -88,11 +76,19 @@ def clips_per_sample(captured: list[tuple[Any, VideoPlan]], counts: list[int], g
 
 
 def video_structure(clip: VideoClip, stamp_ids: Any, ids: dict[str, int], merge: int) -> list[int]:
-    """The tokens of one video in a Qwen3 prompt: per group its stamp, ``<|vision_start|>``, its pads and
-    ``<|vision_end|>`` (what vLLM's ``get_video_repl`` builds, stamps tokenized alone)."""
-    _, h, w = clip.grid
+    """The tokens of one video in a prompt. The Qwen3 clock: per group its stamp, ``<|vision_start|>``, its pads and
+    ``<|vision_end|>`` (what vLLM's ``get_video_repl`` builds, stamps tokenized alone); Qwen2-VL and Qwen2.5-VL: one
+    block of every group's pads."""
+    t, h, w = clip.grid
+    if clip.plan.clock != "stamps":
+        return [ids["start"], *[ids["pad"]] * (t * h * w // merge), ids["end"]]
     pads = [ids["pad"]] * (h * w // merge)
     return [token for stamp in clip.plan.stamp_texts for token in [*stamp_ids(stamp), ids["start"], *pads, ids["end"]]]
+
+
+def _stamp_length(clip: VideoClip, stamp_ids: Any) -> int:
+    """Tokens of the first group's stamp, which stands before the video's first vision start (0 without stamps)."""
+    return len(stamp_ids(clip.plan.stamp_texts[0])) if clip.plan.clock == "stamps" else 0
 
 
 def collapse_videos(prompt: list[int], clips: list[VideoClip], stamp_ids: Any, ids: dict[str, int], merge: int,
@@ -102,7 +98,7 @@ def collapse_videos(prompt: list[int], clips: list[VideoClip], stamp_ids: Any, i
     for k, clip in enumerate(clips):
         structure = video_structure(clip, stamp_ids, ids, merge)
         first = _find_group(prompt, at, ids)
-        start = first - len(stamp_ids(clip.plan.stamp_texts[0]))
+        start = first - _stamp_length(clip, stamp_ids)
         if first < 0 or start < at or prompt[start:start + len(structure)] != structure:
             raise VideoFrameMismatchError(
                 f"dataset record {index}: video {k}'s tokens in the training prompt are not the stamps and pads of "
@@ -121,13 +117,28 @@ def _find_group(prompt: list[int], at: int, ids: dict[str, int]) -> int:
     return -1
 
 
-def check_videos(index: int, clips: list[VideoClip], theirs: list[list[int]], mine_ids: list[int],
+@dataclass(frozen=True)
+class EncodedVideo:
+    """What vLLM's processor made of one video: its grid and, on Qwen2.5-VL's clock, its seconds per group."""
+
+    grid: list[int]
+    second_per_grid_ts: float | None
+
+
+def check_videos(index: int, clips: list[VideoClip], theirs: list[EncodedVideo], mine_ids: list[int],
                  their_ids: list[int], pad_id: int, merge: int) -> None:
-    """vLLM's grid and pads of each video, and its whole prompt (stamps included), against the training batch's."""
+    """vLLM's grid, seconds per group and pads of each video, and its whole prompt (stamps included), against the
+    training batch's."""
     grids = [list(clip.grid) for clip in clips]
-    if [list(map(int, grid)) for grid in theirs] != grids:
-        raise VideoFrameMismatchError(f"dataset record {index}: vLLM encoded its videos in grids {theirs}, training "
-                                      f"in {grids}: the rollout would see other frames than the loss")
+    if [list(map(int, video.grid)) for video in theirs] != grids:
+        raise VideoFrameMismatchError(f"dataset record {index}: vLLM encoded its videos in grids "
+                                      f"{[video.grid for video in theirs]}, training in {grids}: the rollout would "
+                                      "see other frames than the loss")
+    for k, (clip, video) in enumerate(zip(clips, theirs)):
+        if clip.plan.clock == "seconds" and video.second_per_grid_ts != clip.plan.second_per_grid_ts:
+            raise VideoFrameMismatchError(f"dataset record {index}: vLLM put video {k}'s groups "
+                                          f"{video.second_per_grid_ts} s apart, training {clip.plan.second_per_grid_ts}"
+                                          " s: the rollout would see another clock than the loss")
     mine, their = _pads_per_video(mine_ids, pad_id, clips), _pads_per_video(their_ids, pad_id, clips)
     expected = [t * h * w // merge for t, h, w in grids]
     if mine != expected or their != expected:
@@ -153,25 +164,27 @@ def token_runs(ids: list[int], token_id: int) -> list[int]:
 
 
 def _pads_per_video(ids: list[int], pad_id: int, clips: list[VideoClip]) -> list[int]:
-    """The pad runs of ``ids`` summed per video (a Qwen3 video has one run per group)."""
+    """The pad runs of ``ids`` summed per video (a Qwen3 video has one run per group, the others one run)."""
     runs = token_runs(ids, pad_id)
     out = []
     for clip in clips:
-        out.append(sum(runs[:clip.grid[0]]))
-        runs = runs[clip.grid[0]:]
+        count = clip.grid[0] if clip.plan.clock == "stamps" else 1
+        out.append(sum(runs[:count]))
+        runs = runs[count:]
     return out
 
 
 @contextmanager
-def vllm_video_grids(llm: Any, version: str) -> Iterator[list[list[list[int]]]]:
-    """vLLM's own ``video_grid_thw`` of each request it processes inside the block, in order (its input processor's
-    output, ``EngineCoreRequest.mm_features``; needs the processor cache off, which leaves cached items empty)."""
+def vllm_video_grids(llm: Any, version: str) -> Iterator[list[list[EncodedVideo]]]:
+    """vLLM's own encoding (``video_grid_thw``, ``second_per_grid_ts``) of each video of each request it processes
+    inside the block, in order (its input processor's output, ``EngineCoreRequest.mm_features``; needs the processor
+    cache off, which leaves cached items empty)."""
     processor = getattr(getattr(llm, "llm_engine", None), "input_processor", None)
     original = getattr(processor, "process_inputs", None)
     if original is None:
         raise RuntimeError(f"vLLM {version}: LLM.llm_engine.input_processor.process_inputs is gone; the GRPO video "
                            "rollout checks each video's grid through it")
-    grids: list[list[list[int]]] = []
+    grids: list[list[EncodedVideo]] = []
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         request = original(*args, **kwargs)
@@ -182,7 +195,9 @@ def vllm_video_grids(llm: Any, version: str) -> Iterator[list[list[list[int]]]]:
             if feature.data is None or "video_grid_thw" not in feature.data:
                 raise RuntimeError(f"vLLM {version}: a processed video carries no video_grid_thw (processor cache "
                                    "on?); the GRPO video rollout cannot check its grid")
-            found.append(feature.data["video_grid_thw"].data.reshape(-1).tolist())
+            seconds = feature.data.get("second_per_grid_ts")
+            found.append(EncodedVideo(feature.data["video_grid_thw"].data.reshape(-1).tolist(),
+                                      None if seconds is None else float(seconds.data.reshape(-1)[0])))
         grids.append(found)
         return request
 

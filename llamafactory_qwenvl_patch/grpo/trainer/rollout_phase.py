@@ -74,7 +74,6 @@ class RolloutMixin:
         if self.vllm is None or not any(videos):
             batch, meta = self.data_collator.collate(features, self.drop_ids)
         else:  # the clips the plugin decodes for the loss, kept for vLLM
-            self.vllm.check_video_support()
             with captured_videos(self.data_collator.collator.template.mm_plugin) as captured:
                 batch, meta = self.data_collator.collate(features, self.drop_ids)
             clips = clips_per_sample(captured, videos, batch["video_grid_thw"].tolist())

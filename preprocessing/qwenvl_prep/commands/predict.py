@@ -37,11 +37,6 @@ def run(args: argparse.Namespace) -> int:
         jobs = [(image, args.prompt, None) for image in args.images]
     else:
         raise ValueError("give --dataset FILE, or images (or videos) with --prompt")
-    if args.backend == "vllm" and any(is_video(source) for source, _, _ in jobs):
-        from qwenvl_prep.pipeline.predict import folder_family
-        from qwenvl_prep.pipeline.predict_vllm import refuse_videos
-
-        refuse_videos(folder_family(args.model_dir))  # before the engine loads
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
                      *(path for source, _, _ in jobs for path in (source if isinstance(source, list) else [source]))],
                     registries)

@@ -7,9 +7,10 @@ temperature (top-k and top-p off, per-request seeds from ``--seed`` and the batc
 backend; the tokens are decoded by the same processor call and become the same rows (boxes mapped to original
 pixels by ``FolderModel._row``).
 
-Videos of the Qwen3 families (their clock is ``<t seconds>`` stamps) get the frames the HF backend reads, with each
-plan's times as metadata, as GRPO's vLLM rollouts do; Qwen2-VL and Qwen2.5-VL videos are refused (vLLM places the
-text after a video at other M-RoPE positions than transformers, ``grpo.generation.vllm_video``).
+Videos of every family get the frames the HF backend reads, with each plan's clock as metadata, as GRPO's vLLM
+rollouts do: each prompt vLLM builds is checked token for token against the HF processor's, and on Qwen2.5-VL's
+clock each video's seconds per group against the plan's. vLLM places the text after a video where the HF backend's
+pinned model does (``frame.mrope``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import (
     CPU_KV_CACHE_GIB,
     engine_dtypes,
     image_token_counts,
     name_text_architectures,
 )
-from llamafactory_qwenvl_patch.grpo.generation.vllm_video import POSITIONS_REASON, SERVED_CLOCK
+from llamafactory_qwenvl_patch.grpo.generation.vllm_video import vllm_video_grids
+from llamafactory_qwenvl_patch.grpo.generation.weight_sync import vllm_version
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from qwenvl_prep.formats.prompt_presets import PromptPreset
 from qwenvl_prep.pipeline.predict import ClipBatch, FolderModel
@@ -56,7 +57,7 @@ class VLLMPredictor(FolderModel):
             model=str(model_dir), tensor_parallel_size=tensor_parallel_size, seed=seed,
             **engine_dtypes(str(model_dir), "float32" if cpu else "auto", cpu),
             mm_processor_kwargs={"min_pixels": self.policy.min_pixels, "max_pixels": self.policy.max_pixels},
-            limit_mm_per_prompt={"image": 1, "video": int(FAMILIES[self.family].video_clock == SERVED_CLOCK)},
+            limit_mm_per_prompt={"image": 1, "video": 1}, mm_processor_cache_gb=0,  # the clip check reads each grid
             enforce_eager=cpu, hf_overrides=name_text_architectures,
         )
         self._batch = 0
@@ -105,23 +106,21 @@ class VLLMPredictor(FolderModel):
         prompt vLLM built is checked, token for token (stamps and pads), against the HF processor's."""
         import numpy as np
 
-        refuse_videos(self.family)
         batch = self.read_clips(jobs, frame_list_fps)
         requests = [{"prompt": text, "mm_processor_kwargs": {"do_resize": False},
                      "multi_modal_data": {"video": (np.stack([np.asarray(frame) for frame in frames]),
                                                     {**plan.metadata(len(frames)), "do_sample_frames": False})}}
                     for text, frames, plan in zip(batch.texts, batch.frames, batch.plans)]
-        outputs = self.llm.generate(requests, sampling_params=self._params(len(requests)), use_tqdm=False)
-        for k, ((video, _), output) in enumerate(zip(jobs, outputs)):
+        with vllm_video_grids(self.llm, vllm_version()) as encoded:
+            outputs = self.llm.generate(requests, sampling_params=self._params(len(requests)), use_tqdm=False)
+        for k, ((video, _), output, [theirs]) in enumerate(zip(jobs, outputs, encoded)):
             one = ClipBatch(batch.texts[k:k + 1], batch.frames[k:k + 1], batch.plans[k:k + 1], batch.sizes[k:k + 1])
             if list(output.prompt_token_ids or []) != self.processor_inputs(one)["input_ids"][0].tolist():
                 raise RuntimeError(f"vLLM's prompt for {video} differs from the HF processor's (its frame groups, "
                                    "pads or time stamps): vLLM resized or resampled the clip")
+            plan = batch.plans[k]
+            if plan.clock == "seconds" and theirs.second_per_grid_ts != plan.second_per_grid_ts:
+                raise RuntimeError(f"vLLM put {video}'s frame groups {theirs.second_per_grid_ts} s apart, the folder's "
+                                   f"clock {plan.second_per_grid_ts} s: its positions would not be the HF backend's")
         return self.video_rows(jobs, self.decode([list(o.outputs[0].token_ids) for o in outputs]), batch)
 
-
-def refuse_videos(family: str) -> None:
-    """Video prompts only for families whose clock vLLM places as transformers does (the Qwen3 stamps)."""
-    if FAMILIES[family].video_clock != SERVED_CLOCK:
-        raise ValueError(f"--backend vllm cannot answer video prompts of a {family} model: {POSITIONS_REASON}; "
-                         "predict them with --backend hf (the default)")

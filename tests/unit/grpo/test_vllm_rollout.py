@@ -203,10 +203,26 @@ def test_video_rollouts_are_the_training_frames_and_distribution(qwen3_parts, tm
     plugin decoded for training and their clock, and its grids, pads and whole prompts (stamps included) are the
     training batch's (checked by the engine on every batch); its sampling log-probs are the training model's (Qwen3.5
     samples in bfloat16 on CPU: a looser bound). A clip handed in another frame is refused."""
+    check_video_rollouts(*qwen3_parts, tmp_path)
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_video_rollouts_sample_under_the_training_positions(parts, small_model, tmp_path):
+    """Issue 49, item 2: Qwen2.5-VL videos on the rollout engine. vLLM computes each video's seconds per group from
+    the plan (checked against it on every batch) and places the text after the video at its largest position + 1;
+    the training model, pinned as the plugin pins it, scores the same positions, so the sampling log-probs are its
+    own."""
+    from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
+
+    engine, model, tokenizer = parts
+    assert pin_pretrained_positions(model) == 1
+    check_video_rollouts(small_model, engine, model, tokenizer, tmp_path)
+
+
+def check_video_rollouts(folder, engine, model, tokenizer, tmp_path) -> None:
     from llamafactory_qwenvl_patch.frame.mrope import needs_token_types, token_types
     from llamafactory_qwenvl_patch.grpo.generation.vllm_video import VideoClip, VideoFrameMismatchError
 
-    folder, engine, model, tokenizer = qwen3_parts
     engine.load_weights(model)
     prompts, clips, per_prompt = video_batch(folder, tmp_path)
     assert [len(c) for c in clips] == [2, 1]
@@ -218,6 +234,8 @@ def test_video_rollouts_are_the_training_frames_and_distribution(qwen3_parts, tm
         completion = row[keep]
         full = torch.tensor([prompts[i] + completion.tolist()])
         extra = {"mm_token_type_ids": token_types(full, model.config)} if needs_token_types(model) else {}
+        if "second_per_grid_ts" in per_prompt[i]:
+            extra["second_per_grid_ts"] = torch.as_tensor(per_prompt[i]["second_per_grid_ts"])
         with torch.no_grad():
             logits = model(input_ids=full, pixel_values_videos=per_prompt[i]["pixel_values_videos"],
                            video_grid_thw=per_prompt[i]["video_grid_thw"], **extra).logits[0, len(prompts[i]) - 1:-1]
@@ -229,23 +247,6 @@ def test_video_rollouts_are_the_training_frames_and_distribution(qwen3_parts, tm
     smaller = VideoClip(clip.frames[:, :-32], clip.plan, clip.grid)  # 32 rows fewer: another grid, other pads
     with pytest.raises(VideoFrameMismatchError, match="dataset record 5: vLLM encoded its videos in grids"):
         engine.generate([prompts[1]], [[]], [5], tokenizer.pad_token_id, videos=[[smaller]])
-
-
-def test_qwen2_5_vl_video_prompts_are_refused(parts):
-    """vLLM 0.28 places the text after a Qwen2.5-VL video at other M-RoPE positions than transformers: refused,
-    saying why, before anything is sampled."""
-    import numpy as np
-
-    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-    from llamafactory_qwenvl_patch.grpo.generation.vllm_video import VideoClip
-
-    engine, _, tokenizer = parts
-    plan = VideoPolicy(2048, 12288, 28, 2.0, 16, "seconds").plan([0.0, 0.5])
-    clip = VideoClip(np.zeros((2, 56, 56, 3), dtype=np.uint8), plan, (1, 2, 2))
-    ids = tokenizer.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>When?<|im_end|>\n")
-    with pytest.raises(ValueError, match="cannot sample video prompts of qwen2_5_vl: vLLM 0.28 numbers the positions "
-                                         "of the text after a video differently from transformers"):
-        engine.generate([ids], [[]], [0], tokenizer.pad_token_id, videos=[[clip]])
 
 
 def test_a_mixture_of_experts_model_is_refused_on_cpu(tmp_path):
