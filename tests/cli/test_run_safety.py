@@ -226,6 +226,13 @@ def test_sft_resumes_from_the_last_complete_checkpoint(sft_run, tmp_path):
     assert train_args(config, logged)[2].resume_from_checkpoint == str(out / "checkpoint-2")
     for name in ("checkpoint-4", "checkpoint-3"):
         assert any(line.startswith(f"skipping {out / name}: ") for line in logged), logged
+    assert not [line for line in logged if "launched with other settings" in line]  # the same launch resumes
+    # issue 51: a YAML relaunched into an output_dir another run has since taken continued it without a word
+    logged = []
+    train_args({**config, "learning_rate": 3.0e-4, "seed": 7}, logged)
+    other = [line for line in logged if "launched with other settings" in line]
+    assert len(other) == 1 and other[0].startswith(f"resuming {out / 'checkpoint-2'}, which a run"), logged
+    assert "learning_rate: 0.0001 there, 0.0003 here; seed: 42 there, 7 here" in other[0], other
     with pytest.raises(ValueError, match="resume_from_checkpoint .*checkpoint-3 cannot be resumed from"):
         train_args({**config, "resume_from_checkpoint": str(out / "checkpoint-3")})
     (out / "checkpoint-2" / MARKER).unlink()  # item 2: the only checkpoint left was killed before its marker
