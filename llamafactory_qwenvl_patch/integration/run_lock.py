@@ -59,8 +59,8 @@ def lock_output_dir(output_dir: str | os.PathLike) -> str | None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         held.append(fd)
-    _HELD[str(folder)] = tuple(held)
     if held:
+        _HELD[str(folder)] = tuple(held)
         return None
     return (f"cannot lock {path} ({unlockable}): this filesystem has no file locks, so nothing stops a second run "
             "from starting into the same output_dir; start one run per output_dir")
