@@ -11,6 +11,12 @@ import os
 from typing import Any, Iterator
 
 LF_DATA_URL_TYPES = ("png", "jpg", "jpeg", "gif", "bmp")  # api/chat.py's base64 pattern in LF 0.9.5
+# a video data URL's media types, by container the plugin reads: the registered names and LF's own (LF's pattern knows
+# video/mp4, mkv, avi and mov only, and tried any other data URL as a web address)
+VIDEO_DATA_URL_TYPES = {"video/mp4": "mp4", "video/webm": "webm", "video/x-matroska": "mkv", "video/matroska": "mkv",
+                        "video/mkv": "mkv", "video/quicktime": "mov", "video/mov": "mov", "video/x-msvideo": "avi",
+                        "video/msvideo": "avi", "video/avi": "avi"}
+LF_VIDEO_DATA_URL = "data:video/mp4;base64,"  # a prefix LF's pattern decodes; PyAV finds the container in the bytes
 MEDIA_KINDS = ("image_url", "video_url", "audio_url")
 REMOTE_SCHEMES = ("http://", "https://")
 MEDIA_REFUSED = ("a local media path is served only when it names a file inside the server's SAFE_MEDIA_PATH (and "
@@ -33,16 +39,53 @@ def _media_urls(request: Any) -> Iterator[tuple[str, str]]:
                 yield kind, url
 
 
-def unread_data_urls(request: Any) -> list[str]:
-    """The media types of image data URLs that LF's API would not decode (``data:image/webp``: LF then tries it as
-    a web address and answers "Only HTTP/HTTPS URLs are allowed")."""
+def _data_url_type(url: str) -> tuple[str, bool]:
+    """(media type as written, whether its data is base64 and not empty: LF's pattern wants both) of a data URL."""
+    header, _, data = url[5:].partition(",")
+    media_type, _, parameters = header.partition(";")
+    return media_type, parameters == "base64" and bool(data)
+
+
+def unread_data_urls(request: Any) -> list[tuple[str, str]]:
+    """(kind, media type) of each data URL the pinned API does not decode: an image of a type LF's pattern does not
+    know (``data:image/webp``: LF then tries it as a web address and answers "Only HTTP/HTTPS URLs are allowed"), a
+    video of a container the plugin does not read, one not in base64 or empty (LF's pattern too), or a typeless one."""
     found = []
     for kind, url in _media_urls(request):
-        if kind == "image_url" and url.startswith("data:"):
-            media_type = url[5:].split(";", 1)[0].split(",", 1)[0]
-            if not (media_type.startswith("image/") and media_type[6:] in LF_DATA_URL_TYPES):
-                found.append(media_type or "typeless")
+        if not url.startswith("data:") or kind not in ("image_url", "video_url"):
+            continue
+        media_type, encoded = _data_url_type(url)
+        if kind == "image_url":
+            read = media_type.startswith("image/") and media_type[6:] in LF_DATA_URL_TYPES
+        else:
+            read = media_type.lower() in VIDEO_DATA_URL_TYPES
+        if not (read and encoded):
+            shown = media_type or "typeless"
+            found.append((kind, shown if not read else f"{shown} (not base64, or empty)"))
     return found
+
+
+def unread_data_url_message(kind: str, media_type: str) -> str:
+    """The 400's text for an ``unread_data_urls`` entry: what was sent and what is read."""
+    if kind == "image_url":
+        return (f"an image sent as a {media_type} data URL: LLaMA-Factory's API reads base64 data URLs of "
+                f"{', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web address); send it as base64 PNG "
+                "or JPEG")
+    containers = ", ".join(dict.fromkeys(VIDEO_DATA_URL_TYPES.values()))
+    return (f"a video sent as a {media_type} data URL: the pinned API reads base64 data URLs of the containers it "
+            f"decodes, {containers} (media types {', '.join(VIDEO_DATA_URL_TYPES)}); send the clip in one of them, "
+            "base64-encoded")
+
+
+def relabel_video_data_urls(request: Any) -> None:
+    """Give every video data URL the plugin reads (``unread_data_urls`` found none other) a prefix LF's pattern
+    decodes, in place: LF tried a webm, or a mov sent as ``video/quicktime``, as a web address. Only the name
+    changes; PyAV finds the container from the bytes."""
+    for _, item in _items(request):
+        media = getattr(item, "video_url", None) if getattr(item, "type", None) == "video_url" else None
+        url = getattr(media, "url", None)
+        if isinstance(url, str) and url.startswith("data:") and not url.startswith(LF_VIDEO_DATA_URL):
+            media.url = LF_VIDEO_DATA_URL + url.split(",", 1)[1]
 
 
 def inside(path: str, root: str) -> bool:

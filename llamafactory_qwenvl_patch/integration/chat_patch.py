@@ -69,7 +69,8 @@ def patch_api_chat(api_chat: ModuleType) -> None:
     """The OpenAI-style API: a request whose image is unreadable or refused by the pinned policy is a 400 with the
     reason, checked before the response starts (so streaming requests get it too); the server stays up. Local media
     paths are read only inside SAFE_MEDIA_PATH, by resolved path, with one answer for every refusal; media
-    placeholders typed as text are a 400 (LF: a 500)."""
+    placeholders typed as text are a 400 (LF: a 500). A video data URL of every container the plugin reads is
+    decoded (LF's pattern knows four names), any other data URL LF would not decode is a 400 naming its type."""
     lf_compat.require(api_chat, ["_process_request", "create_chat_completion_response",
                                  "create_stream_chat_completion_response"])
     common = lf_compat.require_module("llamafactory.api.common", ["SAFE_MEDIA_PATH", "ALLOW_LOCAL_FILES"])
@@ -87,16 +88,15 @@ def patch_api_chat(api_chat: ModuleType) -> None:
 
         from llamafactory_qwenvl_patch.image_io.images import ImageError
         from llamafactory_qwenvl_patch.integration.api_checks import (
-            LF_DATA_URL_TYPES, MEDIA_REFUSED, literal_placeholders, refused_local_media, unread_data_urls,
+            MEDIA_REFUSED, literal_placeholders, refused_local_media, relabel_video_data_urls, unread_data_url_message,
+            unread_data_urls,
         )
         from llamafactory_qwenvl_patch.integration.serving import check_images, check_videos
 
         unread = unread_data_urls(request)
         if unread:
-            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
-                                detail=f"an image sent as a {unread[0]} data URL: LLaMA-Factory's API reads data URLs "
-                                       f"of {', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web "
-                                       "address); send it as PNG or JPEG")
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=unread_data_url_message(*unread[0]))
+        relabel_video_data_urls(request)  # the request LF's own handler reads next
         if refused_local_media(request, common.SAFE_MEDIA_PATH, common.ALLOW_LOCAL_FILES) is not None:
             raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=MEDIA_REFUSED)
         typed = literal_placeholders(request, placeholders)

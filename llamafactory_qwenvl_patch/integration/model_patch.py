@@ -18,6 +18,7 @@ from llamafactory_qwenvl_patch.frame.policy_record import (
     set_image_processor_bounds, set_video_processor_bounds, write_policy_record,
 )
 from llamafactory_qwenvl_patch.integration import lf_compat
+from llamafactory_qwenvl_patch.integration.export_staging import Staging, stage
 from llamafactory_qwenvl_patch.integration.patching import _replace
 
 @dataclass
@@ -26,9 +27,10 @@ class ExportWatch:
     tokenizer": a pinned export would then end with exit 0 and a folder without its frame. The loader and the saves
     record here what was pinned, saved and what failed, so the export's wrapper can fail by name."""
 
-    pinned: list[str] = field(default_factory=list)  # export_dir of each pinned load
+    pinned: list[str] = field(default_factory=list)  # export_dir of each pinned load (where LF writes it)
     saved: list[str] = field(default_factory=list)  # folders the pinned processor was saved into
     failed: list[tuple[str, str, BaseException]] = field(default_factory=list)  # (folder, what, error)
+    staging: Staging | None = None  # the folder LF writes a pinned export into, and the user's export_dir
 
 
 # what a pinned ``export_model`` loaded and saved (None outside an export)
@@ -213,7 +215,9 @@ def patch_model_loader(loader: ModuleType) -> None:
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
                 watch = _EXPORTED.get()
                 if watch is not None and getattr(model_args, "export_dir", None):
-                    watch.pinned.append(str(model_args.export_dir))
+                    watch.staging = stage(model_args.export_dir)  # LF reads export_dir only when it saves
+                    model_args.export_dir = str(watch.staging.folder)
+                    watch.pinned.append(model_args.export_dir)
                     tokenizer.save_pretrained = _recorded_save("tokenizer", tokenizer.save_pretrained)
             else:
                 _warn_unpinned(model_args)

@@ -55,10 +55,12 @@ def guard_run(explicit: set[str], model_args: Any, data_args: Any, training_args
 
 def _settle(explicit: bool, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> str | None:
     """Rank 0: lock ``output_dir``, choose the checkpoint to resume, refuse one (or an adapter) of another kind of
-    run, then record this run; returns the checkpoint."""
+    run, name one another launch wrote, then record this run; returns the checkpoint."""
     from llamafactory.extras import logging as lf_logging
 
-    from llamafactory_qwenvl_patch.integration.run_identity import check_adapters, check_resume, run_identity
+    from llamafactory_qwenvl_patch.integration.run_identity import (
+        check_adapters, check_resume, launch_settings, other_launch, run_identity,
+    )
     from llamafactory_qwenvl_patch.integration.run_lock import lock_output_dir
 
     logger = lf_logging.get_logger("llamafactory.qwenvl_patch")
@@ -69,12 +71,16 @@ def _settle(explicit: bool, model_args: Any, data_args: Any, training_args: Any,
     identity = run_identity(model_args, data_args, finetuning_args)
     check_adapters(model_args.adapter_name_or_path, identity)
     chosen = _resume_point(explicit, training_args, finetuning_args, logger)
+    launch = launch_settings(model_args, data_args, training_args)
     if chosen is not None:
         check_resume(chosen, identity, explicit)
+        line = other_launch(chosen, launch)
+        if line:
+            logger.warning_rank0(line)
         adopt = Path(chosen).parent.resolve() == Path(output_dir).resolve()
         if adopt and not Path(chosen, resume.MARKER).is_file():  # written before markers: keep it resumable here
             resume.mark_complete(chosen, json.loads(Path(chosen, "trainer_state.json").read_text())["global_step"])
-    resume.write_run_record(output_dir, identity)
+    resume.write_run_record(output_dir, identity, launch)
     return chosen
 
 

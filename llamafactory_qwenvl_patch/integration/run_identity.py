@@ -6,7 +6,9 @@ ended in a torch ``size mismatch``, full fine-tuning on LoRA checkpoints in ``Ca
 adapter of another family (``adapter_name_or_path``) was trained on in the wrong coordinate convention. A run's
 identity is the few settings a resume cannot change; each checkpoint's marker records its run's (``grpo.trainer.resume``), and a
 checkpoint written before that is read from its files: ``adapter_config.json`` (rank, base model), ``config.json``,
-``qwenvl_policy.json``.
+``qwenvl_policy.json``. The marker also records the launch (model path, adapters, dataset, learning rate, seed): a
+relaunched YAML that resumes a checkpoint another launch wrote, in an output_dir another run has since taken, is told
+so in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ COORDS = {"model": "absolute pixels of the model input", "rel1000": "relative 0-
 _VIDEO_KEYS = (("video_min_pixels", "min_pixels"), ("video_max_pixels", "max_pixels"), ("video_fps", "fps"),
                ("video_maxlen", "max_frames"), ("qwenvl_frame_list_fps", "frame_list_fps"))
 _FULL = ("full", "freeze")  # a checkpoint of the whole model, read from its files: either of LF's two
+_WHEN = ("started", "host")  # the launch settings that only say when and where
 
 
 class RunMismatchError(ValueError):
@@ -83,6 +86,35 @@ def check_resume(checkpoint: str, identity: dict[str, Any], explicit: bool) -> N
         "would carry that run's weights and optimizer state on under other settings (a torch size mismatch, or a "
         "silently different run), so this run stops before loading anything. To continue that run, set those keys "
         "back to its values; to start another run, give it another output_dir.")
+
+
+def launch_settings(model_args: Any, data_args: Any, training_args: Any) -> dict[str, Any]:
+    """What tells this launch from another of the same kind, and when and where it started (``_WHEN``): a resume
+    may change them, so they are only named (``other_launch``), never refused."""
+    import socket
+    import time
+
+    values = {"model_name_or_path": model_args.model_name_or_path,
+              "adapter_name_or_path": model_args.adapter_name_or_path, "dataset": data_args.dataset,
+              "learning_rate": training_args.learning_rate, "seed": training_args.seed}
+    return {**json.loads(json.dumps(values, default=str)), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "host": socket.gethostname()}
+
+
+def other_launch(checkpoint: str, launch: dict[str, Any]) -> str | None:
+    """One line when ``checkpoint`` was written by a launch with other settings than this one (a relaunched YAML
+    into an output_dir another run has since taken continued that run without a word); None when they agree or
+    its marker does not say."""
+    there = recorded_run(checkpoint, "launch")
+    if there is None:
+        return None
+    differences = [f"{key}: {_show(key, there[key])} there, {_show(key, launch[key])} here"
+                   for key in launch if key not in _WHEN and key in there and there[key] != launch[key]]
+    if not differences:
+        return None
+    return (f"resuming {checkpoint}, which a run launched with other settings wrote (started {there.get('started')} "
+            f"on {there.get('host')}): {'; '.join(differences)}. This run continues that one; to start it afresh, "
+            "give it another output_dir.")
 
 
 def check_adapters(adapters: list[str] | None, identity: dict[str, Any]) -> None:

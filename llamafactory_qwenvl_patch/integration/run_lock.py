@@ -1,10 +1,17 @@
 """One ``output_dir``, one run: a training run holds a lock on its ``output_dir`` for the life of its process.
 
 Two runs started into one folder both trained: each resumed or overwrote the other's checkpoints, ``trainer_log.jsonl``
-held every step twice and a GRPO run's start trimmed the other's logs. The lock is ``fcntl.flock`` on
-``output_dir/.qwenvl_run.lock``: the kernel releases it when the holding process exits, however it dies, so a killed
-run never leaves it held. The file records who holds it (pid, host, start), which the refusal names. Taken by one
-process per run (the caller decides which: global rank 0); on NFS v4 flock is the server's lock, seen by every node.
+held every step twice and a GRPO run's start trimmed the other's logs. Two ``fcntl.flock`` locks, which the kernel
+releases when the holding process exits, however it dies, so a killed run never leaves them held:
+
+- on the folder itself (a descriptor of the directory): deleting ``.qwenvl_run.lock``, which users clean as a
+  leftover, let a second run lock a new file and train to the end beside the first;
+- on ``output_dir/.qwenvl_run.lock``, which records who holds it (pid, host, start) for the refusal, and is the lock
+  other nodes see on shared storage (NFS v4 takes flock on a file as the server's lock; on a directory it stays on
+  the node that took it).
+
+Taken by one process per run (the caller decides which: global rank 0). Processes it forks (dataloader workers) close
+both descriptors: a fork shares the locks, so workers outliving a killed run kept its folder locked.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import time
 from pathlib import Path
 
 LOCK_FILE = ".qwenvl_run.lock"
-_HELD: dict[str, int] = {}  # resolved output_dir -> the descriptor holding its lock, open until the process exits
-# filesystems without locks (some FUSE mounts): the run goes on unguarded rather than not at all
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_HELD: dict[str, tuple[int, ...]] = {}  # resolved output_dir -> the descriptors holding its locks, open until exit
+# filesystems without locks (some FUSE mounts; EBADF: a network filesystem refusing a lock on a read-only
+# descriptor, as a directory's is): that lock is skipped
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
 
 
 class RunLockedError(RuntimeError):
@@ -35,34 +43,66 @@ def lock_output_dir(output_dir: str | os.PathLike) -> str | None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    held: list[int] = []
+    try:
+        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        if _flock(folder_fd, output_dir, path) is None:  # first: a refused run must not recreate a deleted file
+            held.append(folder_fd)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        unlockable = _flock(fd, output_dir, path)
+    except BaseException:
+        for descriptor in held:
+            os.close(descriptor)
+        raise
+    if unlockable is None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        held.append(fd)
+    if held:
+        _HELD[str(folder)] = tuple(held)
+        return None
+    return (f"cannot lock {path} ({unlockable}): this filesystem has no file locks, so nothing stops a second run "
+            "from starting into the same output_dir; start one run per output_dir")
+
+
+def _flock(fd: int, output_dir: str | os.PathLike, path: Path) -> str | None:
+    """Lock ``fd``: None when held; the reason when the filesystem cannot lock it (``fd`` then closed). Raises
+    RunLockedError naming the holder (``fd`` closed) when another process holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
     except BlockingIOError:
-        holder = _holder(fd)
         os.close(fd)
         raise RunLockedError(
-            f"output_dir {output_dir} is in use by another run: {holder} holds {path}. Two runs in one output_dir "
+            f"output_dir {output_dir} is in use by another run: {_holder(path)}. Two runs in one output_dir "
             "overwrite each other's checkpoints and logs, so this one stops before loading anything. Wait for that "
             "run to end (or stop it), or give this run another output_dir.") from None
     except OSError as exc:
         os.close(fd)
         if exc.errno in _NO_LOCKS:
-            return (f"cannot lock {path} ({exc.strerror}): this filesystem has no file locks, so nothing stops a "
-                    "second run from starting into the same output_dir; start one run per output_dir")
+            return exc.strerror or errno.errorcode.get(exc.errno, str(exc.errno))
         raise
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, record, 0)
-    _HELD[str(folder)] = fd
-    return None
 
 
-def _holder(fd: int) -> str:
+def _holder(path: Path) -> str:
     """Who holds the lock, as its file records it."""
     try:
-        record = json.loads(os.pread(fd, 4096, 0))
-        return f"pid {record['pid']} on {record['host']} (started {record['started']})"
+        record = json.loads(path.read_bytes())
+        return f"pid {record['pid']} on {record['host']} (started {record['started']}) holds {path}"
+    except FileNotFoundError:
+        return (f"a live process holds the folder's lock (its lock file {path} was deleted, so it cannot say which; "
+                "deleting it does not free the folder)")
     except (OSError, ValueError, KeyError, TypeError):
-        return "another process (it has not written its pid yet)"
+        return f"another process holds {path} (it has not written its pid yet)"
+
+
+def _close_in_child() -> None:
+    """In a forked child: close the run's lock descriptors (a fork shares the locks; only the run may hold them)."""
+    for descriptors in _HELD.values():
+        for descriptor in descriptors:
+            os.close(descriptor)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)

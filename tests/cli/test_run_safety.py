@@ -75,6 +75,53 @@ def test_a_locked_output_dir_is_refused_by_name_and_freed_when_its_holder_dies(t
     lock_output_dir(out)  # the same process may train into it again, one run after the other
 
 
+FORKING_HOLDER = """
+import multiprocessing, sys, time
+from llamafactory_qwenvl_patch.integration.run_lock import lock_output_dir
+lock_output_dir(sys.argv[1])
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))  # as a dataloader worker
+worker.start()
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_deleting_the_lock_file_does_not_free_the_folder(tmp_path):
+    """Issue 51, class 10: the lock was the file's. Deleting ``.qwenvl_run.lock`` under a live run let a second
+    run lock a new file and train into the folder to the end, the two runs' steps interleaved."""
+    from llamafactory_qwenvl_patch.integration.run_lock import LOCK_FILE, RunLockedError, lock_output_dir
+
+    out = tmp_path / "out"
+    holder = hold_lock(out)
+    try:
+        (out / LOCK_FILE).unlink()
+        with pytest.raises(RunLockedError) as refused:
+            lock_output_dir(out)
+        assert "was deleted" in str(refused.value) and str(out) in str(refused.value), refused.value
+        assert not (out / LOCK_FILE).exists()  # the refused run left no file that would name nobody
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock_output_dir(out)
+
+
+def test_a_forked_worker_does_not_keep_a_killed_run_s_lock(tmp_path):
+    """Issue 51, class 10: a fork shares flock locks, so dataloader workers of a SIGKILLed run held its folder
+    until they noticed their parent was gone. The run's forked children close the lock's descriptors."""
+    from llamafactory_qwenvl_patch.integration.run_lock import lock_output_dir
+
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    worker = int(run.stdout.readline())
+    try:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        os.kill(worker, 0)  # the worker lives on
+        lock_output_dir(out)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
 def rotate_as_the_trainer_does(run: Path, limit: int) -> None:
     """The rotation transformers runs inside ``Trainer._save_checkpoint``, before any on_save callback (a module
     function since transformers 5, a Trainer method in 4.x)."""
@@ -179,6 +226,13 @@ def test_sft_resumes_from_the_last_complete_checkpoint(sft_run, tmp_path):
     assert train_args(config, logged)[2].resume_from_checkpoint == str(out / "checkpoint-2")
     for name in ("checkpoint-4", "checkpoint-3"):
         assert any(line.startswith(f"skipping {out / name}: ") for line in logged), logged
+    assert not [line for line in logged if "launched with other settings" in line]  # the same launch resumes
+    # issue 51: a YAML relaunched into an output_dir another run has since taken continued it without a word
+    logged = []
+    train_args({**config, "learning_rate": 3.0e-4, "seed": 7}, logged)
+    other = [line for line in logged if "launched with other settings" in line]
+    assert len(other) == 1 and other[0].startswith(f"resuming {out / 'checkpoint-2'}, which a run"), logged
+    assert "learning_rate: 0.0001 there, 0.0003 here; seed: 42 there, 7 here" in other[0], other
     with pytest.raises(ValueError, match="resume_from_checkpoint .*checkpoint-3 cannot be resumed from"):
         train_args({**config, "resume_from_checkpoint": str(out / "checkpoint-3")})
     (out / "checkpoint-2" / MARKER).unlink()  # item 2: the only checkpoint left was killed before its marker

@@ -223,14 +223,25 @@ def test_to_original_and_image_checks(tmp_path):
 
 
 def test_unread_data_urls_are_named_by_their_type():
-    from llamafactory_qwenvl_patch.integration.api_checks import unread_data_urls
+    """Images: the types LF's pattern decodes. Videos (issue 51, class 8): every container the plugin reads, by its
+    registered name or LF's, relabelled for LF's pattern (which knew four names and tried a webm as a web address);
+    anything else, and a data URL not in base64, is named."""
+    from llamafactory_qwenvl_patch.integration.api_checks import relabel_video_data_urls, unread_data_urls
 
-    def request(*urls):
-        items = [SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)) for url in urls]
+    def request(*urls, kind="image_url"):
+        items = [SimpleNamespace(type=kind, **{kind: SimpleNamespace(url=url)}) for url in urls]
         return SimpleNamespace(messages=[SimpleNamespace(content=[*items, SimpleNamespace(type="text", text="hi")])])
 
     assert unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
-    assert unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA")) == ["image/webp", "typeless"]
+    assert unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA", "data:image/png,AA")) == [
+        ("image_url", "image/webp"), ("image_url", "typeless"), ("image_url", "image/png (not base64, or empty)")]
+    videos = request(*(f"data:video/{name};base64,AA" for name in (
+        "webm", "x-matroska", "quicktime", "x-msvideo", "mp4", "mkv", "mov", "avi", "WebM")), kind="video_url")
+    assert unread_data_urls(videos) == []
+    relabel_video_data_urls(videos)
+    assert {item.video_url.url for item in videos.messages[0].content[:-1]} == {"data:video/mp4;base64,AA"}
+    assert unread_data_urls(request("data:video/x-flv;base64,AA", "data:video/webm,AA", kind="video_url")) == [
+        ("video_url", "video/x-flv"), ("video_url", "video/webm (not base64, or empty)")]
 
 
 def test_local_media_paths_are_read_by_resolved_containment_with_one_answer(tmp_path):
@@ -275,6 +286,7 @@ def test_video_requests_are_served_in_the_training_video_frame(servers, folders)
     """A video request (a local path and the same clip as a base64 data URL) to the pinned folder: the prompt holds
     exactly the policy's frame groups (the folder's recorded video policy, no key in the serving YAML); the plain
     folder's stock path gives another count."""
+    import openai
     from helpers import write_clip
 
     from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
@@ -294,9 +306,21 @@ def test_video_requests_are_served_in_the_training_video_frame(servers, folders)
         return server.client.chat.completions.create(model="test", messages=[{"role": "user", "content": content}],
                                                      temperature=0, max_tokens=4).usage.prompt_tokens
 
-    as_data_url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+    def as_data_url(path: Path, media_type: str) -> str:
+        return f"data:{media_type};base64," + base64.b64encode(path.read_bytes()).decode()
+
     text_only = tokens(servers["pinned"], None)
-    assert tokens(servers["pinned"], str(clip)) == tokens(servers["pinned"], as_data_url) == text_only + expected
+    assert tokens(servers["pinned"], str(clip)) == tokens(servers["pinned"], as_data_url(clip, "video/mp4")) == (
+        text_only + expected)
+    # issue 51, class 8: a webm (a type LF's pattern does not know) as a data URL was "Only HTTP/HTTPS URLs are
+    # allowed"; it is served as its path is. A type the plugin does not read is a 400 naming it and those it reads.
+    webm = write_clip(media / "clip.webm", 3, 10, 320, 180, "libvpx")
+    assert tokens(servers["pinned"], as_data_url(webm, "video/webm")) == tokens(servers["pinned"], str(webm)) == (
+        text_only + expected)
+    with pytest.raises(openai.BadRequestError) as caught:
+        tokens(servers["pinned"], as_data_url(webm, "video/x-flv"))
+    detail = caught.value.response.json()["detail"]
+    assert "video/x-flv data URL" in detail and "webm, mkv, mov, avi" in detail, detail
     assert tokens(servers["plain"], str(clip)) != text_only + expected
     assert "and its video policy" in servers["pinned"].logfile.read_text()
 

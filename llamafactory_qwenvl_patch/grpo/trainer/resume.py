@@ -107,15 +107,16 @@ def sha256(path: Path) -> str:
 
 
 def mark_complete(folder: str | os.PathLike, step: int) -> None:
-    """Write the marker last: every file of the checkpoint with its size and sha256, and the identity of the run
-    that wrote it (from its ``output_dir``'s run record, when there is one)."""
+    """Write the marker last: every file of the checkpoint with its size and sha256, and the identity and launch of
+    the run that wrote it (from its ``output_dir``'s run record, when there is one)."""
     folder = Path(folder)
     files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
     marker: dict[str, Any] = {"global_step": step, "files": files}
     record = read_run_record(folder.parent)
-    if record is not None and isinstance(record.get("identity"), dict):
-        marker["run"] = record["identity"]
+    for key, name in (("identity", "run"), ("launch", "launch")):
+        if record is not None and isinstance(record.get(key), dict):
+            marker[name] = record[key]
     _write_json(folder / MARKER, marker)
 
 
@@ -125,19 +126,22 @@ def forget_marker(folder: str | os.PathLike) -> None:
     Path(folder, MARKER).unlink(missing_ok=True)
 
 
-def recorded_run(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The identity of the run that wrote a checkpoint, as its marker records it (None before markers did)."""
+def recorded_run(folder: str | os.PathLike, key: str = "run") -> dict[str, Any] | None:
+    """The identity (``key="launch"``: the launch) of the run that wrote a checkpoint, as its marker records it
+    (None before markers did)."""
     try:
-        run = json.loads(Path(folder, MARKER).read_text()).get("run")
+        run = json.loads(Path(folder, MARKER).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
     return run if isinstance(run, dict) else None
 
 
-def write_run_record(output_dir: str | os.PathLike, identity: dict[str, Any]) -> None:
-    """Record that the run in ``output_dir`` marks its checkpoints, and what it is; written before its first one."""
+def write_run_record(output_dir: str | os.PathLike, identity: dict[str, Any],
+                     launch: dict[str, Any] | None = None) -> None:
+    """Record that the run in ``output_dir`` marks its checkpoints, and what it is (its identity, and the settings
+    of this launch that each marker copies); written before its first one."""
     _write_json(Path(output_dir, RUN_FILE), {
-        "identity": identity,
+        "identity": identity, **({"launch": launch} if launch is not None else {}),
         "note": f"every checkpoint-N here is complete only with its {MARKER}, and is resumed only by a run with "
                 "this identity"})
 

@@ -223,6 +223,7 @@ def export(source: Path, workdir: Path, template: str, bin_dir: Path | None = No
     result = run_cli(["llamafactory-cli", "export"], config, workdir, bin_dir=bin_dir)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "written in the portable layout" in result.stdout + result.stderr
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # the folder LF wrote into is gone
     return out
 
 
@@ -285,22 +286,61 @@ def test_pinned_export_reads_the_same_in_transformers_4_57(tmp_path, transformer
     assert read_with(transformers_457, folder) == [truth]
 
 
-@pytest.mark.parametrize("blocked", ["preprocessor_config.json", "qwenvl_policy.json", "chat_template.jinja"])
-def test_an_export_whose_frame_files_cannot_land_fails_by_name(tiny_model, tmp_path, monkeypatch, blocked):
-    """Issue 41, class 5: LF's ``export_model`` swallows a failed tokenizer or processor save ("Cannot save
-    tokenizer", exit 0); a pinned export then had no policy and loaded in the stock frame. A folder standing where
-    a frame file goes now fails the export, naming the folder, the file and the swallowed error."""
+def export_in_process(tiny_model: Path, out: Path) -> None:
+    """LF's ``export_model`` of a pinned tiny model, in this process."""
     from llamafactory.train.tuner import export_model
 
+    export_model({"model_name_or_path": str(tiny_model), "template": "qwen2_vl", "qwenvl_patch": True,
+                  "image_min_pixels": MIN, "image_max_pixels": MAX, "export_dir": str(out), "infer_dtype": "float32"})
+
+
+@pytest.mark.parametrize("failing", ["policy record", "portable rewrite"])
+def test_a_failed_export_leaves_nothing_that_loads(tiny_model, tmp_path, monkeypatch, failing):
+    """Issue 41, class 5: LF's ``export_model`` swallows a failed processor save ("Cannot save tokenizer", exit 0).
+    Issue 51, class 11: the export then failed by name, but left the weights in export_dir, a folder transformers
+    loaded without the policy, in the processor's default bounds. A full disk in the plugin's own writers (the
+    policy record the processor's save writes; the portable rewrite after LF) now leaves nothing, and says so: an
+    export_dir the export created is gone, one that was there is as empty as it was."""
+    import errno
+
+    from llamafactory_qwenvl_patch.integration import model_patch
+    from llamafactory_qwenvl_patch.integration.tuner_patch import ExportError
+    from llamafactory_qwenvl_patch.model_files import portable
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "export"
+    if failing == "policy record":
+        monkeypatch.setattr(model_patch, "write_policy_record", full_disk)
+    else:
+        monkeypatch.setattr(portable, "_write_json", full_disk)
+        out.mkdir()
+    with pytest.raises(ExportError) as caught:
+        export_in_process(tiny_model, out)
+    message = str(caught.value)
+    assert "No space left on device" in message and "Nothing of this export is left" in message, message
+    if failing == "policy record":
+        assert f"export to {out} is incomplete: it lacks qwenvl_policy.json" in message, message
+        assert "which this export created, is gone" in message and not out.exists(), message
+    else:
+        assert f"export to {out} failed" in message and "is as it was, empty" in message, message
+        assert list(out.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["export"] if failing != "policy record" else [])
+
+
+def test_an_export_into_a_folder_with_files_is_refused_untouched(tiny_model, tmp_path, monkeypatch):
+    """Issue 51, class 11: LF writes into export_dir whatever it holds, so a stale file could be read before the
+    new ones (a single ``model.safetensors`` beside new shards) and the user's files were replaced. A pinned export
+    into a folder that holds anything stops, naming it, and changes nothing there."""
     from llamafactory_qwenvl_patch.integration.tuner_patch import ExportError
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "export"
-    (out / blocked).mkdir(parents=True)
-    with pytest.raises(ExportError) as caught:
-        export_model({"model_name_or_path": str(tiny_model), "template": "qwen2_vl", "qwenvl_patch": True,
-                      "image_min_pixels": MIN, "image_max_pixels": MAX, "export_dir": str(out),
-                      "infer_dtype": "float32"})
-    message = str(caught.value)
-    assert f"export to {out} is incomplete" in message and "must not be served" in message, message
-    assert blocked in message, message
+    (out / "preprocessor_config.json").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=f"export_dir {out} is not empty: it holds notes.txt, preprocessor_config"):
+        export_in_process(tiny_model, out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "preprocessor_config.json"]
+    assert (out / "notes.txt").read_text() == "mine" and not any((out / "preprocessor_config.json").iterdir())
