@@ -44,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(
         input=args.input, output=args.output, target=spec_from_args(args).stamp, input_coords=args.input_coords,
-        fmt=args.format, image_dir=args.image_dir, video_dir=args.video_dir, exif=args.exif, workers=args.workers, shard=args.shard,
-        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
+        fmt=args.format, image_dir=args.image_dir, video_dir=args.video_dir, exif=args.exif, workers=args.workers,
+        shard=args.shard, skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name,
+        answer_target=args.answer_target,
         prompt=args.prompt, prompt_preset=args.prompt_preset, refcoco_expressions=args.refcoco_expressions,
         progress=not args.quiet, overwrite=args.overwrite,
         coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group, crowd=args.coco_crowd, absent=args.coco_absent),
@@ -96,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="input format (default: auto, from the first record; .parquet is refcoco-parquet; a "
                       "'video' entry with 'track' is video-track, with 'timestamp' / 'timestamps' / 'span' video-span; "
                       "'VID START END##sentence' lines are charades-sta, an object of videos with 'timestamps' and "
-                      "'sentences' activitynet-captions, lines with 'vid', 'query' and 'relevant_windows' qvhighlights)")
+                      "'sentences' activitynet-captions, lines with 'vid', 'query' and 'relevant_windows' "
+                      "qvhighlights)")
     conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths, and of video paths unless "
                       "--video-dir is given (default: the input's folder; for COCO, the folder found as described "
                       "below)")

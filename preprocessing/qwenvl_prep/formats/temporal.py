@@ -32,6 +32,7 @@ PROMPTS = {
                    '[{"time": seconds, "bbox_2d": [x1, y1, x2, y2]}].',
 }
 MEDIA_TAGS = ("<image>", "<video>", "<audio>")
+QUERY_KEY = "query"  # meta: a record's query, which a video prompt preset asks again in its own words
 ORIGIN_KEY = "origin"  # where a record comes from in its file ("entry 3"): convert's error rows name it
 _SPAN_KEYS = ("timestamp", "span", "timestamps")
 _QUERY_KEYS = ("query", "sentence", "caption")
@@ -136,7 +137,7 @@ def span_records(entry: dict, prompt: str) -> list[dict]:
     out = []
     for number, (query, span) in enumerate(pairs):
         answer = json.dumps({"span": _span(span, video, query)})
-        extra = {"query": query, **({"sentence_index": number} if isinstance(sentences, list) else {})}
+        extra = {QUERY_KEY: query, **({"sentence_index": number} if isinstance(sentences, list) else {})}
         out.append(video_record(video, prompt, query, answer, _meta(entry, extra), declared))
     return out
 
@@ -165,7 +166,7 @@ def track_records(entry: dict, prompt: str) -> list[dict]:
             raise RecordError(f"{where}: its box {box!r} has no area")
         answer.append({"time": point["time"], "bbox_2d": box,
                        "label": point["label"] if isinstance(point.get("label"), str) else label})
-    return [video_record(video, prompt, query, json.dumps(answer), _meta(entry, {"query": query}),
+    return [video_record(video, prompt, query, json.dumps(answer), _meta(entry, {QUERY_KEY: query}),
                          _duration(entry, video))]
 
 

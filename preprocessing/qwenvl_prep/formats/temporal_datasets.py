@@ -31,7 +31,7 @@ from llamafactory_qwenvl_patch.scoring.json_text import Number
 from qwenvl_prep.formats.benchmarks import FORMAT_KEY
 from qwenvl_prep.formats.json_array import ArraySyntaxError, iter_object_members
 from qwenvl_prep.formats.records import RecordError, meta_text
-from qwenvl_prep.formats.temporal import ORIGIN_KEY, PROMPTS as SPAN_PROMPTS, query_text, video_record
+from qwenvl_prep.formats.temporal import ORIGIN_KEY, PROMPTS as SPAN_PROMPTS, QUERY_KEY, query_text, video_record
 
 FORMATS = ("charades-sta", "activitynet-captions", "qvhighlights")
 PROMPTS = {
@@ -167,7 +167,7 @@ def _charades_line(folder: ClipFolder, prompt: str, number: int, line: str, wher
     span = _window([_time(start, "start"), _time(end, "end")])
     query = query_text(sentence)
     clip = folder.find(video_id, CLIP_NAMES["charades-sta"])
-    meta = {"vid": video_id, "query": query, "line": number, FORMAT_KEY: "charades-sta"}
+    meta = {"vid": video_id, QUERY_KEY: query, "line": number, FORMAT_KEY: "charades-sta"}
     return _record(clip, prompt, query, [span], meta, {}, ", ".join(where))
 
 
@@ -228,7 +228,8 @@ def iter_activitynet(path: Path, folder: ClipFolder, prompt: str) -> Iterator[di
             here = f"{where}, sentence {index}"
             try:
                 query = query_text(sentence)
-                meta = {"vid": video_id, "query": query, "sentence_index": index, FORMAT_KEY: "activitynet-captions"}
+                meta = {"vid": video_id, QUERY_KEY: query, "sentence_index": index,
+                        FORMAT_KEY: "activitynet-captions"}
                 yield _record(clip, prompt, query, [_window(pair)], meta, declared, here)
             except RecordError as error:
                 yield RecordError(f"{here}: {error}")
@@ -259,7 +260,7 @@ def _qvhighlights_line(folder: ClipFolder, prompt: str, number: int, line: str, 
     clip = folder.find(video_id, CLIP_NAMES["qvhighlights"])
     scalars = {key: value for key, value in entry.items()
                if key != "duration" and isinstance(value, (str, bool, Number))}
-    meta = {**scalars, "query": query, "line": number, FORMAT_KEY: "qvhighlights"}
+    meta = {**scalars, QUERY_KEY: query, "line": number, FORMAT_KEY: "qvhighlights"}
     return _record(clip, prompt, query, spans, meta, declared, ", ".join(where), several=True)
 
 

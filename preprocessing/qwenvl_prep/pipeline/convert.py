@@ -121,9 +121,10 @@ def _preset_prompt(opts: ConvertOptions, fmt: str) -> tuple[str, str]:
         raise ConvertError(f"--prompt-preset {preset.name} is for {' / '.join(BENCHMARK_FORMATS[preset.name])} input; "
                            f"{opts.input} is read as {fmt}")
     if preset.answer != "json":
+        labels = "span" if preset.video else "bbox_2d / point_2d"
         raise ConvertError(f"the {preset.name} preset for {preset.family} is answered with {ANSWERS[preset.answer]}, "
-                           "but convert writes bbox_2d / point_2d JSON labels: training on them would teach that "
-                           f"prompt another answer. Evaluate with it instead (qwenvl-prep predict --prompt-preset "
+                           f"but convert writes {labels} JSON labels: training on them would teach that prompt "
+                           "another answer. Evaluate with it instead (qwenvl-prep predict --prompt-preset "
                            f"{preset.name}), or give --prompt")
     return preset.template, preset.target
 

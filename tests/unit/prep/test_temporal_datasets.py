@@ -22,7 +22,8 @@ from qwenvl_prep.formats.temporal_datasets import CLIP_NAMES, PROMPTS, ClipFolde
 
 FLAGS = ["--min-pixels", "3136", "--max-pixels", "200704", "--video-min-pixels", "256", "--video-max-pixels", "4096",
          "-q", "--workers", "1"]
-SPAN_PROMPT = 'When does "{}" happen in the video? Output its start and end in seconds as JSON: {{"span": [start, end]}}.'
+SPAN_PROMPT = ('When does "{}" happen in the video? Output its start and end in seconds as JSON: '
+               '{{"span": [start, end]}}.')
 QVH = "NUyK5oHvqUA_210.0_360.0"
 
 
