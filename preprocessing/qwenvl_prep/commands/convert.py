@@ -11,9 +11,10 @@ from qwenvl_prep.formats.benchmarks import DEFAULT_TARGET, PROMPTS
 from qwenvl_prep.formats.coco import CROWD_MODES, DEFAULT_PROMPT as DEFAULT_COCO_PROMPT
 from qwenvl_prep.formats.prompt_presets import PRESET_NAMES
 from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS
+from qwenvl_prep.formats.temporal_datasets import FORMATS as DATASET_FORMATS, PROMPTS as DATASET_PROMPTS
 from qwenvl_prep.commands.options import add_policy_flags, count, print_summary, spec_from_args
 
-FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET, *VIDEO_FORMATS]
+FORMATS = ["auto", "sharegpt", "alpaca", "jsonl", "coco", *DEFAULT_TARGET, *VIDEO_FORMATS, *DATASET_FORMATS]
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -43,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(
         input=args.input, output=args.output, target=spec_from_args(args).stamp, input_coords=args.input_coords,
-        fmt=args.format, image_dir=args.image_dir, exif=args.exif, workers=args.workers, shard=args.shard,
-        skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
+        fmt=args.format, image_dir=args.image_dir, video_dir=args.video_dir, exif=args.exif, workers=args.workers,
+        shard=args.shard, skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name,
+        answer_target=args.answer_target,
         prompt=args.prompt, prompt_preset=args.prompt_preset, refcoco_expressions=args.refcoco_expressions,
         progress=not args.quiet, overwrite=args.overwrite,
         coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group, crowd=args.coco_crowd, absent=args.coco_absent),
@@ -93,9 +95,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "Required when records have coordinates; never guessed")
     conv.add_argument("--format", choices=FORMATS, default="auto",
                       help="input format (default: auto, from the first record; .parquet is refcoco-parquet; a "
-                      "'video' entry with 'track' is video-track, with 'timestamp' / 'timestamps' / 'span' video-span)")
-    conv.add_argument("--image-dir", type=Path, help="base folder of relative image and video paths (default: the "
-                      "input's folder; for COCO, the folder found as described below)")
+                      "'video' entry with 'track' is video-track, with 'timestamp' / 'timestamps' / 'span' video-span; "
+                      "'VID START END##sentence' lines are charades-sta, an object of videos with 'timestamps' and "
+                      "'sentences' activitynet-captions, lines with 'vid', 'query' and 'relevant_windows' "
+                      "qvhighlights)")
+    conv.add_argument("--image-dir", type=Path, help="base folder of relative image paths, and of video paths unless "
+                      "--video-dir is given (default: the input's folder; for COCO, the folder found as described "
+                      "below)")
+    conv.add_argument("--video-dir", type=Path, help="base folder of relative video paths; for charades-sta, "
+                      "activitynet-captions and qvhighlights the folder that holds the clips, found by video id "
+                      "(default: --image-dir, else the input's folder)")
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
@@ -128,7 +137,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--prompt", help="ScreenSpot / RefCOCO prompt template, {instruction} is replaced (default: "
                       f"{PROMPTS['point']!r} for points, {PROMPTS['box']!r} for boxes); video-span / video-track "
                       f"template, {{query}} is replaced (default: {VIDEO_PROMPTS['video-span']!r} and "
-                      f"{VIDEO_PROMPTS['video-track']!r})")
+                      f"{VIDEO_PROMPTS['video-track']!r}; charades-sta and activitynet-captions take video-span's; "
+                      f"qvhighlights, whose answers list every window: {DATASET_PROMPTS['qvhighlights']!r})")
     conv.add_argument("--prompt-preset", choices=PRESET_NAMES,
                       help="ScreenSpot / RefCOCO: the prompt (and target) that Qwen's published numbers for the "
                       "run's family were measured with, where it is answered in JSON (RefCOCO on Qwen2.5-VL, "

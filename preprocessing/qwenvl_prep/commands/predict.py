@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | None, Any]:
     """The jobs of a converted dataset (its own prompts, or each record's instruction in the words of
     ``--prompt-preset``), the preset, and the dataset; ValueError naming the first record that cannot be asked."""
-    from qwenvl_prep.formats.benchmarks import FORMAT_KEY, INSTRUCTION_KEY
+    from qwenvl_prep.formats.benchmarks import FORMAT_KEY
     from qwenvl_prep.formats.converted import iter_samples, resolve_dataset
     from qwenvl_prep.formats.prompt_presets import BENCHMARK_FORMATS, preset_for
     from qwenvl_prep.pipeline.predict import folder_family
@@ -98,11 +98,12 @@ def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | No
         prompt = sample.prompt.replace(tag, "").strip()
         if preset is not None:
             meta = sample.meta if isinstance(sample.meta, dict) else {}
-            instruction, formats = meta.get(INSTRUCTION_KEY), BENCHMARK_FORMATS[preset.name]
-            if meta.get(FORMAT_KEY) not in formats or not isinstance(instruction, str) or is_video(source):
+            instruction, formats = meta.get(preset.meta_key), BENCHMARK_FORMATS[preset.name]
+            if meta.get(FORMAT_KEY) not in formats or not isinstance(instruction, str) or \
+                    is_video(source) != preset.video:
                 raise ValueError(
                     f"record {sample.index} of {ref.path} is not a {' / '.join(formats)} record converted by "
-                    f"qwenvl-prep convert ({meta.get(FORMAT_KEY) or 'no meta.source_format'}; meta.instruction "
+                    f"qwenvl-prep convert ({meta.get(FORMAT_KEY) or 'no meta.source_format'}; meta.{preset.meta_key} "
                     f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset asks "
                     "each record's own instruction, which convert keeps in meta since presets came; convert the "
                     "benchmark file again")
@@ -214,9 +215,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pred.add_argument("--prompt", help="prompt for every image")
     pred.add_argument("--dataset", type=Path, help="converted dataset: its images and prompts, labels kept for eval")
     pred.add_argument("--prompt-preset", choices=PRESET_NAMES,
-                      help="with --dataset (a converted ScreenSpot / RefCOCO file): ask each record's instruction in "
-                      "the words Qwen's published numbers for the folder's family were measured with, system prompt "
-                      "and answer format included (docs/evaluation.md lists the presets and their sources)")
+                      help="with --dataset (a converted ScreenSpot / RefCOCO file, or Charades-STA / ActivityNet "
+                      "Captions / QVHighlights for timelens): ask each record's instruction in the words the "
+                      "published numbers for the folder's family were measured with, system prompt and answer format "
+                      "included (docs/evaluation.md lists the presets and their sources)")
     pred.add_argument("-o", "--output", type=Path, help="JSONL output (default: stdout), written batch by batch to "
                       "OUTPUT.partial: a stopped run started again with the same settings continues where it "
                       "stopped; the model, prompt, settings and versions are recorded in OUTPUT.settings.json (for "

@@ -1,5 +1,6 @@
-"""Benchmark prompt presets: the prompts that published Qwen-VL numbers on RefCOCO / RefCOCO+ / RefCOCOg and
-ScreenSpot / ScreenSpot-v2 / ScreenSpot-Pro were measured with, per model family, each with its source.
+"""Benchmark prompt presets: the prompts that published Qwen-VL numbers on RefCOCO / RefCOCO+ / RefCOCOg,
+ScreenSpot / ScreenSpot-v2 / ScreenSpot-Pro and temporal grounding (Charades-STA, ActivityNet Captions, QVHighlights,
+as TimeLens measured them) were measured with, per model family, each with its source.
 
 A benchmark number moves with its prompt (a Qwen2.5-VL-3B REC score went from 73.7 to 82.1 by prompt alone), so a
 number is comparable with a published one only under the same prompt. A preset is the prompt's user text (the
@@ -12,17 +13,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from llamafactory_qwenvl_patch.scoring import json_text
+from qwenvl_prep.formats.benchmarks import INSTRUCTION_KEY
+from qwenvl_prep.formats.temporal import QUERY_KEY
 
-BENCHMARK_FORMATS = {"refcoco": ("refcoco-parquet",), "screenspot": ("screenspot", "screenspot-pro")}
+BENCHMARK_FORMATS = {"refcoco": ("refcoco-parquet",), "screenspot": ("screenspot", "screenspot-pro"),
+                     "timelens": ("charades-sta", "activitynet-captions", "qvhighlights")}
 PRESET_NAMES = tuple(BENCHMARK_FORMATS)
 ANSWERS = {
     "json": "bbox_2d / point_2d JSON in the family's coordinates",
     "box_tokens": "<|box_start|>(x1,y1),(x2,y2)<|box_end|>, 0-1000 (a box's centre is its click)",
     "computer_use": "a computer_use tool call; its coordinate (model-frame pixels) is the click",
+    "event_text": "'The event happens in <start time> - <end time> seconds' in words; its first time pair is the span",
 }
 
 # ScreenSpot-Pro's Qwen2.5-VL system prompt (likaixin2000/ScreenSpot-Pro-GUI-Grounding models/qwen2_5vl.py at
@@ -92,8 +98,21 @@ class PromptPreset:
     source: str
     system: str | None = None
     prefill: str = ""
+    clean_query: bool = False  # whitespace collapsed and trailing periods dropped, as the source's loader does
+
+    @property
+    def video(self) -> bool:
+        """Whether it asks about a clip (its records' query in ``meta.query``) rather than an image
+        (``meta.instruction``)."""
+        return self.target == "span"
+
+    @property
+    def meta_key(self) -> str:
+        return QUERY_KEY if self.video else INSTRUCTION_KEY
 
     def user_text(self, instruction: str) -> str:
+        if self.clean_query:  # TencentARC/TimeLens timelens/dataset/timelens_data.py parse_query (df35740, line 10)
+            instruction = re.sub(r"\s+", " ", instruction).strip().strip(".").strip()
         return self.template.replace("{instruction}", instruction)
 
     def system_text(self, width: int, height: int) -> str | None:
@@ -105,8 +124,14 @@ class PromptPreset:
     def read_answer(self, generated: str) -> tuple[str, str, str | None]:
         """(the answer as the model wrote it, prefill included; the answer as eval reads it; why it holds no
         coordinates, or None). A computer_use call becomes ``[{"point_2d": [x, y]}]`` (a 4-number coordinate: its
-        centre, as the source scores it); the other answers are read as they are."""
+        centre, as the source scores it); an answer in words its first time pair as ``{"span": [start, end]}``; the
+        other answers are read as they are."""
         raw = self.prefill + generated
+        if self.answer == "event_text":
+            pairs = event_time_pairs(raw)
+            if not pairs:
+                return raw, raw, "the answer holds no pair of times"
+            return raw, json.dumps({"span": list(pairs[0])}), None
         if self.answer != "computer_use":
             return raw, raw, None
         point = computer_use_click(raw)
@@ -117,7 +142,8 @@ class PromptPreset:
     def record(self) -> dict[str, Any]:
         """What predict's settings record of the prompt (and eval --report prints)."""
         return {"preset": self.name, "family": self.family, "template": self.template, "system": self.system,
-                "prefill": self.prefill, "answer": self.answer, "source": self.source}
+                "prefill": self.prefill, "answer": self.answer, "source": self.source,
+                **({"clean_query": True} if self.clean_query else {})}
 
 
 _QWEN3_NOTE = " Qwen3.5 has no published prompt of its own; it answers in Qwen3-VL's convention and takes this one."
@@ -135,6 +161,11 @@ _SOURCES = {
                              "models/qwen2_5vl.py (bd8bbbb, lines 20-66 and 160): the Qwen2.5-VL cookbook's "
                              "computer_use tool as system prompt, the instruction as user text, the answer prefilled "
                              "to the left_click coordinate (model-input pixels)",
+    "timelens": "TimeLens' own evaluation code, TencentARC/TimeLens evaluation/utils.py (df35740, lines 8-11, "
+                "GROUNDER_PROMPT), with which its README's Qwen2.5-VL-7B-Instruct and Qwen3-VL-8B-Instruct numbers on "
+                "Charades-, ActivityNet- and QVHighlights-TimeLens were measured; the query cleaned as "
+                "timelens/dataset/timelens_data.py parse_query, the answer's first time pair read as "
+                "timelens/utils.py extract_time reads it",
 }
 
 
@@ -153,6 +184,10 @@ def _presets() -> dict[tuple[str, str], PromptPreset]:
                      _SOURCES["screenspot/qwen2_vl"]),
         PromptPreset("screenspot", "qwen2_5_vl", "{instruction}", "point", "computer_use",
                      _SOURCES["screenspot/qwen2_5_vl"], system=COMPUTER_USE_SYSTEM, prefill=COMPUTER_USE_PREFILL),
+        *(PromptPreset("timelens", family, "Please find the visual event described by the sentence '{instruction}', "
+                       "determining its starting and ending times. The format should be: 'The event happens in "
+                       "<start time> - <end time> seconds'.", "span", "event_text", _SOURCES["timelens"],
+                       clean_query=True) for family in ("qwen2_5_vl", "qwen3_vl")),
     ]
     return {(preset.name, preset.family): preset for preset in table}
 
@@ -161,8 +196,10 @@ PRESETS = _presets()
 _NO_QWEN3_SCREENSPOT = ("ScreenSpot prompt is published (Qwen3-VL's evaluation code covers ODinW-13, MathVision, "
                         "RealWorldQA, VideoMME and MMMU; its GUI cookbook is a multi-step agent prompt, not a "
                         "grounding one)")
+_NO_TIMELENS = "TimeLens measured Qwen2.5-VL-7B-Instruct and Qwen3-VL-8B-Instruct only"
 _MISSING = {("screenspot", "qwen3_vl"): "no Qwen3-VL " + _NO_QWEN3_SCREENSPOT,
-            ("screenspot", "qwen3_5"): "no Qwen3-VL or Qwen3.5 " + _NO_QWEN3_SCREENSPOT}
+            ("screenspot", "qwen3_5"): "no Qwen3-VL or Qwen3.5 " + _NO_QWEN3_SCREENSPOT,
+            ("timelens", "qwen2_vl"): _NO_TIMELENS, ("timelens", "qwen3_5"): _NO_TIMELENS}
 
 
 def preset_for(name: str, family: str) -> PromptPreset:
@@ -198,3 +235,27 @@ def computer_use_click(text: str) -> list[float] | None:
         return None
     point = [coords[0] / 2 + coords[2] / 2, coords[1] / 2 + coords[3] / 2] if len(coords) == 4 else list(coords)
     return point if all(math.isfinite(v) for v in point) else None
+
+
+_CLOCK = re.compile(r"\b(\d{1,2}:\d{2}:\d{2}(?:\.\d+)?|\d{1,2}:\d{2}(?:\.\d+)?)\b")
+_RANGES = (re.compile(r"(\d+\.?\d*)\s*-\s*(\d+\.?\d*)"), re.compile(r"(\d+\.?\d*)\s+to\s+(\d+\.?\d*)"))
+_NUMBER = re.compile(r"\b(\d+\.\d+|\d+)\b")
+
+
+def event_time_pairs(text: str) -> list[tuple[float, float]]:
+    """The (start, end) seconds pairs of an answer in words, as TimeLens' extract_time finds them (timelens/utils.py,
+    df35740, lines 28-85): clock times (``01:02.5``, ``1:02:03``) paired in order; else ``a - b`` or ``a to b``
+    pairs; else any numbers, paired in order. Pairs are kept as found (an inverted one scores 0)."""
+    text = text.lower()
+    clock = _CLOCK.findall(text)
+    clock = clock[:len(clock) // 2 * 2]
+    if clock:
+        seconds = [sum(float(part) * 60 ** place for place, part in enumerate(reversed(t.split(":")))) for t in clock]
+        return list(zip(seconds[::2], seconds[1::2]))
+    for pattern in _RANGES:
+        pairs = pattern.findall(text)
+        if pairs:
+            return [(float(start), float(end)) for start, end in pairs]
+    numbers = [float(n) for n in _NUMBER.findall(text)]
+    numbers = numbers[:len(numbers) // 2 * 2]
+    return list(zip(numbers[::2], numbers[1::2]))

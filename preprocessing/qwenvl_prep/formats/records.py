@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llamafactory_qwenvl_patch.scoring import json_text
-from qwenvl_prep.formats.json_array import ArraySyntaxError, iter_array_items, top_level_keys
+from qwenvl_prep.formats.json_array import ArraySyntaxError, iter_array_items, iter_object_members, top_level_keys
 from qwenvl_prep.lf.dataset_rules import not_carried
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -66,14 +67,42 @@ def _value(raw: Any) -> Any:
         return RecordError(f"record is not valid JSON: {exc}")
 
 
+_CHARADES_LINE = re.compile(rb"\S+[ \t]+[-+.\deE]+[ \t]+[-+.\deE]+##")  # VID START END##sentence
+
+
+def _first_line(path: Path) -> bytes:
+    """The file's first line that is not blank (its first 64 KiB at most), byte-order mark skipped."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    head = head[3:] if head.startswith(_BOM) else head
+    return next((line.strip() for line in head.splitlines() if line.strip()), b"")
+
+
+def _first_member(f: Any) -> Any:
+    """The value of the first member of the JSON object ``f`` holds, parsed; None when it holds no object."""
+    try:
+        _, raw = next(iter_object_members(f))
+        return json.loads(raw)
+    except (StopIteration, ValueError):
+        return None
+
+
 def detect_format(path: Path) -> str:
-    """Guess the format from the first record (COCO from its top-level keys, parquet from its suffix)."""
+    """Guess the format from the first record (COCO from its top-level keys, ActivityNet Captions from its first
+    video, Charades-STA from its first line, parquet from its suffix)."""
     if path.suffix == ".parquet":
         return "refcoco-parquet"
+    if _CHARADES_LINE.match(_first_line(path)):
+        return "charades-sta"
     if path.suffix != ".jsonl":
         with open(path, "rb") as f:
             if f.read(3) != _BOM:
                 f.seek(0)
+            start = f.tell()
+            first = _first_member(f)
+            if isinstance(first, dict) and {"timestamps", "sentences"} <= set(first):
+                return "activitynet-captions"
+            f.seek(start)
             keys: set[str] = set()
             for key in top_level_keys(f):  # COCO's own order puts a long 'images' list before 'annotations'
                 keys.add(key)
@@ -83,6 +112,8 @@ def detect_format(path: Path) -> str:
         if isinstance(value, RecordError):
             continue  # a bad first line is its own error row; the format comes from the next good one
         if isinstance(value, dict):
+            if {"vid", "query"} <= set(value) and {"relevant_windows", "qid"} & set(value):
+                return "qvhighlights"
             if "video" in value and not {"messages", "conversations", "instruction"} & set(value):
                 if "track" in value:
                     return "video-track"
@@ -98,7 +129,8 @@ def detect_format(path: Path) -> str:
                 return "jsonl"
         break
     raise RecordError(f"{path}: cannot tell the format from its first records (empty, or none of sharegpt, alpaca, "
-                      "plain JSONL or COCO); pass --format")
+                      "plain JSONL, COCO, ScreenSpot, video-span, video-track, Charades-STA, ActivityNet Captions or "
+                      "QVHighlights); pass --format")
 
 
 def _type(value: Any) -> str:

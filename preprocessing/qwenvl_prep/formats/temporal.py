@@ -32,6 +32,8 @@ PROMPTS = {
                    '[{"time": seconds, "bbox_2d": [x1, y1, x2, y2]}].',
 }
 MEDIA_TAGS = ("<image>", "<video>", "<audio>")
+QUERY_KEY = "query"  # meta: a record's query, which a video prompt preset asks again in its own words
+ORIGIN_KEY = "origin"  # where a record comes from in its file ("entry 3"): convert's error rows name it
 _SPAN_KEYS = ("timestamp", "span", "timestamps")
 _QUERY_KEYS = ("query", "sentence", "caption")
 _CARRIED = {"video", "track", "sentences", "duration", *_SPAN_KEYS, *_QUERY_KEYS}  # convert writes meta.duration
@@ -59,14 +61,22 @@ def _video(entry: dict) -> str | list[str]:
     raise RecordError(f"entry needs 'video': a path (or a frame list: a list of image paths), got {video!r}")
 
 
-def _query(value: Any, video: Any) -> str:
+def query_text(value: Any) -> str:
+    """A record's query, stripped: non-empty text without a media tag (LF would read one as another media item)."""
     if not isinstance(value, str) or not value.strip():
-        raise RecordError(f"video {_name(video)}: the query must be non-empty text, got {value!r}")
+        raise RecordError(f"the query must be non-empty text, got {value!r}")
     tag = next((tag for tag in MEDIA_TAGS if tag in value), None)
     if tag:
-        raise RecordError(f"video {_name(video)}: the query {value[:80]!r} contains {tag}, which LLaMA-Factory would "
-                          "read as another media item")
+        raise RecordError(f"the query {value[:80]!r} contains {tag}, which LLaMA-Factory would read as another media "
+                          "item")
     return value.strip()
+
+
+def _query(value: Any, video: Any) -> str:
+    try:
+        return query_text(value)
+    except RecordError as error:
+        raise RecordError(f"video {_name(video)}: {error}") from None
 
 
 def _name(video: Any) -> str:
@@ -99,7 +109,8 @@ def _meta(entry: dict, extra: dict) -> dict:
     return {**scalars, **extra}
 
 
-def _record(video: Any, prompt: str, query: str, answer: str, meta: dict, declared: dict) -> dict:
+def video_record(video: Any, prompt: str, query: str, answer: str, meta: dict, declared: dict) -> dict:
+    """The canonical record of one video question: the prompt with its query after the video's tag, the answer."""
     return {"messages": [{"role": "user", "content": "<video>" + prompt.replace("{query}", query)},
                          {"role": "assistant", "content": answer}],
             "images": [], "videos": [video], "meta": meta, **declared}
@@ -126,8 +137,8 @@ def span_records(entry: dict, prompt: str) -> list[dict]:
     out = []
     for number, (query, span) in enumerate(pairs):
         answer = json.dumps({"span": _span(span, video, query)})
-        extra = {"query": query, **({"sentence_index": number} if isinstance(sentences, list) else {})}
-        out.append(_record(video, prompt, query, answer, _meta(entry, extra), declared))
+        extra = {QUERY_KEY: query, **({"sentence_index": number} if isinstance(sentences, list) else {})}
+        out.append(video_record(video, prompt, query, answer, _meta(entry, extra), declared))
     return out
 
 
@@ -155,7 +166,8 @@ def track_records(entry: dict, prompt: str) -> list[dict]:
             raise RecordError(f"{where}: its box {box!r} has no area")
         answer.append({"time": point["time"], "bbox_2d": box,
                        "label": point["label"] if isinstance(point.get("label"), str) else label})
-    return [_record(video, prompt, query, json.dumps(answer), _meta(entry, {"query": query}), _duration(entry, video))]
+    return [video_record(video, prompt, query, json.dumps(answer), _meta(entry, {QUERY_KEY: query}),
+                         _duration(entry, video))]
 
 
 _READERS = {"video-span": span_records, "video-track": track_records}
@@ -171,7 +183,8 @@ def iter_temporal(path: Path, fmt: str, prompt: str) -> Iterator[dict | RecordEr
             entry = json.loads(raw)
             if not isinstance(entry, dict):
                 raise RecordError(f"a {fmt} entry is an object, got {type(entry).__name__}")
-            yield from _READERS[fmt](entry, prompt)
+            for record in _READERS[fmt](entry, prompt):
+                yield {**record, ORIGIN_KEY: f"entry {number}"}
         except RecordError as error:
             yield RecordError(f"entry {number}: {error}")
         except (ValueError, RecursionError) as error:

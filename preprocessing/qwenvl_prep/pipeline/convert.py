@@ -28,6 +28,7 @@ from qwenvl_prep.formats.prompt_presets import ANSWERS, BENCHMARK_FORMATS, Prese
 from qwenvl_prep.formats.records import detect_format, iter_raw
 from qwenvl_prep.formats.temporal import FORMATS as VIDEO_FORMATS, PROMPTS as VIDEO_PROMPTS, iter_temporal
 from qwenvl_prep.formats.temporal import check_prompt as check_query_prompt
+from qwenvl_prep.formats.temporal_datasets import FORMATS as DATASET_FORMATS, PROMPTS as DATASET_PROMPTS, iter_dataset
 from qwenvl_prep.pipeline.convert_record import (
     ConvertError, Job, Result, Source, convert_chunk, init_convert_worker, set_job,
 )
@@ -48,6 +49,7 @@ class ConvertOptions:
     input_coords: str | None = None
     fmt: str = "auto"
     image_dir: Path | None = None
+    video_dir: Path | None = None  # relative video paths and a dataset's clips (default: image_dir)
     exif: str = "error"
     workers: int = 1
     shard: tuple[int, int] = (0, 1)
@@ -76,6 +78,7 @@ def _input_stamp(path: Path) -> Stamp | None:
 
 
 ORIGINAL_PIXEL_FORMATS = ("coco", *DEFAULT_TARGET)  # formats whose coordinates are original pixels by definition
+QUERY_FORMATS = (*VIDEO_FORMATS, *DATASET_FORMATS)  # video formats whose prompt is a template with {query}
 
 
 def _source(opts: ConvertOptions, fmt: str) -> Source:
@@ -118,9 +121,10 @@ def _preset_prompt(opts: ConvertOptions, fmt: str) -> tuple[str, str]:
         raise ConvertError(f"--prompt-preset {preset.name} is for {' / '.join(BENCHMARK_FORMATS[preset.name])} input; "
                            f"{opts.input} is read as {fmt}")
     if preset.answer != "json":
+        labels = "span" if preset.video else "bbox_2d / point_2d"
         raise ConvertError(f"the {preset.name} preset for {preset.family} is answered with {ANSWERS[preset.answer]}, "
-                           "but convert writes bbox_2d / point_2d JSON labels: training on them would teach that "
-                           f"prompt another answer. Evaluate with it instead (qwenvl-prep predict --prompt-preset "
+                           f"but convert writes {labels} JSON labels: training on them would teach that prompt "
+                           "another answer. Evaluate with it instead (qwenvl-prep predict --prompt-preset "
                            f"{preset.name}), or give --prompt")
     return preset.template, preset.target
 
@@ -135,7 +139,8 @@ def _image_store(opts: ConvertOptions) -> ImageStore:
     return ImageStore(folder)
 
 
-def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None, images: ImageStore | None) -> Iterable:
+def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None, images: ImageStore | None, video_dir: Path
+            ) -> Iterable:
     """The input's raw records, in file order."""
     if coco is not None:
         return coco
@@ -147,6 +152,8 @@ def _stream(opts: ConvertOptions, fmt: str, coco: CocoReader | None, images: Ima
         return iter_screenspot(opts.input, fmt, target, prompt)
     if fmt in VIDEO_FORMATS:
         return iter_temporal(opts.input, fmt, opts.prompt or VIDEO_PROMPTS[fmt])
+    if fmt in DATASET_FORMATS:
+        return iter_dataset(opts.input, fmt, video_dir, opts.prompt or DATASET_PROMPTS[fmt])
     return iter_raw(opts.input)
 
 
@@ -213,19 +220,23 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     source = _source(opts, fmt)
     if opts.prompt_preset is not None:
         opts.prompt, opts.answer_target = _preset_prompt(opts, fmt)
-    if opts.prompt is not None and (fmt in DEFAULT_TARGET or fmt in VIDEO_FORMATS):
+    if opts.prompt is not None and (fmt in DEFAULT_TARGET or fmt in QUERY_FORMATS):
         try:
-            (check_query_prompt if fmt in VIDEO_FORMATS else check_prompt)(opts.prompt)
+            (check_query_prompt if fmt in QUERY_FORMATS else check_prompt)(opts.prompt)
         except ValueError as error:
             raise ConvertError(str(error)) from None
     coco, image_dir = None, opts.image_dir or opts.input.parent
     if fmt == "coco":
         coco = CocoReader(opts.input, opts.coco)
         image_dir = opts.image_dir or find_image_dir(opts.input, coco.coco.file_names())
-    job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(opts.output.parent.resolve()),
-              str(opts.input), "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *VIDEO_FORMATS) else fmt)
+    video_dir = opts.video_dir or opts.image_dir or opts.input.parent
+    if not video_dir.is_dir():
+        raise ConvertError(f"the video folder {video_dir} (--video-dir) is not a folder")
+    job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(video_dir.resolve()),
+              str(opts.output.parent.resolve()), str(opts.input),
+              "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *QUERY_FORMATS) else fmt)
     images = _image_store(opts) if fmt == "refcoco-parquet" else None
-    stream = _stream(opts, fmt, coco, images)
+    stream = _stream(opts, fmt, coco, images, video_dir)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
     stats: Counter = Counter()
     extra: dict[str, Any] = {}

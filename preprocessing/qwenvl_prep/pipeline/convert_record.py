@@ -24,6 +24,7 @@ from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
 from qwenvl_prep.formats.records import RecordError, to_record
+from qwenvl_prep.formats.temporal import ORIGIN_KEY
 from qwenvl_prep.lf.dataset_rules import record_problem
 from qwenvl_prep.pipeline import convert_video
 from qwenvl_prep.plumbing.imageinfo import ImageInfo, bake_exif, read_info
@@ -48,6 +49,7 @@ class Job:
     source: Source
     exif: str
     image_root: str
+    video_root: str  # relative video paths (and a dataset's clips found by id) lie here
     out_dir: str
     source_file: str
     fmt: str
@@ -104,8 +106,9 @@ def _info(path: str) -> ImageInfo:
     return info
 
 
-def _resolve(path: str, job: Job) -> str:
-    """A local path for an image reference; URLs and data URIs are refused by name (never a mangled path)."""
+def _resolve(path: str, root: str) -> str:
+    """A local path for an image or video reference under ``root``; URLs and data URIs are refused by name (never a
+    mangled path)."""
     if path.startswith("file://localhost/"):
         path = path[len("file://localhost"):]
     elif path.startswith("file://"):
@@ -116,7 +119,7 @@ def _resolve(path: str, job: Job) -> str:
                           "local paths")
     if "\0" in path:
         raise RecordError(f"image path {path[:80]!r} contains a NUL byte")
-    return os.path.normpath(os.path.join(job.image_root, path))
+    return os.path.normpath(os.path.join(root, path))
 
 
 def _output_path(path: str, job: Job) -> str:
@@ -165,15 +168,16 @@ def _check_declared_size(source: str, declared: list[int], image: str, info: Ima
 def convert_record(index: int, raw: Any, job: Job) -> Result:
     """Convert one raw input record; every failure becomes an error row naming record, file and image."""
     result = Result(index)
-    image = None
+    image = origin = None
     try:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
             raise record
+        origin = record.get(ORIGIN_KEY)  # a video dataset's line or entry, for the error row
         if (problem := record_problem(record)) is not None:
             raise RecordError(problem)
-        images = [_resolve(p, job) for p in record["images"]]
-        videos = convert_video.resolve_videos(record.get("videos") or [], lambda p: _resolve(p, job))
+        images = [_resolve(p, job.image_root) for p in record["images"]]
+        videos = convert_video.resolve_videos(record.get("videos") or [], lambda p: _resolve(p, job.video_root))
         image = images[0] if images else (convert_video.name(videos[0]) if videos else None)
         result.videos, result.media = len(videos), image
         result.video_kind = convert_video.kind(videos[0]) if videos else None
@@ -244,6 +248,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         result.line = orjson.dumps(out).decode()
     except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
+        message = f"{origin}: {message}" if isinstance(origin, str) else message
         result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
     return result
 

@@ -10,13 +10,13 @@ import re
 import shutil
 
 import pytest
-from helpers import save_image
+from helpers import save_image, write_clip
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from qwenvl_prep.cli import main
 from qwenvl_prep.formats.prompt_presets import (
-    BENCHMARK_FORMATS, COMPUTER_USE_PREFILL, PRESETS, PresetError, computer_use_click, preset_for,
+    BENCHMARK_FORMATS, COMPUTER_USE_PREFILL, PRESETS, PresetError, computer_use_click, event_time_pairs, preset_for,
 )
 from qwenvl_prep.pipeline.predict import FolderModel
 
@@ -38,7 +38,7 @@ def test_every_preset_names_its_source_and_places_the_instruction_once():
     assert {name for name, _ in PRESETS} == set(BENCHMARK_FORMATS)
     for preset in PRESETS.values():
         assert preset.template.count("{instruction}") == 1 and preset.source
-        assert preset.target in ("point", "box")
+        assert preset.target in ("point", "box", "span")
         # a system prompt or prefill only where the source has one, and then its answer is a tool call
         assert (preset.system is None and preset.prefill == "") == (preset.answer != "computer_use")
     with pytest.raises(PresetError, match="no Qwen3-VL ScreenSpot prompt is published.*qwen2_5_vl, qwen2_vl"):
@@ -175,3 +175,78 @@ def test_predict_asks_the_records_in_the_presets_words(screenspot, tiny_model, t
         out = tmp_path / "refused.jsonl"
         assert main(["predict", *args, "-o", str(out)]) != 0
         assert re.search(why, capsys.readouterr().err) and not out.exists()
+
+
+def test_the_timelens_prompt_is_the_sources_and_cleans_the_query_as_its_loader_does():
+    """TencentARC/TimeLens evaluation/utils.py (df35740, lines 8-11) GROUNDER_PROMPT with the query in its '{}', the
+    query cleaned as timelens_data.py parse_query does (whitespace collapsed, trailing periods dropped)."""
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        assert preset_for("timelens", family).user_text("  person  turn a\nlight on.. ") == (
+            "Please find the visual event described by the sentence 'person turn a light on', determining its "
+            "starting and ending times. The format should be: 'The event happens in <start time> - <end time> "
+            "seconds'.")
+    for family in ("qwen2_vl", "qwen3_5"):
+        with pytest.raises(PresetError, match="TimeLens measured Qwen2.5-VL-7B-Instruct and Qwen3-VL-8B-Instruct"):
+            preset_for("timelens", family)
+
+
+@pytest.mark.parametrize("generated, pairs", [
+    ("The event happens in 64.0 - 72.0 seconds.", [(64.0, 72.0)]),
+    ("The event happens in 3 - 5 seconds, 8 - 9 seconds.", [(3.0, 5.0), (8.0, 9.0)]),
+    ("From 00:23.5 to 01:02.", [(23.5, 62.0)]),  # clock times first, as extract_time reads them
+    ("It starts at 1:00:02 and ends at 1:00:10.5", [(3602.0, 3610.5)]),
+    ("It happens from 12 to 18.5 seconds", [(12.0, 18.5)]),
+    ("Starting time: 0.8 seconds. Ending time: 1.1 seconds", [(0.8, 1.1)]),  # any numbers, paired in order
+    ("The event happens in 9 - 4 seconds.", [(9.0, 4.0)]),  # inverted: kept, scored 0
+    ("I cannot tell.", []),
+    ("at 7 seconds", []),
+])
+def test_a_timelens_answer_is_its_first_time_pair(generated, pairs):
+    assert event_time_pairs(generated) == pairs
+    raw, read, unread = preset_for("timelens", "qwen3_vl").read_answer(generated)
+    assert raw == generated
+    if pairs:
+        assert json.loads(read) == {"span": list(pairs[0])} and unread is None
+    else:
+        assert read == raw and unread == "the answer holds no pair of times"
+
+
+def test_predict_asks_video_records_in_timelens_words(tiny_model, tmp_path, capsys):
+    """``predict --prompt-preset timelens`` on a converted Charades-STA file: each clip asked its own query in
+    TimeLens' words, the answer read as a span for eval; refused on images, on records of other formats, and by
+    convert (its answers are words, convert's labels span JSON)."""
+    root = tmp_path / "charades"
+    root.mkdir()
+    write_clip(root / "3MSZA.mp4", 2, 10, 96, 64)
+    (root / "charades_sta_test.txt").write_text("3MSZA 0.0 1.5##person turn a light on.\n3MSZA 1 2##  person sits.\n")
+    data = tmp_path / "data" / "charades.jsonl"
+    assert main(["convert", str(root / "charades_sta_test.txt"), "-o", str(data), *FRAME, "--workers", "1",
+                 "-q"]) == 0
+    capsys.readouterr()
+    model = _folder(tiny_model, tmp_path)
+    preds = tmp_path / "preds.jsonl"
+    assert main(["predict", str(model), "--dataset", str(data), "--prompt-preset", "timelens", "-o", str(preds),
+                 "--max-new-tokens", "4"]) == 0
+    rows = [json.loads(line) for line in preds.read_text().splitlines()]
+    preset = preset_for("timelens", "qwen2_5_vl")
+    assert [row["prompt"] for row in rows] == [preset.user_text("person turn a light on"),
+                                               preset.user_text("person sits")]
+    for row in rows:  # random weights: either a pair of numbers read as a span, or no pair, said so
+        assert row["video"].endswith("3MSZA.mp4") and row["frames"] > 0
+        if row["parse_error"] is None:
+            assert list(json.loads(row["predict"])) == ["span"] and "raw_answer" in row
+        else:
+            assert row["parse_error"] == "the answer holds no pair of times" and "raw_answer" not in row
+    settings = json.loads(preds.with_name(preds.name + ".settings.json").read_text())
+    assert settings["prompt"] == preset.record() and settings["prompt"]["clean_query"] is True
+    assert main(["eval", str(data), "--predictions", str(preds)]) == 0
+    capsys.readouterr()
+    refused = [
+        (["predict", str(model), "--dataset", str(data), "--prompt-preset", "screenspot"],
+         "record 0 of .*charades.jsonl is not a screenspot / screenspot-pro record"),
+        (["convert", str(root / "charades_sta_test.txt"), "-o", str(tmp_path / "data" / "tl.jsonl"), *FRAME,
+          "--prompt-preset", "timelens"], "the timelens preset for qwen2_5_vl is answered with 'The event happens"),
+    ]
+    for args, why in refused:
+        assert main(args) != 0
+        assert re.search(why, capsys.readouterr().err)
