@@ -214,6 +214,18 @@ class VideoPlan:
         return self.groups * frame_tokens
 
 
+def video_processor_kwargs(plans: list[VideoPlan]) -> dict[str, Any]:
+    """A video request's ``mm_processor_kwargs``: the frames are final (``do_resize=False``: the engine-level pixel
+    bounds would otherwise become the Qwen3 video processor's budget over all frames). vLLM 0.28 hands an item's
+    metadata to the HF processor for the Qwen3 models only; Qwen2-VL's and Qwen2.5-VL's processor would take 24 fps
+    (``VideoMetadata.sampled_fps``'s default) and put the groups 1/12 s apart, so their plans' metadata go as the
+    processor's own ``video_metadata``, one per video of the request."""
+    kwargs: dict[str, Any] = {"do_resize": False}
+    if any(plan.clock != "stamps" for plan in plans):
+        kwargs["video_metadata"] = [plan.metadata(len(plan.indices)) for plan in plans]  # frames, padding included
+    return kwargs
+
+
 def clip_duration(frame_times: Sequence[float]) -> float:
     """A clip's length from its frames' presentation times: the last frame lasts as long as the median interval
     (a single frame: one second's worth is meaningless, so it lasts 0, and one frame is sampled)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video, read_policy_record
-from llamafactory_qwenvl_patch.frame.video import VideoPlan
+from llamafactory_qwenvl_patch.frame.video import VideoPlan, video_processor_kwargs
 from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image
 from llamafactory_qwenvl_patch.image_io.video import read_clip
 
@@ -76,8 +76,11 @@ def vllm_video_request(video: Any, folder: str | Path) -> tuple[dict[str, Any], 
             "video_url": {"url": "data:video/jpeg;base64," + ",".join(_png_data(frame) for frame in frames)}}
     extra: dict[str, Any] = {"media_io_kwargs": {"video": {
         "num_frames": -1, **clock, "duration": plan.duration, "do_sample_frames": False}}}
-    if server_resizes(folder, len(frames), frames[0].height, frames[0].width):
-        extra["mm_processor_kwargs"] = {"do_resize": False}
+    kwargs = video_processor_kwargs([plan])
+    if not server_resizes(folder, len(frames), frames[0].height, frames[0].width):
+        del kwargs["do_resize"]
+    if kwargs:
+        extra["mm_processor_kwargs"] = kwargs
     return part, extra
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.video import video_processor_kwargs
 from llamafactory_qwenvl_patch.grpo.generation.vllm_video import (
     VideoClip,
     check_videos,
@@ -236,8 +237,7 @@ class VLLMEngine:
 
     def _request(self, ids: list[int], pictures: list[Any], clips: list[VideoClip], index: int) -> dict[str, Any]:
         """vLLM's request: each image's pads and each video's stamps and groups as one placeholder, the images and
-        the clips with their clock; the frames are final (``do_resize=False``: the engine-level pixel bounds would
-        otherwise become the Qwen3 video processor's budget over all frames)."""
+        the clips with their clock (``video_processor_kwargs``)."""
         if clips:
             ids = collapse_videos(ids, clips, self.stamp_ids, self.video_ids, self.merge, index)
         request: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(ids, self.image_token_id)}
@@ -246,7 +246,7 @@ class VLLMEngine:
             data["image"] = pictures
         if clips:
             data["video"] = [clip.vllm_item() for clip in clips]
-            request["mm_processor_kwargs"] = {"do_resize": False}
+            request["mm_processor_kwargs"] = video_processor_kwargs([clip.plan for clip in clips])
         if data:
             request["multi_modal_data"] = data
         return request

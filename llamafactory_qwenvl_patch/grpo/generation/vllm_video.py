@@ -25,6 +25,7 @@ import numpy as np
 
 from llamafactory_qwenvl_patch.frame.video import VideoPlan
 
+
 class VideoFrameMismatchError(RuntimeError):
     """vLLM encoded a video in another grid, with other pads or stamps than the training batch."""
 
@@ -40,6 +41,7 @@ class VideoClip:
     def vllm_item(self) -> tuple[np.ndarray, dict[str, Any]]:
         """vLLM's ``multi_modal_data["video"]`` item: the frames and the plan's clock, not resampled."""
         return self.frames, {**self.plan.metadata(len(self.frames)), "do_sample_frames": False}
+
 
 
 @contextmanager

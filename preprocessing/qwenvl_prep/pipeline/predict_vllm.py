@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llamafactory_qwenvl_patch.frame.video import video_processor_kwargs
 from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import (
     CPU_KV_CACHE_GIB,
     engine_dtypes,
@@ -107,7 +108,7 @@ class VLLMPredictor(FolderModel):
         import numpy as np
 
         batch = self.read_clips(jobs, frame_list_fps)
-        requests = [{"prompt": text, "mm_processor_kwargs": {"do_resize": False},
+        requests = [{"prompt": text, "mm_processor_kwargs": video_processor_kwargs([plan]),
                      "multi_modal_data": {"video": (np.stack([np.asarray(frame) for frame in frames]),
                                                     {**plan.metadata(len(frames)), "do_sample_frames": False})}}
                     for text, frames, plan in zip(batch.texts, batch.frames, batch.plans)]
