@@ -2,10 +2,11 @@
 inside functions.
 
 The plugin: the frame core imports nothing else from the package; image I/O, scoring and the model-folder files
-import only the frame core; the GRPO stage imports those three and never LLaMA-Factory integration, which is imported
-only by the import hook (the GRPO stage's LF glue lives in integration); the ``qwenvl-prep`` tool never imports it (it
-runs without LF's internals). Inside the GRPO stage each part imports only those before it: algorithm, rollout,
-rewards, generation, trainer; its YAML keys (``grpo.args``) may import any.
+import only the frame core; GUI agents' environments (``agent``) import the frame core, image I/O and scoring; the
+GRPO stage imports the frame core, image I/O, scoring and ``agent``, never LLaMA-Factory integration, which is
+imported only by the import hook (the GRPO stage's LF glue lives in integration); the ``qwenvl-prep`` tool never
+imports it (it runs without LF's internals; its demos may import ``agent``). Inside the GRPO stage each part imports
+only those before it: algorithm, rollout, rewards, generation, trainer; its YAML keys (``grpo.args``) may import any.
 
 ``qwenvl-prep``: plumbing imports nothing else of the tool; what stock LF does (``lf``) imports only plumbing;
 dataset formats import plumbing and ``lf``; the work behind the commands (``pipeline``) and the demos import those
@@ -31,8 +32,9 @@ ALLOWED = {
     "image_io": CORE | {"image_io"},
     "scoring": CORE | {"scoring"},
     "model_files": CORE | {"model_files"},
-    "grpo": CORE | {"image_io", "scoring", "grpo"},
-    "integration": CORE | {"image_io", "scoring", "model_files", "grpo", "integration"},
+    "agent": CORE | {"image_io", "scoring", "agent"},
+    "grpo": CORE | {"image_io", "scoring", "agent", "grpo"},
+    "integration": CORE | {"image_io", "scoring", "model_files", "agent", "grpo", "integration"},
 }
 INTEGRATION_USERS = {f"{PKG}._hook"}
 GRPO_ORDER = ["algorithm", "rollout", "rewards", "generation", "trainer"]  # each part imports only those before it

@@ -198,12 +198,19 @@ def _check_nothing_left(text: str, sites: list[_Site], marker: re.Pattern[str] =
         raise AnswerError(f"the text has coordinates that cannot be read as {expected}: {around!r}")
 
 
-def _entry_item(kind: str, values: Any, entry: dict) -> Item:
+def read_coords(kind: str, values: Any) -> tuple[float, ...]:
+    """A ``bbox_2d`` (4 numbers) or ``point_2d`` (2) as finite floats; AnswerError for another arity or a value that
+    is not a finite number. Boxes, points and GUI actions (``actions``) read their coordinates here."""
     arity = 4 if kind == "bbox_2d" else 2
     if not isinstance(values, list) or len(values) != arity:
         raise AnswerError(f"{kind} must be a list of {arity} numbers, got {values!r}")
+    return tuple(read_number(v) for v in values)
+
+
+def _entry_item(kind: str, values: Any, entry: dict) -> Item:
+    coords = read_coords(kind, values)
     label = entry.get("label")
-    return Item(kind, tuple(read_number(v) for v in values), None if label is None else str(label))
+    return Item(kind, coords, None if label is None else str(label))
 
 
 def _token_item(text: str, site: _Site) -> Item:

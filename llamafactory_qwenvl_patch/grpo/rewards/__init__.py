@@ -2,5 +2,6 @@
 ``video``, ``length``), the rollout's logged statistics and hack monitors (``monitors``) and the greedy evaluation
 metrics (``evaluation``).
 
-May import: ``frame``, ``image_io``, ``scoring``, ``grpo.algorithm``, ``grpo.rollout`` and ``grpo.rewards``.
+May import: ``frame``, ``image_io``, ``scoring``, ``agent`` (its loader of user code), ``grpo.algorithm``,
+``grpo.rollout`` and ``grpo.rewards``.
 """

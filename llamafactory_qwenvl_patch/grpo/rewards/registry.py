@@ -9,8 +9,6 @@ a time), and each is counted.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import time
@@ -18,9 +16,9 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
+from llamafactory_qwenvl_patch.agent.loading import import_target
 from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN, RewardFunc, no_cheat_reward
 from llamafactory_qwenvl_patch.scoring.cheats import CheatRules
 
@@ -33,26 +31,7 @@ def load_reward(spec: str) -> tuple[str, RewardFunc]:
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: not a built-in ({', '.join(BUILTIN)}) and not module:function")
     target, name = spec.rsplit(":", 1)
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ValueError(f"reward {spec!r}: file {path} not found")
-            module_spec = importlib.util.spec_from_file_location(f"qwenvl_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except ValueError:
-        raise
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: a syntax error, a raise at import
-        if isinstance(exc, SyntaxError):
-            where = f"{exc.filename}, line {exc.lineno}"
-        else:
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            where = f"{frame.filename}, line {frame.lineno}"
-        raise ValueError(f"reward {spec!r}: {target} cannot be loaded: {type(exc).__name__}: {exc} "
-                         f"({where})") from None
+    module = import_target(target, f"reward {spec!r}", "qwenvl_reward_")
     func = getattr(module, name, None)
     if not callable(func):
         raise ValueError(f"reward {spec!r}: {target} has no function {name}")
