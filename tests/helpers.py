@@ -101,6 +101,20 @@ def cut_file(path: Path, out: Path, share: float = 0.5) -> Path:
     return out
 
 
+def set_display_rotation(path: Path, degrees: int) -> Path:
+    """An mp4 whose track header's display matrix turns its frames ``degrees`` clockwise, as phones write portrait
+    clips (the stored frames stay landscape)."""
+    import math
+    import struct
+
+    data = bytearray(path.read_bytes())
+    matrix = data.index(b"tkhd") + 4 + 40  # after version/flags, times, track id, duration, layer, volume
+    cos, sin = round(math.cos(math.radians(degrees))), round(math.sin(math.radians(degrees)))
+    struct.pack_into(">9i", data, matrix, cos << 16, sin << 16, 0, -sin << 16, cos << 16, 0, 0, 0, 1 << 30)
+    path.write_bytes(bytes(data))
+    return path
+
+
 def grounding_record(image: Path, answer: str = '[{"bbox_2d": [1, 2, 30, 40], "label": "box"}]') -> dict[str, Any]:
     return {
         "messages": [

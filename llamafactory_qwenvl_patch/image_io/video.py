@@ -143,6 +143,32 @@ def _probe_file(video: Any) -> Clip:
     return Clip(name, height, width, times, duration, pts=tuple(pts))
 
 
+def display_rotation(video: Any) -> int:
+    """Degrees clockwise a player turns a clip's stored frames to show it upright (a phone clip's display matrix:
+    0, 90, 180 or 270); training reads the stored frames. PyAV gives the matrix on decoded frames only, so the first
+    frame is decoded: one that does not decode is a VideoFileError (the clip would fail in training). Frame lists
+    have none: 0."""
+    import av
+
+    if is_frame_list(video):
+        return 0
+    video = rewindable(video)
+    name = describe(video)
+    container = _open_container(video, name)
+    try:
+        stream = _video_stream(container, name)
+        try:
+            frame = next(container.decode(stream), None)
+        except (av.FFmpegError, OSError) as exc:
+            raise VideoFileError(f"video {name}: its first frame does not decode ({exc}); the file is corrupt"
+                                 ) from None
+    finally:
+        container.close()
+    if frame is None:
+        raise VideoFileError(f"video {name}: no frame decodes; the file is corrupt")
+    return round(-frame.rotation) % 360
+
+
 def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
     name = f"frame list ({len(frames)} frames, first {describe(frames[0]) if frames else 'none'})"
     if not frames:
