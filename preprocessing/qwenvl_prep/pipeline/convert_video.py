@@ -89,6 +89,8 @@ def upright(video: str | list[str], clip: Clip, mode: str, out_dir: str, target:
         return video, clip
     degrees = _rotations.get(video)
     if degrees is None:
+        if len(_rotations) > 4096:
+            _rotations.clear()
         degrees = _rotations[video] = display_rotation(video)
     if degrees == 0 or mode == "raw":
         return video, clip

@@ -9,6 +9,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from llamafactory_qwenvl_patch.image_io.video import VideoFileError, probe
 
@@ -68,7 +69,7 @@ def _write_turned(source: str, target: str, turns: int) -> None:
         writer.mux(encoder.encode())
 
 
-def _encoder(writer, stream, width: int, height: int):
+def _encoder(writer: Any, stream: Any, width: int, height: int) -> Any:
     """An H.264 stream (MPEG-4 part 2 where PyAV has no x264) on the source's clock, without B-frames, so each
     frame is written at its own time."""
     import av
