@@ -74,14 +74,16 @@ def write_sharegpt(data_dir: Path, name: str, records: list[dict[str, Any]], col
     info_path.write_text(json.dumps(info, indent=2))
 
 
-def write_clip(path: Path, seconds: float, fps: int, width: int, height: int, codec: str = "mpeg4") -> Path:
+def write_clip(path: Path, seconds: float, fps: int, width: int, height: int, codec: str = "mpeg4",
+               options: dict[str, str] | None = None) -> Path:
     """A constant-rate clip encoded with PyAV (mpeg4 for .mp4 / .mkv, libvpx for .webm): a bar that grows from
-    the left, so every frame differs."""
+    the left, so every frame differs. ``options``: the muxer's (``{"movflags": "faststart"}``: an mp4 whose sample
+    table comes before its frames, as web and phone exports write it)."""
     import av
     import numpy as np
 
     count = int(round(seconds * fps))
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options=options or {}) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(count):
@@ -89,6 +91,27 @@ def write_clip(path: Path, seconds: float, fps: int, width: int, height: int, co
             pixels[:, : max(1, (i + 1) * width // count)] = (200, 120, 40)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         container.mux(stream.encode())
+    return path
+
+
+def cut_file(path: Path, out: Path, share: float = 0.5) -> Path:
+    """The first ``share`` of a file's bytes at ``out``: an interrupted copy or download."""
+    data = path.read_bytes()
+    out.write_bytes(data[:int(len(data) * share)])
+    return out
+
+
+def set_display_rotation(path: Path, degrees: int) -> Path:
+    """An mp4 whose track header's display matrix turns its frames ``degrees`` clockwise, as phones write portrait
+    clips (the stored frames stay landscape)."""
+    import math
+    import struct
+
+    data = bytearray(path.read_bytes())
+    matrix = data.index(b"tkhd") + 4 + 40  # after version/flags, times, track id, duration, layer, volume
+    cos, sin = round(math.cos(math.radians(degrees))), round(math.sin(math.radians(degrees)))
+    struct.pack_into(">9i", data, matrix, cos << 16, sin << 16, 0, -sin << 16, cos << 16, 0, 0, 0, 1 << 30)
+    path.write_bytes(bytes(data))
     return path
 
 

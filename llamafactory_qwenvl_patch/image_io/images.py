@@ -62,8 +62,12 @@ def require_regular_file(path: str | os.PathLike) -> None:
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise ImageError(f"image {path!r}: cannot open ({exc})") from None
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise ImageError(f"image {path}: is {kind}, not a regular file; only regular image files are read")
+        raise ImageError(f"image {path}: is {file_kind(mode)}, not a regular file; only regular image files are read")
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is (``a FIFO``, ``a directory``, ...), from its ``st_mode``."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def check_pixels(width: int, height: int, name: str) -> None:

@@ -19,6 +19,7 @@ from llamafactory_qwenvl_patch.frame.video import VideoError, VideoPlan, VideoPo
 from llamafactory_qwenvl_patch.image_io.images import (
     ImageError, check_pixels, describe, model_input_image, open_image, require_regular_file,
 )
+from llamafactory_qwenvl_patch.image_io.video_header import stated_length, truncation
 
 
 class VideoFileError(ImageError):
@@ -94,8 +95,12 @@ def _open_container(video: Any, name: str) -> Any:
 
 def _video_stream(container: Any, name: str) -> Any:
     stream = next((s for s in container.streams if s.type == "video"), None)
+    if stream is None and not container.streams:  # ffmpeg's mp4 muxer leaves out a stream that got no frame
+        raise VideoFileError(f"video {name}: has no frames (the file lists no stream at all: a recording that "
+                             "stopped before its first frame?)")
     if stream is None:
-        raise VideoFileError(f"video {name}: has no video stream")
+        kinds = ", ".join(sorted({str(s.type) for s in container.streams}))
+        raise VideoFileError(f"video {name}: has no video stream (only {kinds})")
     return stream
 
 
@@ -106,26 +111,62 @@ def _probe_file(video: Any) -> Clip:
     container = _open_container(video, name)
     try:
         stream = _video_stream(container, name)
-        pts = []
+        pts, end = [], None
         try:
             for packet in container.demux(stream):
                 if packet.pts is not None and packet.size and not packet.is_discard:  # edit-list cuts: not shown
                     pts.append(packet.pts)
+                    stop = packet.pts + (packet.duration or 0)
+                    end = stop if end is None else max(end, stop)
         except (av.FFmpegError, OSError) as exc:
             raise VideoFileError(f"video {name}: cannot read its packets ({exc}); the file is truncated or "
                                  "corrupt") from None
         width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
         base = float(stream.time_base) if stream.time_base else 0.0
+        start = stream.start_time
+        stated = stated_length(container, stream)
     finally:
         container.close()
     if not pts or base <= 0:
-        raise VideoFileError(f"video {name}: has no frames")
+        raise VideoFileError(f"video {name}: {truncation(stated, 0, 0.0, 0.0) or 'its video stream has no frames'}")
+    pts.sort()
+    times = tuple((p - pts[0]) * base for p in pts)
+    duration = clip_duration(times)
+    start = pts[0] if start is None else start
+    cut = truncation(stated, len(pts), max((pts[0] - start) * base + duration, (end - start) * base),
+                     duration - times[-1])
+    if cut:
+        raise VideoFileError(f"video {name}: {cut}")
     if width <= 0 or height <= 0:
         raise VideoFileError(f"video {name}: its stream has no frame size ({width}x{height})")
     check_pixels(width, height, f"video {name}")
-    pts.sort()
-    times = tuple((p - pts[0]) * base for p in pts)
-    return Clip(name, height, width, times, clip_duration(times), pts=tuple(pts))
+    return Clip(name, height, width, times, duration, pts=tuple(pts))
+
+
+def display_rotation(video: Any) -> int:
+    """Degrees clockwise a player turns a clip's stored frames to show it upright (a phone clip's display matrix:
+    0, 90, 180 or 270); training reads the stored frames. PyAV gives the matrix on decoded frames only, so the first
+    frame is decoded: one that does not decode is a VideoFileError (the clip would fail in training). Frame lists
+    have none: 0."""
+    import av
+
+    if is_frame_list(video):
+        return 0
+    video = rewindable(video)
+    name = describe(video)
+    container = _open_container(video, name)
+    try:
+        stream = _video_stream(container, name)
+        try:
+            frame = next(container.decode(stream), None)
+        except (av.FFmpegError, OSError) as exc:
+            raise VideoFileError(f"video {name}: its first frame does not decode ({exc}); the file is corrupt"
+                                 ) from None
+    finally:
+        container.close()
+    if frame is None:
+        raise VideoFileError(f"video {name}: no frame decodes; the file is corrupt")
+    return round(-frame.rotation) % 360
 
 
 def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:

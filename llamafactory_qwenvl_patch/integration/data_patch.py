@@ -1,15 +1,20 @@
 """Patches ``llamafactory.data.loader``: a pinned run refuses datasets converted for another frame and checks every
-image before LF's preprocessing workers read them, so a mismatch stops the run up front instead of training on
-misplaced coordinates."""
+image and clip before LF's preprocessing workers read them, so a mismatch stops the run up front instead of training
+on misplaced coordinates."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from types import ModuleType
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.patching import _replace
+
+
+# ``qwenvl_preflight_decode_videos`` of the run whose ``get_dataset`` is running (its pre-flight sees no model_args)
+_DECODE_VIDEOS: ContextVar[bool] = ContextVar("qwenvl_preflight_decode_videos", default=False)
 
 
 class StampMismatchError(ValueError):
@@ -60,7 +65,11 @@ def patch_data_loader(data_loader: ModuleType) -> None:
             if getattr(model_args, "qwenvl_patch", False) and isinstance(policy, ResizePolicy):
                 check_dataset_stamps(model_args, data_args, policy, getattr(plugin, "video_policy", None),
                                      getattr(plugin, "qwenvl_frame_list_fps", None))
-            return get_dataset(template, model_args, data_args, *args, **kwargs)
+            token = _DECODE_VIDEOS.set(bool(getattr(model_args, "qwenvl_preflight_decode_videos", False)))
+            try:
+                return get_dataset(template, model_args, data_args, *args, **kwargs)
+            finally:
+                _DECODE_VIDEOS.reset(token)
 
         return wrapper
 
@@ -72,9 +81,9 @@ def patch_data_loader(data_loader: ModuleType) -> None:
 
             plugin = getattr(template, "mm_plugin", None)
             if dataset is not None and isinstance(plugin, _PinnedStills):
-                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_images, check_dataset_records
+                from llamafactory_qwenvl_patch.integration.preflight import check_dataset_records
 
-                check_dataset_images(dataset, plugin.policy)
+                _check_media(dataset, data_args, plugin)
                 if stage == "sft":
                     check_dataset_records(dataset, template, args[0] if args else kwargs.get("tokenizer"), data_args,
                                           plugin.policy)
@@ -83,3 +92,19 @@ def patch_data_loader(data_loader: ModuleType) -> None:
         return wrapper
 
     _replace(data_loader, "_get_preprocessed_dataset", make)
+
+
+def _check_media(dataset: Any, data_args: Any, plugin: Any) -> None:
+    """Every image and clip checked (``preflight.check_dataset_media``); clips stored rotated logged in one warning."""
+    from llamafactory.extras import logging as lf_logging
+
+    from llamafactory_qwenvl_patch.integration.preflight import MAX_LISTED, check_dataset_media
+    from llamafactory_qwenvl_patch.integration.preflight_videos import VideoCheck
+
+    video = getattr(plugin, "video_policy", None)
+    videos = None if video is None else VideoCheck(video, plugin.qwenvl_frame_list_fps, _DECODE_VIDEOS.get())
+    notes = check_dataset_media(dataset, plugin.policy, getattr(data_args, "media_dir", None), videos)
+    if notes:
+        more = f"\n  ... and {len(notes) - MAX_LISTED} more" if len(notes) > MAX_LISTED else ""
+        lf_logging.get_logger("llamafactory.qwenvl_patch").warning_rank0(
+            f"{len(notes)} clip(s) stored rotated:\n  " + "\n  ".join(notes[:MAX_LISTED]) + more)

@@ -42,6 +42,13 @@ def patch_parser(parser: ModuleType) -> None:
                       "list of images) were taken; default (or null) video_fps, which LF assumes for every frame "
                       "list."},
         )
+        qwenvl_preflight_decode_videos: bool = field(
+            default=False,
+            metadata={"help": "Before the model loads, the pinned pre-flight probes every clip (packets and first "
+                      "frame); with true it also decodes each clip's sampled frames, as the collator will, so a clip "
+                      "damaged further in is named up front instead of failing at its batch (costs a decode of "
+                      "every clip)."},
+        )
         qwenvl_answer_coords: str = field(
             default="model",
             metadata={"help": "Coordinates in chat/API answers: `model` (what the model says) or `original` (mapped "

@@ -1,13 +1,14 @@
-"""Up-front image check of a pinned training run: every bad image is reported at once, by sample and file.
+"""Up-front media check of a pinned training run: every bad image and clip is reported at once, by sample and file.
 
-Runs before LLaMA-Factory's tokenization workers, where a bad file would otherwise surface as a PIL stack trace
-from a ``datasets.map`` worker, one file per attempt.
+Runs before LLaMA-Factory's tokenization workers, where a bad file would otherwise surface as a PIL or PyAV stack
+trace from a ``datasets.map`` worker, one file per attempt. Clips are probed by ``preflight_videos``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -16,14 +17,17 @@ from typing import Any, Iterator
 from PIL import Image
 
 from llamafactory_qwenvl_patch.image_io import jpeg
-from llamafactory_qwenvl_patch.image_io.images import ImageError, describe, open_image
+from llamafactory_qwenvl_patch.image_io.images import ImageError, describe, file_kind, open_image
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
+from llamafactory_qwenvl_patch.integration.preflight_videos import (
+    ClipResult, VideoCheck, check_clip, clip_key, rotation_note,
+)
 
 MAX_LISTED = 20
 
 
-class DatasetImageError(ValueError):
-    """One or more samples of the training data have unusable images."""
+class DatasetMediaError(ValueError):
+    """One or more samples of the training data have unusable images or clips."""
 
 
 def png_complete(data: bytes | mmap.mmap) -> bool:
@@ -111,38 +115,89 @@ def _prompt_excerpt(prompt: Any) -> str:
     return text[:60] + ("..." if len(text) > 60 else "")
 
 
-def _problems(dataset: Any, policy: ResizePolicy) -> Iterator[str]:
-    images = dataset["_images"]
-    prompts = dataset["_prompt"] if "_prompt" in dataset.column_names else [None] * len(images)
-    jobs = [(index, source) for index, sources in enumerate(images) for source in sources or []]
-
-    def run(job: tuple[int, Any]) -> str | None:
-        index, source = job
-        try:
-            check_image(source, policy)
-        except ImageError as exc:
-            return f"sample {index} ({_prompt_excerpt(prompts[index])!r}): {exc}"
+def lf_path_problem(kind: str, path: Any, media_dir: str | None) -> str | None:
+    """Why a media path of LF's aligned dataset is not the file the dataset meant, or None. LF 0.9.5's converter
+    (``_find_medias``) takes ``media_dir/path`` only when ``os.path.isfile`` says it is a regular file, and otherwise
+    keeps ``path`` as written, relative to the working directory: a FIFO or a folder in ``media_dir`` then sends LF
+    to a same-named file in the working directory, or to "file not found" naming neither place."""
+    if not isinstance(path, str) or not media_dir or os.path.isabs(path) or "://" in path:
         return None
+    meant = os.path.join(media_dir, path)
+    try:
+        mode = os.stat(meant).st_mode
+    except (OSError, ValueError):
+        if os.path.lexists(path):
+            return None  # LF reads the working directory's file, as it documents
+        return f"{kind} {path}: file not found (in media_dir {media_dir} nor in the working directory {os.getcwd()})"
+    if stat.S_ISREG(mode):
+        return None
+    return (f"{kind} {meant}: is {file_kind(mode)}, not a regular file; LLaMA-Factory then reads {path} relative "
+            f"to the working directory ({os.getcwd()}) instead")
+
+
+def _image_problem(source: Any, policy: ResizePolicy, media_dir: str | None) -> str | None:
+    problem = lf_path_problem("image", source, media_dir)
+    if problem is not None:
+        return problem
+    try:
+        check_image(source, policy)
+    except ImageError as exc:
+        return str(exc)
+    return None
+
+
+def _column(dataset: Any, name: str) -> list[Any]:
+    return dataset[name] if name in dataset.column_names else [None] * len(dataset)
+
+
+def _problems(dataset: Any, policy: ResizePolicy, media_dir: str | None, videos: VideoCheck | None
+              ) -> tuple[list[str], list[str], list[str]]:
+    """(image problems, video problems, rotated-clip notes), each problem naming its sample."""
+    prompts = _column(dataset, "_prompt")
+    image_jobs = [(index, source) for index, sources in enumerate(_column(dataset, "_images"))
+                  for source in sources or []]
+    video_jobs = [] if videos is None else [(index, video) for index, clips in enumerate(_column(dataset, "_videos"))
+                                            for video in clips or []]
+    clips = {clip_key(video): video for _, video in video_jobs}
+
+    def named(index: int, problem: str) -> str:
+        return f"sample {index} ({_prompt_excerpt(prompts[index])!r}): {problem}"
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for problem in pool.map(run, jobs, chunksize=64):
-            if problem is not None:
-                yield problem
+        images = pool.map(lambda job: _image_problem(job[1], policy, media_dir), image_jobs, chunksize=64)
+        image_problems = [named(index, problem) for (index, _), problem in zip(image_jobs, images) if problem]
+        results: dict[Any, ClipResult] = dict(zip(clips, pool.map(
+            lambda video: check_clip(video, videos, lambda path: lf_path_problem("video", path, media_dir)),
+            clips.values())))
+    video_problems = [named(index, results[clip_key(video)].problem) for index, video in video_jobs
+                      if results[clip_key(video)].problem]
+    notes = [rotation_note(clips[key], result.rotation) for key, result in results.items() if result.rotation]
+    return image_problems, video_problems, notes
 
 
-def check_dataset_images(dataset: Any, policy: ResizePolicy) -> None:
-    """Raise DatasetImageError listing the bad samples; streaming datasets are skipped (no random access)."""
+def check_dataset_media(dataset: Any, policy: ResizePolicy, media_dir: str | None = None,
+                        videos: VideoCheck | None = None) -> list[str]:
+    """Raise DatasetMediaError listing the samples with unusable images, and clips when ``videos`` says how the run
+    reads them; ``media_dir`` is LF's (``data_args.media_dir``), against which it resolved relative paths. Returns a
+    note per clip stored rotated. Streaming datasets are skipped (no random access)."""
     column_names = getattr(dataset, "column_names", None) or []
-    if "_images" not in column_names or not hasattr(dataset, "__len__"):
-        return
-    problems = list(_problems(dataset, policy))
+    if not {"_images", "_videos"} & set(column_names) or not hasattr(dataset, "__len__"):
+        return []
+    image_problems, video_problems, notes = _problems(dataset, policy, media_dir, videos)
+    problems = image_problems + video_problems
     if problems:
+        counts = " and ".join(f"{len(found)} {kind} problem(s)" for kind, found
+                              in (("image", image_problems), ("video", video_problems)) if found)
         listed = "\n  ".join(problems[:MAX_LISTED])
         more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise DatasetImageError(
-            f"{len(problems)} image problem(s) in the training data (sample = 0-based index in the merged "
-            f"dataset):\n  {listed}{more}\nFix or drop these samples (`qwenvl-prep check` lists them too)."
+        hint = ("" if not video_problems or videos.decode else
+                "\nClips were probed, not decoded: qwenvl_preflight_decode_videos: true also decodes their sampled "
+                "frames.")
+        raise DatasetMediaError(
+            f"{counts} in the training data (sample = 0-based index in the merged dataset):\n  {listed}{more}\n"
+            f"Fix or drop these samples (`qwenvl-prep check` lists them too).{hint}"
         )
+    return notes
 
 
 def check_dataset_records(dataset: Any, template: Any, tokenizer: Any, data_args: Any, policy: ResizePolicy) -> None:

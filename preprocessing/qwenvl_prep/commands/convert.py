@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(
         input=args.input, output=args.output, target=spec_from_args(args).stamp, input_coords=args.input_coords,
-        fmt=args.format, image_dir=args.image_dir, video_dir=args.video_dir, exif=args.exif, workers=args.workers,
-        shard=args.shard, skip_bad=args.skip_bad, errors=args.errors, dataset_name=args.dataset_name,
-        answer_target=args.answer_target,
+        fmt=args.format, image_dir=args.image_dir, video_dir=args.video_dir, exif=args.exif,
+        video_rotation=args.video_rotation, workers=args.workers, shard=args.shard, skip_bad=args.skip_bad,
+        errors=args.errors, dataset_name=args.dataset_name, answer_target=args.answer_target,
         prompt=args.prompt, prompt_preset=args.prompt_preset, refcoco_expressions=args.refcoco_expressions,
         progress=not args.quiet, overwrite=args.overwrite,
         coco=CocoOptions(prompt=args.coco_prompt, group=args.coco_group, crowd=args.coco_crowd, absent=args.coco_absent),
@@ -108,6 +108,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--exif", choices=["error", "bake", "raw"], default="error",
                       help="images with an EXIF rotation: error (default), bake = write an upright copy and read "
                       "coordinates on the displayed image, raw = coordinates are on the stored pixels")
+    conv.add_argument("--video-rotation", choices=["error", "bake", "raw"], default="error",
+                      help="clips whose display matrix turns them (phone clips): error (default), bake = write an "
+                      "upright copy (re-encoded, no audio) and read labels on the displayed clip, raw = labels are on "
+                      "the stored frames, as training reads them")
     conv.add_argument("--workers", type=count(1), default=os.cpu_count() or 1, help="parallel worker processes")
     conv.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="convert records with index %% N == I")
     conv.add_argument("--skip-bad", action="store_true", help="drop bad records (listed in the error report), exit 0")

@@ -17,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     summary = run_curriculum(CurriculumOptions(
         input=args.input, base_yaml=args.from_yaml, stages=parse_stages(args.stages), out=args.out,
         eval_input=args.eval_input, input_coords=args.input_coords, fmt=args.format, image_dir=args.image_dir,
-        exif=args.exif, workers=args.workers, dataset_name=args.dataset_name, overwrite=args.overwrite,
-        progress=not args.quiet))
+        exif=args.exif, video_rotation=args.video_rotation, workers=args.workers, dataset_name=args.dataset_name,
+        overwrite=args.overwrite, progress=not args.quiet))
     return print_summary(summary, 0)
 
 
@@ -44,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cur.add_argument("--format", choices=FORMATS, default="auto")
     cur.add_argument("--image-dir", type=Path, help="base folder of relative image paths (default: the input's)")
     cur.add_argument("--exif", choices=["error", "bake", "raw"], default="error")
+    cur.add_argument("--video-rotation", choices=["error", "bake", "raw"], default="error")
     cur.add_argument("--workers", type=count(1), default=os.cpu_count() or 1)
     cur.add_argument("--dataset-name", help="dataset name prefix (default: the input's stem)")
     cur.add_argument("--overwrite", action="store_true", help="replace existing stage YAMLs")

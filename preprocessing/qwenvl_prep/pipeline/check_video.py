@@ -1,6 +1,8 @@
-"""``check``'s video side: each clip probed from its packets (decoded only with ``--decode``), its header's claimed
-length compared with its packets (a note, not a problem: the plugin samples by packet times), its video tokens
-under the run's video policy, and a single-video record's labels inside the clip (times) and the video frame (boxes).
+"""``check``'s video side: each clip probed from its packets (a clip cut short is a problem: ``probe`` compares the
+packets with its header), its first frame decoded for its display rotation (every sampled frame with ``--decode``),
+a header that disagrees with the packets within that rule and a rotated clip noted (not problems: the plugin samples
+by packet times, and a clip kept as stored is a choice, ``convert --video-rotation raw``), its video tokens under the
+run's video policy, and a single-video record's labels inside the clip (times) and the video frame (boxes).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from llamafactory_qwenvl_patch.frame.policy import PolicyError, check_box, check
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError
-from llamafactory_qwenvl_patch.image_io.video import Clip, probe, read_clip
+from llamafactory_qwenvl_patch.image_io.video import Clip, display_rotation, probe, read_clip
+from llamafactory_qwenvl_patch.image_io.video_header import stated_length
 from qwenvl_prep.formats.converted import Sample
 from qwenvl_prep.formats.video_labels import LabelError, clip_problems, frame_interval, video_labels
 
@@ -20,16 +23,13 @@ MAX_CACHED = 4096
 
 
 def header_length(path: str) -> tuple[int, float | None]:
-    """(frames, seconds) a video file's header claims (PyAV's ``stream.frames`` and the stream's, else the
-    container's, duration): 0 and None where it says nothing, as webm and mkv headers do."""
+    """(frames, seconds) a video file's header states (``video_header.stated_length``): 0 and None where it says
+    nothing, as webm and mkv headers say no frame count."""
     import av
 
     with av.open(path, "r") as container:
-        stream = next(s for s in container.streams if s.type == "video")
-        frames = int(stream.frames or 0)
-        if stream.duration and stream.time_base:
-            return frames, float(stream.duration * stream.time_base)
-        return frames, container.duration / av.time_base if container.duration else None
+        stated = stated_length(container, next(s for s in container.streams if s.type == "video"))
+        return stated.frames, stated.seconds
 
 
 def _name(video: Any) -> str:
@@ -68,6 +68,7 @@ class VideoChecker:
         try:
             found: Clip | str = probe(video, self.list_fps)
             found.plan(self.policy)
+            degrees = display_rotation(video)
             if self.full_decode:
                 read_clip(video, self.policy, self.list_fps, clip=found)
         except (ImageError, PolicyError) as exc:
@@ -75,6 +76,11 @@ class VideoChecker:
         else:
             if isinstance(video, str):
                 self._header_note(video, found, sample)
+            if degrees:
+                self.notes.append({"sample": sample, "video": video, "note": (
+                    f"it is stored rotated: players turn it {degrees} degrees clockwise (its display matrix), "
+                    "training reads the stored frames; right if its labels are on the stored frames (convert "
+                    "--video-rotation raw), else convert with --video-rotation bake")})
         if len(self._clips) > MAX_CACHED:
             self._clips.clear()
         self._clips[key] = found

@@ -32,6 +32,7 @@ from qwenvl_prep.formats.temporal_datasets import FORMATS as DATASET_FORMATS, PR
 from qwenvl_prep.pipeline.convert_record import (
     ConvertError, Job, Result, Source, convert_chunk, init_convert_worker, set_job,
 )
+from qwenvl_prep.pipeline.convert_video import ROTATION_MODES
 from qwenvl_prep.pipeline.dataset_info import SHAREGPT_ENTRY, check_dataset_name, merge_dataset_info
 from qwenvl_prep.plumbing.atomic import atomic_writer
 from qwenvl_prep.plumbing.outputs import check_output
@@ -51,6 +52,7 @@ class ConvertOptions:
     image_dir: Path | None = None
     video_dir: Path | None = None  # relative video paths and a dataset's clips (default: image_dir)
     exif: str = "error"
+    video_rotation: str = "error"  # clips whose display matrix turns them: error, bake or raw (convert_video.upright)
     workers: int = 1
     shard: tuple[int, int] = (0, 1)
     skip_bad: bool = False
@@ -216,6 +218,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
     _check_outputs(opts)
     if opts.exif not in EXIF_MODES:
         raise ConvertError(f"--exif must be one of {', '.join(EXIF_MODES)}")
+    if opts.video_rotation not in ROTATION_MODES:
+        raise ConvertError(f"--video-rotation must be one of {', '.join(ROTATION_MODES)}")
     fmt = detect_format(opts.input) if opts.fmt == "auto" else opts.fmt
     source = _source(opts, fmt)
     if opts.prompt_preset is not None:
@@ -234,7 +238,7 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"the video folder {video_dir} (--video-dir) is not a folder")
     job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(video_dir.resolve()),
               str(opts.output.parent.resolve()), str(opts.input),
-              "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *QUERY_FORMATS) else fmt)
+              "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *QUERY_FORMATS) else fmt, opts.video_rotation)
     images = _image_store(opts) if fmt == "refcoco-parquet" else None
     stream = _stream(opts, fmt, coco, images, video_dir)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
@@ -291,7 +295,7 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
         for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
         if result.error is None:
-            for key in ("videos", "spans", "timed_boxes"):
+            for key in ("videos", "spans", "timed_boxes", "videos_baked"):
                 stats[key] += getattr(result, key)
             stats["frame_lists"] += result.videos if result.video_kind == "frames" else 0
         if result.error is not None:
@@ -380,7 +384,8 @@ def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, wri
         "boxes": stats["boxes"],
         "points": stats["points"],
         "exif_baked": stats["exif_baked"],
-        **({key: stats[key] for key in ("videos", "frame_lists", "spans", "timed_boxes")} if stats["videos"] else {}),
+        **({key: stats[key] for key in ("videos", "frame_lists", "spans", "timed_boxes", "videos_baked")}
+           if stats["videos"] else {}),
         "error_report": str(errors_path) if errors_path else None,
         "stamp": _written_stamp(opts, stats).to_dict(),
         **(extra or {}),

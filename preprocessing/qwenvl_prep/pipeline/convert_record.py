@@ -53,6 +53,7 @@ class Job:
     out_dir: str
     source_file: str
     fmt: str
+    video_rotation: str = "error"
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Result:
     boxes: int = 0
     points: int = 0
     exif_baked: int = 0
+    videos_baked: int = 0
     tools: int = 0
     videos: int = 0
     video_kind: str | None = None  # ``file`` or ``frames``: the writer keeps one kind per dataset, as LF reads
@@ -186,9 +188,12 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         items = [item for p in parsed for item in p.items]
         infos = [_info(p) for p in images]
         clips = []
-        for video in videos:
+        for i, video in enumerate(videos):
             image = convert_video.name(video)
-            clips.append(convert_video.probe_clip(video, job.target))
+            clip = convert_video.probe_clip(video, job.target)
+            videos[i], upright = convert_video.upright(video, clip, job.video_rotation, job.out_dir, job.target)
+            result.videos_baked += upright is not clip
+            clips.append(upright)
         image = result.media
         if clips:
             result.spans, result.timed_boxes = convert_video.check_times([m["content"] for m in turns], clips,

@@ -1,21 +1,27 @@
-"""The video side of one convert record: its clips resolved and probed (packet times and frame size, no pixels
-decoded), the video frame its boxes go to, and its time labels checked against the clip. Boxes convert exactly like
-an image's, through the video policy's frame (``VideoPolicy.frame_size``); times stay in seconds as written.
+"""The video side of one convert record: its clips resolved and probed (packet times and frame size; of the pixels
+only the first frame is decoded, for its display rotation), a rotated clip settled by ``--video-rotation``, the
+video frame its boxes go to, and its time labels checked against the clip. Boxes convert exactly like an image's,
+through the video policy's frame (``VideoPolicy.frame_size``); times stay in seconds as written.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.image_io.video import Clip, probe
+from llamafactory_qwenvl_patch.image_io.video import Clip, display_rotation, probe
 from llamafactory_qwenvl_patch.scoring import json_text
 from qwenvl_prep.formats.records import RecordError
 from qwenvl_prep.formats.video_labels import LabelError, clip_problems, frame_interval, video_labels
+from qwenvl_prep.pipeline.video_bake import bake_rotation
 
+ROTATION_MODES = ("error", "bake", "raw")
+BAKED_DIR = "video_baked"  # under the output's folder
 _clips: dict[Any, Clip] = {}
+_rotations: dict[str, int] = {}
 DURATION_SLACK_S, DURATION_SLACK_SHARE = 1.0, 0.05  # a declared duration this close to the clip's is the same clip
 
 
@@ -57,6 +63,7 @@ def list_fps(stamp: Stamp) -> float:
 
 def clear_cache() -> None:
     _clips.clear()
+    _rotations.clear()
 
 
 def probe_clip(video: str | list[str], target: Stamp) -> Clip:
@@ -71,6 +78,30 @@ def probe_clip(video: str | list[str], target: Stamp) -> Clip:
         clip.plan(video_policy(target))  # VideoError (a PolicyError) naming the clip
         _clips[key] = clip
     return clip
+
+
+def upright(video: str | list[str], clip: Clip, mode: str, out_dir: str, target: Stamp
+            ) -> tuple[str | list[str], Clip]:
+    """The clip training should read and its probe, under ``--video-rotation``: a clip whose display matrix turns it
+    is an error row (``error``), an upright copy under the output's folder (``bake``: labels are on the displayed
+    clip) or kept as stored (``raw``: labels are on the stored frames, as training reads them)."""
+    if isinstance(video, list):
+        return video, clip
+    degrees = _rotations.get(video)
+    if degrees is None:
+        if len(_rotations) > 4096:
+            _rotations.clear()
+        degrees = _rotations[video] = display_rotation(video)
+    if degrees == 0 or mode == "raw":
+        return video, clip
+    if mode == "error":
+        raise RecordError(
+            f"video {video} is stored rotated: players turn it {degrees} degrees clockwise (its display matrix), "
+            "training reads the stored frames, so the model would see it turned and labels made on the displayed "
+            "clip would not match. Pass --video-rotation bake (write an upright copy; labels are on the displayed "
+            "clip) or --video-rotation raw (labels are on the stored frames)")
+    baked = bake_rotation(video, degrees, os.path.join(out_dir, BAKED_DIR))
+    return baked, probe_clip(baked, target)
 
 
 def frame_sizes(target: Stamp, source_video: VideoPolicy | None, source_model: bool, hw: tuple[int, int]

@@ -38,6 +38,7 @@ class CurriculumOptions:
     fmt: str = "auto"
     image_dir: Path | None = None
     exif: str = "error"
+    video_rotation: str = "error"
     workers: int = 1
     dataset_name: str | None = None
     overwrite: bool = False
@@ -108,8 +109,8 @@ def run_curriculum(opts: CurriculumOptions) -> dict[str, Any]:
                 summary = run_convert(ConvertOptions(
                     input=Path(source), output=data_dir / f"{dataset}.jsonl", target=target,
                     input_coords=opts.input_coords, fmt=opts.fmt, image_dir=opts.image_dir,
-                    exif=opts.exif, workers=opts.workers, dataset_name=dataset, progress=opts.progress,
-                    overwrite=opts.overwrite))
+                    exif=opts.exif, video_rotation=opts.video_rotation, workers=opts.workers, dataset_name=dataset,
+                    progress=opts.progress, overwrite=opts.overwrite))
             except Abort as abort:
                 raise CurriculumError(f"stage {k}: {abort.summary['dropped']} bad record(s) in {source}, nothing "
                                       f"written for this stage; see {abort.summary['error_report']}") from None

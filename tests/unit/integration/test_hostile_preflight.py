@@ -58,11 +58,11 @@ def test_preflight_catches_corrupt_files_of_every_format(tmp_path):
 def test_preflight_reports_all_bad_files_at_once(tmp_path):
     import datasets
 
-    from llamafactory_qwenvl_patch.integration.preflight import DatasetImageError, check_dataset_images
+    from llamafactory_qwenvl_patch.integration.preflight import DatasetMediaError, check_dataset_media
 
     bad = [str(p) for p in _corrupt_images(tmp_path).values()]
     dataset = datasets.Dataset.from_dict({"_images": [[p] for p in bad + [str(tmp_path / "good.png")]],
                                           "_prompt": [[{"role": "user", "content": "Q"}]] * (len(bad) + 1)})
-    with pytest.raises(DatasetImageError, match=f"{len(bad)} image problem") as caught:
-        check_dataset_images(dataset, POLICY)
+    with pytest.raises(DatasetMediaError, match=f"{len(bad)} image problem") as caught:
+        check_dataset_media(dataset, POLICY)
     assert all(Path(p).name in str(caught.value) for p in bad)

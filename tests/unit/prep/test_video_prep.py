@@ -186,18 +186,18 @@ def check(capsys, yaml: Path, *args: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)[0]
 
 
-def lying_avi(path: Path) -> Path:
-    """A 2-s, 20-frame AVI whose header claims 40 frames (``strh`` dwLength and ``avih`` dwTotalFrames)."""
+def lying_avi(path: Path, frames: int) -> Path:
+    """A 2-s, 20-frame AVI whose header claims ``frames`` frames (``strh`` dwLength and ``avih`` dwTotalFrames)."""
     write_clip(path, 2, 10, 96, 64)
     data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, data.find(b"strh") + 8 + 32, 40)
-    struct.pack_into("<I", data, data.find(b"avih") + 8 + 16, 40)
+    struct.pack_into("<I", data, data.find(b"strh") + 8 + 32, frames)
+    struct.pack_into("<I", data, data.find(b"avih") + 8 + 16, frames)
     path.write_bytes(bytes(data))
     return path
 
 
 def test_check_audits_videos(tmp_path, media, capsys):
-    lying_avi(media / "lie.avi")
+    lying_avi(media / "lie.avi", 21)  # a frame more than it holds: within a cut clip's slack, so a note
     src = write_input(media, "check.jsonl", [sharegpt("clip.mp4", TRACK), sharegpt("clip.webm", '{"span": [0, 1]}'),
                                              sharegpt("lie.avi", '{"span": [1, 2]}')])
     data = tmp_path / "data"
@@ -207,16 +207,18 @@ def test_check_audits_videos(tmp_path, media, capsys):
     assert code == 0 and report["ok"] and report["videos"] == 3, report  # notes do not fail the check
     notes = {Path(n["video"]).name: n["note"] for n in report["video_notes"]}
     assert "no frame count" in notes["clip.webm"]
-    assert notes["lie.avi"].startswith("its header says 40 frames and 4 s, its packets 20 frames over 2 s")
+    assert notes["lie.avi"].startswith("its header says 21 frames, its packets 20 frames over 2 s")
     assert "clip.mp4" not in notes
     (media / "empty.mp4").write_bytes(b"")
     (media / "garbage.mp4").write_bytes(b"\x00not a video" * 64)
+    lying_avi(media / "cut.avi", 40)  # twice what it holds: as an AVI cut in half reads (issue 51, class 1)
     bad = records(out)[:2] + [
         sharegpt(str(media / "empty.mp4"), '{"span": [0, 1]}'),
         sharegpt(str(media / "garbage.mp4"), '{"span": [0, 1]}'),
         sharegpt(str(media / "clip.mp4"), '{"span": [1, 4]}'),
         sharegpt(str(media / "clip.mp4"), '[{"time": 1, "bbox_2d": [0, 0, 57, 20]}]'),  # the frame is 56 wide
         sharegpt(str(media / "clip.mp4"), '[{"time": -1, "bbox_2d": [0, 0, 5, 5]}]'),
+        sharegpt(str(media / "cut.avi"), '{"span": [0, 1]}'),
     ]
     out.write_text(json.dumps(bad))
     code, report = check(capsys, write_yaml(tmp_path, data, "vids", video_max_pixels=8192, cutoff_len=40))
@@ -228,6 +230,8 @@ def test_check_audits_videos(tmp_path, media, capsys):
     assert "span [1, 4] lies outside the clip" in problems[4]
     assert "lies outside the model frame 56x28" in problems[5]
     assert "track time -1 s lies outside the clip" in problems[6]
+    assert "cut.avi: is truncated or corrupt: its header states 40 frames over 4 s, but its packets stop after 20 " \
+        "frames (2 s)" in problems[7]
     assert report["token_overflows"] >= 1
 
 
