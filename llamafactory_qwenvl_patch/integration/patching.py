@@ -1,6 +1,6 @@
 """What every LLaMA-Factory patch uses: wrap an LF function once and rebind the names LF modules already imported
-(LF modules bind each other's functions with ``from ... import``, so replacing one attribute is not enough), and ask
-whether a distribution is installed."""
+(LF modules, and transformers', bind each other's functions with ``from ... import``, so replacing one attribute is
+not enough), and ask whether a distribution is installed."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ def _replace(module: ModuleType, name: str, make: Callable[[Callable], Callable]
     _rebind(original, wrapper)
 
 
-def _rebind(original: Any, new: Any) -> None:
-    """Point every already-loaded LF module name bound to ``original`` at ``new`` (later imports get ``new``)."""
+def _rebind(original: Any, new: Any, package: str = "llamafactory") -> None:
+    """Point every already-loaded module name of ``package`` bound to ``original`` at ``new`` (later imports get
+    ``new``)."""
     for mod_name, mod in list(sys.modules.items()):
-        if mod is not None and (mod_name == "llamafactory" or mod_name.startswith("llamafactory.")):
+        if mod is not None and (mod_name == package or mod_name.startswith(package + ".")):
             for attr, value in list(vars(mod).items()):
                 if value is original:
                     setattr(mod, attr, new)

@@ -113,15 +113,13 @@ def check_vllm() -> None:
 
 def tensor_parallel_group(size: int) -> Any:
     """The training ranks that share one tensor-parallel engine (consecutive ranks: [0, 1], [2, 3], ... as trl's
-    colocate mode and vLLM's external launcher group them); None at size 1. Collective: every rank calls it."""
+    colocate mode and vLLM's external launcher group them); None at size 1. Collective: every rank calls it. That
+    ``size`` divides the number of ranks is checked when the keys are parsed (``grpo.args.check_with_other_keys``)."""
     if size == 1:
         return None
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % size:
-        raise ValueError(f"grpo_vllm_tensor_parallel_size {size} must divide the number of training processes "
-                         f"({world}): each group of {size} ranks shares one engine")
+    world = dist.get_world_size()
     group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + size)) for i in range(0, world, size)])
     return group
 

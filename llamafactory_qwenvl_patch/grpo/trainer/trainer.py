@@ -57,10 +57,9 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
         self.coords = coords
         self.num_generations = finetuning_args.grpo_num_generations
         self.grad_accum = self.args.gradient_accumulation_steps
+        # a multiple of grad_accum, and load_best_model_at_end needs a GRPO metric: checked when the keys are parsed
+        # (grpo.args.check_with_other_keys)
         self.steps_per_generation = finetuning_args.grpo_steps_per_generation or self.grad_accum
-        if self.steps_per_generation % self.grad_accum:
-            raise ValueError(f"grpo_steps_per_generation ({self.steps_per_generation}) must be a multiple of "
-                             f"gradient_accumulation_steps ({self.grad_accum}): a rollout covers whole optimiser steps")
         self.num_iterations = finetuning_args.grpo_num_iterations
         self.off_policy = self.num_iterations > 1 or self.steps_per_generation > self.grad_accum
         self.stop_token_ids = stop_token_ids
@@ -92,10 +91,6 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
         self.vllm = vllm_engine
         self.add_callback(_SamplerEpoch(self))
         self.add_callback(_Resumable(self))  # last: its marker follows every other callback's checkpoint files
-        if self.args.load_best_model_at_end and self.args.metric_for_best_model in (None, "loss", "eval_loss"):
-            raise ValueError("stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model "
-                             "to a GRPO eval metric, e.g. `metric_for_best_model: eval_reward` and "
-                             "`greater_is_better: true`")
         dropout = [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         if dropout:
             logging.getLogger("llamafactory.qwenvl_patch.grpo").warning(

@@ -152,3 +152,31 @@ def test_variant_keys_that_contradict_each_other_are_refused(values, message):
     """Issue 42: a key that would be silently ignored by the chosen variant is named instead."""
     with pytest.raises(ValueError, match=message):
         lf_parsed({"stage": "grpo", "reward_funcs": "iou", **values})
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"grpo_steps_per_generation": 3, "gradient_accumulation_steps": 2},
+     r"grpo_steps_per_generation \(3\) must be a multiple of gradient_accumulation_steps \(2\)"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps", "eval_dataset": "unused"},
+     "stage: grpo logs no eval_loss; with load_best_model_at_end set metric_for_best_model"),
+    ({"grpo_rollout_backend": "vllm", "qwenvl_patch": False}, "grpo_rollout_backend: vllm needs `qwenvl_patch: true`"),
+    ({"grpo_rollout_backend": "vllm", "grpo_vllm_tensor_parallel_size": 2},
+     r"grpo_vllm_tensor_parallel_size 2 must divide the number of training processes \(1\)"),
+    ({"grpo_shared_prefix": True, "flash_attn": "fa2"}, "grpo_shared_prefix: true needs sdpa or eager attention"),
+    ({"grpo_steps_per_generation": 4, "gradient_accumulation_steps": 2, "grpo_shared_prefix": "auto",
+      "flash_attn": "fa2"}, None),
+])
+def test_grpo_keys_that_contradict_other_classes_keys_stop_the_parse(tmp_path, values, message):
+    """Issue 51, class 9: rules between a GRPO key and a key of another LF argument class were found by the trainer,
+    after the model loaded (minutes on a large model). LF's own parser, which `llamafactory-cli train` runs first,
+    now names them: the model named here does not even exist."""
+    from llamafactory.hparams import get_train_args
+
+    args = {"model_name_or_path": str(tmp_path / "no-model"), "template": "qwen2_vl", "stage": "grpo",
+            "reward_funcs": "iou", "do_train": True, "output_dir": str(tmp_path / "out"), "dataset": "unused",
+            "qwenvl_patch": True, **values}
+    if message is None:
+        assert get_train_args(args)[3].grpo_steps_per_generation == 4
+        return
+    with pytest.raises(ValueError, match=message):
+        get_train_args(args)

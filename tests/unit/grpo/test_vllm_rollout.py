@@ -398,13 +398,6 @@ def test_each_rank_keeps_its_own_prompts_of_the_group():
         ["rank0-0", "rank0-1"], ["rank1-0", "rank1-1", "rank1-2"], ["rank2-0"]]
 
 
-def test_a_tensor_parallel_size_that_does_not_divide_the_ranks_is_refused():
-    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import tensor_parallel_group
-
-    with pytest.raises(ValueError, match="must divide the number of training processes \\(1\\)"):
-        tensor_parallel_group(2)
-
-
 @pytest.mark.slow
 def test_two_ranks_share_one_tensor_parallel_engine(small_model, grpo_data):
     """torchrun with 2 ranks and ``grpo_vllm_tensor_parallel_size: 2``: one engine over both ranks (vLLM's external
