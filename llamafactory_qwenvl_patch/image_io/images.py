@@ -53,6 +53,11 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is (``a FIFO``, ``a socket``, ...), from its ``st_mode``."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
 def require_regular_file(path: str | os.PathLike) -> None:
     """Only regular files are read: opening a FIFO or a device would block forever (or read without end)."""
     try:
@@ -62,8 +67,7 @@ def require_regular_file(path: str | os.PathLike) -> None:
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise ImageError(f"image {path!r}: cannot open ({exc})") from None
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise ImageError(f"image {path}: is {kind}, not a regular file; only regular image files are read")
+        raise ImageError(f"image {path}: is {file_kind(mode)}, not a regular file; only regular image files are read")
 
 
 def check_pixels(width: int, height: int, name: str) -> None:

@@ -103,6 +103,18 @@ def answering_video(model_dir: str | Path, base: Path | None, policy: ResizePoli
     return found or (default, default.fps)
 
 
+def require_chat_template(processor: Any, folder: Path) -> None:
+    """Every prompt is the processor's chat template applied (as training's template writes it): a folder without
+    one is refused before any weights load or any output is made, not at the first batch."""
+    if processor.chat_template:
+        return
+    elsewhere = " (its tokenizer_config.json has one, which the processor does not read: save it as " \
+        "chat_template.jinja)" if getattr(processor.tokenizer, "chat_template", None) else ""
+    raise ValueError(f"{folder} has no chat template for its processor (chat_template.jinja or chat_template.json)"
+                     f"{elsewhere}; predict asks in the chat format the model was trained in: copy the base model's "
+                     "chat_template.jinja into the folder")
+
+
 @dataclass(frozen=True)
 class Ask:
     """A prompt with the system prompt its record carries (a plain ``str`` prompt has none: the chat template's
@@ -143,6 +155,7 @@ class FolderModel:
         self.model_dir = Path(model_dir)
         base = self.base = adapter_base(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(processor_folder(self.model_dir))
+        require_chat_template(self.processor, processor_folder(self.model_dir))
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         self.family = family = folder_family(model_dir)
