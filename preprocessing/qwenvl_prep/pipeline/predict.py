@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, GROUNDING_TOKENS, family_of_model
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video, read_policy_record
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
@@ -41,9 +41,6 @@ def adapter_base(model_dir: Path) -> Path | None:
 
 
 MIN_TEMPERATURE = 1e-3
-# Qwen's grounding tokens are special tokens: a decode that skips special tokens would drop Qwen2-VL's boxes
-GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-                    "<|quad_end|>")
 
 
 def processor_folder(model_dir: str | Path) -> Path:
@@ -163,6 +160,7 @@ class FolderModel:
             raise ValueError(f"the prompt preset is {preset.family}'s; {model_dir} is a {family} model")
         self.preset = preset
         tokenizer = self.processor.tokenizer
+        # the grounding tokens are special tokens: a decode that skipped them would drop Qwen2-VL's boxes
         kept = {tokenizer.convert_tokens_to_ids(token) for token in GROUNDING_TOKENS}
         self._dropped = set(tokenizer.all_special_ids) - kept
         self.convention = FAMILIES[family].coords
