@@ -68,9 +68,9 @@ class Outputs:
     def check(self, path: str | os.PathLike, what: str, *, inside: str | os.PathLike | None = None,
               own_entry: str | None = None) -> Path:
         """Refuse ``path`` (named ``what`` in the message, e.g. ``--json-out``) when it is a symbolic link, a
-        folder or anything else that is not a regular file (a FIFO, a socket, a device), a registry, an input or inside an input folder, outside ``inside``, a file that a registry entry
-        other than ``own_entry`` uses (the registry beside it and those given), or in a folder that is not
-        writable. Returns the path."""
+        folder or anything else that is not a regular file (a FIFO, a socket, a device), a registry, an input or
+        inside an input folder, outside ``inside``, a file that a registry entry other than ``own_entry`` uses (the
+        registry beside it and those given), or in a folder that is not writable. Returns the path."""
         path = Path(path)
         if path.is_symlink():
             raise UnsafeOutput(f"{what} {path} is a symbolic link; qwenvl-prep does not write through links it did "
