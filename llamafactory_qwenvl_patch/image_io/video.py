@@ -79,9 +79,9 @@ def _open_container(video: Any, name: str) -> Any:
 
     if isinstance(video, (str, os.PathLike)):
         try:
-            require_regular_file(video)
+            require_regular_file(video, "video")
         except ImageError as exc:
-            raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
+            raise VideoFileError(str(exc)) from None
         if os.path.getsize(video) == 0:
             raise VideoFileError(f"video {name}: is empty (0 bytes)")
     try:
@@ -122,7 +122,7 @@ def _probe_file(video: Any) -> Clip:
         raise VideoFileError(f"video {name}: has no frames")
     if width <= 0 or height <= 0:
         raise VideoFileError(f"video {name}: its stream has no frame size ({width}x{height})")
-    check_pixels(width, height, f"video {name}")
+    check_pixels(width, height, name, "video")
     pts.sort()
     times = tuple((p - pts[0]) * base for p in pts)
     return Clip(name, height, width, times, clip_duration(times), pts=tuple(pts))
