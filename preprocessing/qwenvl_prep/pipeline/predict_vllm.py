@@ -52,8 +52,8 @@ class VLLMPredictor(FolderModel):
         problems = engine_problems(Path(model_dir))
         if problems:
             raise ValueError(f"{model_dir} would stop vLLM once its engine started:\n  " + "\n  ".join(problems)
-                             + f"\nRepair it with `qwenvl-prep fix-config {model_dir} --target vllm`, export it "
-                             "again, or predict with --backend hf")
+                             + f"\n`qwenvl-prep fix-config {model_dir} --target vllm` repairs what is named by file "
+                             "and key (backups kept); export the model again for the rest")
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
