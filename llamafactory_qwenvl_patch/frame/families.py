@@ -83,6 +83,22 @@ LF_IMAGE_DEFAULTS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768}
 LF_VIDEO_DEFAULTS = {"video_min_pixels": 16 * 16, "video_max_pixels": 256 * 256, "video_fps": 2.0, "video_maxlen": 128}
 LF_MIN_SIDE = 28  # Qwen2VLPlugin._preprocess_image widens a shorter side to 28 px, for every family's plugin
 
+# Qwen-VL's own special tokens, the same in every family's tokenizer (tests/unit/prep/test_special_tokens.py derives
+# them from each family's tokenizer). A tokenizer reads one written in text as the token itself, not as text.
+# The grounding syntax may stand in a prompt or an answer: Qwen2-VL's boxes and references are made of it.
+GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                    "<|quad_end|>")
+# The chat template's and the media's may not: a stray image or video pad makes the processor count a media item
+# that is not there (an IndexError in predict, a token mismatch in training), a turn or text end cuts the record.
+STRUCTURE_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = STRUCTURE_TOKENS + GROUNDING_TOKENS
+
+
+def structure_token_in(text: str) -> str | None:
+    """The first of ``STRUCTURE_TOKENS`` written in ``text``, None when it holds none."""
+    return next((token for token in STRUCTURE_TOKENS if token in text), None)
+
 
 def family_of_model_type(model_type: str | None) -> str | None:
     """The family of an HF ``model_type``; the longest matching prefix wins (``qwen2_5_vl`` before ``qwen2_vl``,

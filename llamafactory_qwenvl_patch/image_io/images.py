@@ -53,29 +53,32 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def require_regular_file(path: str | os.PathLike) -> None:
-    """Only regular files are read: opening a FIFO or a device would block forever (or read without end)."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ImageError(f"image {path}: file not found") from None
-    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ImageError(f"image {path!r}: cannot open ({exc})") from None
-    if not stat.S_ISREG(mode):
-        raise ImageError(f"image {path}: is {file_kind(mode)}, not a regular file; only regular image files are read")
-
-
 def file_kind(mode: int) -> str:
-    """What a file that is not a regular one is (``a FIFO``, ``a directory``, ...), from its ``st_mode``."""
+    """What a file that is not a regular one is (``a FIFO``, ``a socket``, ...), from its ``st_mode``."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def check_pixels(width: int, height: int, name: str) -> None:
+def require_regular_file(path: str | os.PathLike, kind: str = "image") -> None:
+    """Only regular files are read: opening a FIFO or a device would block forever (or read without end). ``kind``
+    names what the file is (an ``image``, a ``video``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ImageError(f"{kind} {path}: file not found") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ImageError(f"{kind} {path!r}: cannot open ({exc})") from None
+    if not stat.S_ISREG(mode):
+        raise ImageError(f"{kind} {path}: is {file_kind(mode)}, not a regular file; only regular {kind} files are "
+                         "read")
+
+
+def check_pixels(width: int, height: int, name: str, kind: str = "image") -> None:
     """PIL's decompression-bomb rule for a size read from a header without PIL (more than twice
-    ``Image.MAX_IMAGE_PIXELS`` is refused), so a fast header read refuses what opening the image would."""
+    ``Image.MAX_IMAGE_PIXELS`` is refused), so a fast header read refuses what opening the image would; ``kind``
+    names what the size is of (a ``video``'s frames)."""
     limit = Image.MAX_IMAGE_PIXELS
     if limit and width * height > 2 * limit:
-        raise ImageError(f"image {name}: refused as a decompression bomb ({width}x{height} = {width * height} "
+        raise ImageError(f"{kind} {name}: refused as a decompression bomb ({width}x{height} = {width * height} "
                          f"pixels, over twice PIL's limit of {limit})")
 
 

@@ -80,9 +80,9 @@ def _open_container(video: Any, name: str) -> Any:
 
     if isinstance(video, (str, os.PathLike)):
         try:
-            require_regular_file(video)
+            require_regular_file(video, "video")
         except ImageError as exc:
-            raise VideoFileError(str(exc).replace("image ", "video ", 1)) from None
+            raise VideoFileError(str(exc)) from None
         if os.path.getsize(video) == 0:
             raise VideoFileError(f"video {name}: is empty (0 bytes)")
     try:
@@ -139,7 +139,7 @@ def _probe_file(video: Any) -> Clip:
         raise VideoFileError(f"video {name}: {cut}")
     if width <= 0 or height <= 0:
         raise VideoFileError(f"video {name}: its stream has no frame size ({width}x{height})")
-    check_pixels(width, height, f"video {name}")
+    check_pixels(width, height, name, "video")
     return Clip(name, height, width, times, duration, pts=tuple(pts))
 
 

@@ -25,6 +25,27 @@ _REF = re.compile(r"<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*$", re.DOT
 COORD_KEYS = ("bbox_2d", "point_2d")
 
 
+# An answer longer than a model writes is a parse failure, found by a linear count before any parsing: matching and
+# the duplicate monitors are quadratic in one answer's boxes (100,000 boxes stalled eval for minutes). The bound is
+# the most items MAX_ANSWER_TOKENS new tokens can hold: 8 times LLaMA-Factory's default max_new_tokens (1,024), 64
+# times predict's (128). The shortest item, a span ``{"span":[0,0]}`` in a list, is 6 of the Qwen pre-tokenizer's
+# pieces (a point is 9, a box token 11), and no BPE vocabulary merges across them (tests/unit/scoring checks it).
+MAX_ANSWER_TOKENS = 8192
+MIN_ITEM_TOKENS = 6
+MAX_ANSWER_ITEMS = MAX_ANSWER_TOKENS // MIN_ITEM_TOKENS  # 1,365
+_ITEM_MARKS = ("bbox_2d", "point_2d", "<|box_start|>", '"span"')  # one in every box, point, span or track entry
+
+
+def too_many_items(text: str) -> str | None:
+    """Why ``text`` is no model's answer: it has more boxes, points or spans (their keys or tokens counted, so a
+    label that names one counts too) than ``MAX_ANSWER_ITEMS``; None when it has not."""
+    count = sum(text.count(mark) for mark in _ITEM_MARKS)
+    if count <= MAX_ANSWER_ITEMS:
+        return None
+    return (f"the answer has {count} boxes, points or spans, more than a model writes in {MAX_ANSWER_TOKENS} new "
+            f"tokens ({MAX_ANSWER_ITEMS}, at {MIN_ITEM_TOKENS} tokens or more each)")
+
+
 class AnswerError(ValueError):
     """An answer whose coordinates cannot be read (malformed JSON, wrong arity, non-numbers)."""
 
@@ -303,8 +324,11 @@ def parse_items(text: str) -> list[Item]:
 
 
 def try_parse_items(text: str) -> list[Item] | None:
-    """All boxes and points of a model's answer, or None when they are malformed (rewards, metrics and drawings
-    score such an answer as a parse failure instead of stopping)."""
+    """All boxes and points of a model's answer, or None when they are malformed or more than a model writes
+    (``too_many_items``): rewards, metrics and drawings score such an answer as a parse failure instead of
+    stopping."""
+    if too_many_items(text) is not None:
+        return None
     try:
         return parse_answer(text).items
     except AnswerError:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from llamafactory_qwenvl_patch.frame.video import TIME_EPSILON
 from llamafactory_qwenvl_patch.scoring import json_text
-from llamafactory_qwenvl_patch.scoring.answers import AnswerError, json_values, read_number
+from llamafactory_qwenvl_patch.scoring.answers import AnswerError, json_values, read_number, too_many_items
 from llamafactory_qwenvl_patch.scoring.json_text import JSONTextError
 from llamafactory_qwenvl_patch.scoring.metrics import iou
 
@@ -114,7 +114,10 @@ def parse_track(text: str) -> list[TrackBox]:
 
 
 def try_parse_spans(text: str) -> list[Span] | None:
-    """``parse_spans``, or None for a malformed answer (scored as a parse failure, never raised)."""
+    """``parse_spans``, or None for a malformed answer or one longer than a model writes (``too_many_items``):
+    scored as a parse failure, never raised."""
+    if too_many_items(text) is not None:
+        return None
     try:
         return parse_spans(text)
     except AnswerError:
@@ -122,7 +125,9 @@ def try_parse_spans(text: str) -> list[Span] | None:
 
 
 def try_parse_track(text: str) -> list[TrackBox] | None:
-    """``parse_track``, or None for a malformed answer."""
+    """``parse_track``, or None for a malformed answer or one longer than a model writes."""
+    if too_many_items(text) is not None:
+        return None
     try:
         return parse_track(text)
     except AnswerError:

@@ -11,6 +11,7 @@ from typing import Any
 
 from qwenvl_prep.commands.options import count, finite, seed
 from qwenvl_prep.formats.prompt_presets import PRESET_NAMES, PromptPreset
+from qwenvl_prep.lf.dataset_rules import special_token_problem
 from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE, Ask
 from qwenvl_prep.plumbing.resumable import ResumableOutput
 
@@ -28,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
                          "ScreenSpot or RefCOCO file converted by qwenvl-prep convert)")
     if args.prompt_preset and args.prompt:
         raise ValueError("--prompt-preset is the prompt; give it without --prompt")
+    if args.prompt and (problem := special_token_problem(args.prompt)) is not None:
+        raise ValueError(f"--prompt holds {problem}")
     registries, frame_list_fps, preset = [], None, None
     if args.dataset:
         jobs, preset, ref = dataset_jobs(args)
@@ -107,6 +110,8 @@ def dataset_jobs(args: argparse.Namespace) -> tuple[list[Job], PromptPreset | No
                     f"{'recorded' if isinstance(instruction, str) else 'missing'}): the {preset.name} preset asks "
                     "each record's own instruction, which convert keeps in meta since presets came; convert the "
                     "benchmark file again")
+            if (problem := special_token_problem(instruction)) is not None:
+                raise ValueError(f"record {sample.index} of {ref.path}: its meta.instruction holds {problem}")
             prompt = preset.user_text(instruction)  # in the preset's words, under its system prompt
         elif sample.system:  # an empty one trains under the template's default, as none does (LF's template)
             prompt = Ask(prompt, sample.system)  # asked under the system prompt the record trains with

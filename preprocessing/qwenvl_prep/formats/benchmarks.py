@@ -26,6 +26,7 @@ from typing import Any, Iterator
 from llamafactory_qwenvl_patch.scoring.clicks import TRUTH_BOX_KEY
 from qwenvl_prep.plumbing.atomic import atomic_writer
 from qwenvl_prep.formats.records import RecordError, iter_raw
+from qwenvl_prep.lf.dataset_rules import special_token_problem
 
 TARGETS = ("point", "box")
 PROMPTS = {
@@ -75,6 +76,8 @@ def check_prompt(prompt: str) -> None:
                          "record's instruction goes")
     if any(tag in prompt for tag in MEDIA_TAGS):
         raise ValueError(f"--prompt {prompt!r} contains a media tag; convert adds the image's <image> tag itself")
+    if (problem := special_token_problem(prompt)) is not None:
+        raise ValueError(f"--prompt {prompt!r} holds {problem}")
 
 
 def _record(image: str, instruction: Any, box: list[float], target: str, prompt: str, meta: dict, fmt: str

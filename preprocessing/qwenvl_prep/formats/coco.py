@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from qwenvl_prep.formats.records import RecordError
+from qwenvl_prep.lf.dataset_rules import special_token_problem
 
 DEFAULT_PROMPT = "Locate every {category} in the image and output the bbox_2d coordinates in JSON format."
 NOT_PRESENT = "[]"  # the answer of a "not present" sample: no box
@@ -49,6 +50,8 @@ def check_options(options: CocoOptions) -> None:
                           "}} for literal braces)")
     if "<image>" in options.prompt:
         raise RecordError("--coco-prompt must not contain <image>: convert puts the one image tag in front of it")
+    if (problem := special_token_problem(options.prompt)) is not None:
+        raise RecordError(f"--coco-prompt {options.prompt!r} holds {problem}")
     if options.crowd not in CROWD_MODES:
         raise RecordError(f"--coco-crowd must be one of {', '.join(CROWD_MODES)}")
     if options.absent < -1:
@@ -121,6 +124,8 @@ class CocoFile:
                 bad[cid] = f"category {_show(cid)} has no name"
             elif "<image>" in name or "<video>" in name:
                 bad[cid] = f"category {_show(cid)} is named {_show(name)}, which LLaMA-Factory reads as a media tag"
+            elif (problem := special_token_problem(name)) is not None:
+                bad[cid] = f"category {_show(cid)} is named {_show(name)}, which holds {problem}"
             elif cid in names and names[cid] != name:
                 bad[cid] = f"category id {_show(cid)} is declared twice ({_show(names[cid])} and {_show(name)})"
             else:

@@ -7,10 +7,12 @@ lengths mean the predictions belong to other records, and nothing is scored or d
 
 from __future__ import annotations
 
+import warnings
 from itertools import zip_longest
 from pathlib import Path
 from typing import Iterator
 
+from llamafactory_qwenvl_patch.scoring.answers import too_many_items
 from qwenvl_prep.formats.converted import DatasetRef, Sample, iter_jsonl, iter_samples
 
 
@@ -31,8 +33,10 @@ def _prediction_text(row: dict, index: int, predictions: str | Path) -> str:
 
 def aligned(ref: DatasetRef, predictions: str | Path) -> Iterator[tuple[int, Sample, str]]:
     """(index, dataset record, prediction text) in order; AlignmentError naming the row at the first mismatch. A
-    record the dataset cannot be read for (``Sample.error``) is yielded unchecked: the caller decides."""
-    index = -1
+    record the dataset cannot be read for (``Sample.error``) is yielded unchecked: the caller decides. Answers longer
+    than a model writes (``too_many_items``), which the scorers read as parse failures, are named in one warning at
+    the end."""
+    index, over = -1, []
     for index, (row, sample) in enumerate(zip_longest(iter_jsonl(predictions), iter_samples(ref))):
         if row is None or sample is None:
             raise AlignmentError(f"{predictions} and {ref.path} have different numbers of records (one ends at "
@@ -48,4 +52,11 @@ def aligned(ref: DatasetRef, predictions: str | Path) -> Iterator[tuple[int, Sam
                     Path(str(row["image"])).resolve() != Path(sample.images[0]).resolve():
                 raise AlignmentError(f"predictions row {index} of {predictions} is for {row['image']}, dataset record {index} for "
                                      f"{sample.images[0]}; the files are misaligned")
-        yield index, sample, _prediction_text(row, index, predictions)
+        text = _prediction_text(row, index, predictions)
+        if (why := too_many_items(text)) is not None:
+            over.append((index, why))
+        yield index, sample, text
+    if over:
+        rows = ", ".join(str(i) for i, _ in over[:5]) + (", ..." if len(over) > 5 else "")
+        warnings.warn(f"{predictions}: {len(over)} answer(s) longer than a model writes, scored as parse failures "
+                      f"(rows {rows}); row {over[0][0]}: {over[0][1]}", stacklevel=2)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from qwenvl_prep.formats.records import RecordError, iter_raw
+from qwenvl_prep.lf.dataset_rules import special_token_problem
 
 FORMATS = ("video-span", "video-track")
 PROMPTS = {
@@ -46,6 +47,8 @@ def check_prompt(prompt: str) -> None:
                          "goes")
     if any(tag in prompt for tag in MEDIA_TAGS):
         raise ValueError(f"--prompt {prompt!r} contains a media tag; convert adds the video's <video> tag itself")
+    if (problem := special_token_problem(prompt)) is not None:
+        raise ValueError(f"--prompt {prompt!r} holds {problem}")
 
 
 def _number(value: Any) -> bool:

@@ -2,7 +2,8 @@
 entry, and the records it would drop or fail on.
 
 ``convert`` never writes a record that LF drops (``Invalid role tag``, ``Invalid message count``) or fails on (image
-or video tags that do not match the images or videos, ``<audio>`` tags); ``check``, ``eval`` and ``draw`` read a dataset
+or video tags that do not match the images or videos, ``<audio>`` tags, Qwen-VL's own chat and media tokens written in
+its text); ``check``, ``eval``, ``draw`` and ``predict`` read a dataset
 through its entry's ``formatting``, ``columns`` and ``tags`` exactly as LF does (``data/parser.py`` DatasetAttr,
 ``data/converter.py``), and report the same records.
 """
@@ -10,6 +11,8 @@ through its entry's ``formatting``, ``columns`` and ``tags`` exactly as LF does 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from llamafactory_qwenvl_patch.frame.families import structure_token_in
 
 USER_SIDE = ("user", "observation")  # LF's odd turns
 MODEL_SIDE = ("assistant", "function_call")  # LF's even turns
@@ -29,6 +32,19 @@ def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeio' else 'a'} {word}"  # a user, an assistant
 
 
+def special_token_problem(text: str) -> str | None:
+    """Why ``text`` cannot stand in a record or a prompt, to follow "holds": one of Qwen-VL's chat-template or
+    media tokens (``families.STRUCTURE_TOKENS``), which the tokenizer reads as the token itself; None when it holds
+    none."""
+    token = structure_token_in(text)
+    if token is None:
+        return None
+    return (f"{token}, one of Qwen-VL's own special tokens, which the tokenizer reads as the token itself, not as "
+            "text (an image or video pad is counted as a media item that is not there: predict stops with an "
+            "IndexError, training with a token mismatch; a turn or text end cuts the record); remove it or write it "
+            "otherwise")
+
+
 def record_problem(record: dict[str, Any]) -> str | None:
     """Why LF would drop or refuse a canonical record (``{"messages": [{"role", "content"}], "images": [...]}``, and
     ``"videos"`` when it has any), None when it loads it. Roles: an optional system turn first, then user or
@@ -46,6 +62,9 @@ def record_problem(record: dict[str, Any]) -> str | None:
     if len(turns) % 2 or not turns:
         return (f"the record ends with {_a(turns[-1]['role'] if turns else 'system')} turn: LLaMA-Factory needs a "
                 "final assistant (or function_call) turn to train on and would drop it")
+    for m in messages:
+        if (problem := special_token_problem(m["content"])) is not None:
+            return f"its {m['role']} turn holds {problem}"
     for tag in OTHER_MEDIA_TAGS:
         if any(tag in m["content"] for m in messages):
             return (f"the record has a {tag} tag: convert carries images and videos only, and LF fails on a tag "

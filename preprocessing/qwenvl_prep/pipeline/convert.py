@@ -35,7 +35,7 @@ from qwenvl_prep.pipeline.convert_record import (
 from qwenvl_prep.pipeline.convert_video import ROTATION_MODES
 from qwenvl_prep.pipeline.dataset_info import SHAREGPT_ENTRY, check_dataset_name, merge_dataset_info
 from qwenvl_prep.plumbing.atomic import atomic_writer
-from qwenvl_prep.plumbing.outputs import check_output
+from qwenvl_prep.plumbing.outputs import check_output, require_regular_output
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -326,6 +326,7 @@ def _check_outputs(opts: ConvertOptions) -> None:
     taken = {opts.input.resolve(): "the input", output: "the output (-o)", registry: "the registry dataset_info.json"}
     if errors.resolve() in taken:
         raise ConvertError(f"--errors {errors} is {taken[errors.resolve()]}; it would be overwritten")
+    require_regular_output(registry, "the registry")
     if registry.exists() and (not os.access(registry, os.W_OK) or not registry.stat().st_mode & 0o222):
         raise ConvertError(f"{registry} is read-only; make it writable or convert into another folder")
     name = opts.dataset_name or opts.output.stem

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
@@ -149,12 +150,13 @@ def intervals(per_record: PerRecord, resamples: int = 1000, seed: int = 0, other
 
 def settings_of(predictions: Path) -> dict[str, Any] | None:
     """What ``qwenvl-prep predict`` recorded beside its output (``<output>.settings.json``); None for others (LF's
-    ``generated_predictions.jsonl``)."""
+    ``generated_predictions.jsonl``) and for a file that is not a JSON object."""
     path = predictions.with_name(predictions.name + ".settings.json")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def versions() -> dict[str, str]:
@@ -168,43 +170,63 @@ def versions() -> dict[str, str]:
     return found
 
 
-def _cell(text: str) -> str:
-    """A table cell's text: a subset named after a --by value may hold a pipe or a line break."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+_LINE_BREAKS = re.compile(r"\r\n|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
+
+
+def recorded(value: Any) -> str:
+    """A recorded value (a path, a prompt, a settings entry: text anyone who can write the predictions folder
+    chose) as an inline code span that no renderer reads as Markdown or HTML: text as it is, anything else as
+    JSON, line breaks flattened to spaces (no value starts a heading or a table row), and fenced by one backtick more
+    than its longest run of backticks, padded where it starts or ends with one (CommonMark's code span), so a
+    backtick in a prompt cannot end the span and let the rest through as HTML."""
+    text = value if isinstance(value, str) and value.strip() else json.dumps(value, sort_keys=True,
+                                                                            ensure_ascii=False)
+    text = _LINE_BREAKS.sub(" ", text)
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or (text[:1] == text[-1:] == " " and text.strip()) else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _cell(subset: str) -> str:
+    """A subset in a table cell: ``overall``, or one named after the records' ``--by`` values (recorded), where a
+    pipe, even in a code span, would split the cell (GFM tables)."""
+    return subset if subset == "overall" else recorded(subset).replace("|", "\\|")
 
 
 def _preset_line(prompt: dict[str, Any]) -> str:
     """A prompt preset in one line: its name, family and source, its template, and its system prompt by length and
     digest (the whole text is in the settings file)."""
-    line = (f"preset `{prompt.get('preset')}` for {prompt.get('family')} ({prompt.get('source')}); template "
-            f"`{json.dumps(prompt.get('template'))}`")
+    line = (f"preset {recorded(prompt.get('preset'))} for {recorded(prompt.get('family'))} "
+            f"({recorded(prompt.get('source'))}); template {recorded(prompt.get('template'))}")
     system = prompt.get("system")
     if isinstance(system, str):
         line += (f"; system prompt of {len(system)} characters (sha256 "
                  f"{hashlib.sha256(system.encode()).hexdigest()[:16]})")
     if prompt.get("prefill"):
-        line += f"; answer prefilled with `{json.dumps(prompt['prefill'])}`"
-    return line + f"; answers read as {ANSWERS.get(prompt.get('answer'), prompt.get('answer'))}"
+        line += f"; answer prefilled with {recorded(prompt['prefill'])}"
+    answer = prompt.get("answer")
+    known = isinstance(answer, str) and answer in ANSWERS
+    return line + f"; answers read as {ANSWERS[answer] if known else recorded(answer)}"
 
 
 def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None, predictions: Sequence[Path]) -> str:
     """The report: what was evaluated (dataset, its frame, each predictions file's model, prompt and settings, the
     versions), then per subset n, each metric with its interval, and the paired differences."""
-    lines = ["# Evaluation report", "", f"- dataset: `{result['dataset']}` ({result['records']} records)"]
+    lines = ["# Evaluation report", "", f"- dataset: {recorded(result['dataset'])} ({result['records']} records)"]
     if stamp_policy:
-        lines.append(f"- dataset frame (its stamp): `{json.dumps(stamp_policy, sort_keys=True)}`")
+        lines.append(f"- dataset frame (its stamp): {recorded(stamp_policy)}")
     for label, path in zip("AB", predictions):
-        lines.append(f"- predictions {label}: `{path}`")
-        recorded = settings_of(path)
-        if recorded is None:
+        lines.append(f"- predictions {label}: {recorded(str(path))}")
+        settings = settings_of(path)
+        if settings is None:
             lines.append("  - model, prompt and settings: not recorded (not written by qwenvl-prep predict)")
             continue
         for key in ("model_dir", "policy", "prompt", "settings", "versions"):
-            if isinstance(recorded.get(key), dict) and "preset" in recorded[key]:
-                lines.append(f"  - prompt: {_preset_line(recorded[key])}")
-            elif key in recorded:
-                lines.append(f"  - {key.replace('_', ' ')}: `{json.dumps(recorded[key], sort_keys=True)}`")
-    lines.append(f"- evaluated with: `{json.dumps(versions(), sort_keys=True)}`")
+            if isinstance(settings.get(key), dict) and "preset" in settings[key]:
+                lines.append(f"  - prompt: {_preset_line(settings[key])}")
+            elif key in settings:
+                lines.append(f"  - {key.replace('_', ' ')}: {recorded(settings[key])}")
+    lines.append(f"- evaluated with: {recorded(versions())}")
     ci = result["intervals"]
     lines += ["", f"Intervals: {ci['confidence']:.0%} percentile bootstrap over records ({ci['resamples']} resamples "
               f"within each subset, seed {ci['seed']}). An interval is how far the metric moves when the same "

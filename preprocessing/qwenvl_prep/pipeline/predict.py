@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, GROUNDING_TOKENS, family_of_model
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video, read_policy_record
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
@@ -41,9 +41,6 @@ def adapter_base(model_dir: Path) -> Path | None:
 
 
 MIN_TEMPERATURE = 1e-3
-# Qwen's grounding tokens are special tokens: a decode that skips special tokens would drop Qwen2-VL's boxes
-GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-                    "<|quad_end|>")
 
 
 def processor_folder(model_dir: str | Path) -> Path:
@@ -103,6 +100,18 @@ def answering_video(model_dir: str | Path, base: Path | None, policy: ResizePoli
     return found or (default, default.fps)
 
 
+def require_chat_template(processor: Any, folder: Path) -> None:
+    """Every prompt is the processor's chat template applied (as training's template writes it): a folder without
+    one is refused before any weights load or any output is made, not at the first batch."""
+    if processor.chat_template:
+        return
+    elsewhere = " (its tokenizer_config.json has one, which the processor does not read: save it as " \
+        "chat_template.jinja)" if getattr(processor.tokenizer, "chat_template", None) else ""
+    raise ValueError(f"{folder} has no chat template for its processor (chat_template.jinja or chat_template.json)"
+                     f"{elsewhere}; predict asks in the chat format the model was trained in: copy the base model's "
+                     "chat_template.jinja into the folder")
+
+
 @dataclass(frozen=True)
 class Ask:
     """A prompt with the system prompt its record carries (a plain ``str`` prompt has none: the chat template's
@@ -143,6 +152,7 @@ class FolderModel:
         self.model_dir = Path(model_dir)
         base = self.base = adapter_base(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(processor_folder(self.model_dir))
+        require_chat_template(self.processor, processor_folder(self.model_dir))
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
         self.policy = folder_policy(model_dir, self.processor.image_processor)
         self.family = family = folder_family(model_dir)
@@ -150,6 +160,7 @@ class FolderModel:
             raise ValueError(f"the prompt preset is {preset.family}'s; {model_dir} is a {family} model")
         self.preset = preset
         tokenizer = self.processor.tokenizer
+        # the grounding tokens are special tokens: a decode that skipped them would drop Qwen2-VL's boxes
         kept = {tokenizer.convert_tokens_to_ids(token) for token in GROUNDING_TOKENS}
         self._dropped = set(tokenizer.all_special_ids) - kept
         self.convention = FAMILIES[family].coords

@@ -29,6 +29,8 @@ from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import (
 from llamafactory_qwenvl_patch.grpo.generation.vllm_video import vllm_video_grids
 from llamafactory_qwenvl_patch.grpo.generation.weight_sync import vllm_version
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.model_files.folder import CONFIG, FileEdit, ModelFolder, NotPortableError
+from llamafactory_qwenvl_patch.model_files.readers import reader_problems, vllm_reader
 from qwenvl_prep.formats.prompt_presets import PromptPreset
 from qwenvl_prep.pipeline.predict import ClipBatch, FolderModel
 
@@ -49,6 +51,11 @@ class VLLMPredictor(FolderModel):
         except ImportError:
             raise ValueError("--backend vllm needs vLLM in this environment (scripts/add_vllm.sh); --backend hf "
                              "does not") from None
+        problems = engine_problems(Path(model_dir))
+        if problems:
+            raise ValueError(f"{model_dir} would stop vLLM once its engine started:\n  " + "\n  ".join(problems)
+                             + f"\n`qwenvl-prep fix-config {model_dir} --target vllm` repairs what is named by file "
+                             "and key (backups kept); export the model again for the rest")
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
@@ -124,4 +131,26 @@ class VLLMPredictor(FolderModel):
                 raise RuntimeError(f"vLLM put {video}'s frame groups {theirs.second_per_grid_ts} s apart, the folder's "
                                    f"clock {plan.second_per_grid_ts} s: its positions would not be the HF backend's")
         return self.video_rows(jobs, self.decode([list(o.outputs[0].token_ids) for o in outputs]), batch)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")  # what vLLM's load_format "auto" looks for
+
+
+def engine_problems(model_dir: Path) -> list[str]:
+    """What the installed vLLM would stop on in the folder only after its engine started (a minute on CPU, more on
+    GPUs): the reader rules of ``model_files.readers`` for the folder as the engine gets it (its text config named
+    as ``name_text_architectures`` names it), and weights to load. The chat template is ``FolderModel``'s check."""
+    try:
+        folder = ModelFolder.load(model_dir)
+    except NotPortableError as exc:
+        return [str(exc)]
+    config = folder.get(CONFIG) or {}
+    text = config.get("text_config")
+    if isinstance(text, dict) and not text.get("architectures"):
+        named = {**text, "architectures": list(config.get("architectures") or [])}
+        folder = folder.with_edits([FileEdit(CONFIG, {**config, "text_config": named})])
+    problems = reader_problems(folder, vllm_reader(None), chat=False)
+    if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_FILES):
+        problems.append(f"{model_dir}: no weights ({', '.join(WEIGHT_FILES)}), which vLLM loads at start-up")
+    return problems
 

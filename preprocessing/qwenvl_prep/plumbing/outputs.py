@@ -1,17 +1,21 @@
 """Where a ``qwenvl-prep`` command may write, checked before it writes anything.
 
 Never onto one of its inputs, onto a file that a ``dataset_info.json`` entry uses (or a registry itself), through a
-symbolic link it did not create, or outside its output folder. Every command checks each output path here first, so
+symbolic link it did not create, onto anything but a regular file (a named pipe, a socket or a device: the rename
+that finishes an output would replace it, and a reader waiting on a pipe would wait forever), or outside its output
+folder. Every command checks each output path here first, so
 a refusal names the path and leaves every file as it was.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Iterable
 
 from llamafactory_qwenvl_patch.frame.stamp import read_dataset_info
+from llamafactory_qwenvl_patch.image_io.images import file_kind
 
 REGISTRY = "dataset_info.json"
 
@@ -33,6 +37,19 @@ def registered_files(folder: Path) -> dict[Path, str]:
     return files
 
 
+def require_regular_output(path: Path, what: str) -> None:
+    """Refuse an output path that exists and is not a regular file (a FIFO, a socket, a device): every output is
+    written beside it and renamed over it, which would replace it (and leave a reader of a pipe waiting)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # created by the run (a parent that is a file fails by name when it is made)
+    if not stat.S_ISREG(mode):
+        raise UnsafeOutput(f"{what} {path} is {file_kind(mode)}, not a regular file; qwenvl-prep writes a file and "
+                           "renames it into place, which would replace it (write to a regular path, then copy it "
+                           "where it should go)")
+
+
 class Outputs:
     """What a run must not write onto: its inputs (and anything inside an input folder, such as a model folder) and
     the files of every registry it reads, or writes beside. Build once, then ``check`` each output path."""
@@ -50,16 +67,17 @@ class Outputs:
 
     def check(self, path: str | os.PathLike, what: str, *, inside: str | os.PathLike | None = None,
               own_entry: str | None = None) -> Path:
-        """Refuse ``path`` (named ``what`` in the message, e.g. ``--json-out``) when it is a symbolic link or a
-        folder, a registry, an input or inside an input folder, outside ``inside``, a file that a registry entry
-        other than ``own_entry`` uses (the registry beside it and those given), or in a folder that is not
-        writable. Returns the path."""
+        """Refuse ``path`` (named ``what`` in the message, e.g. ``--json-out``) when it is a symbolic link, a
+        folder or anything else that is not a regular file (a FIFO, a socket, a device), a registry, an input or
+        inside an input folder, outside ``inside``, a file that a registry entry other than ``own_entry`` uses (the
+        registry beside it and those given), or in a folder that is not writable. Returns the path."""
         path = Path(path)
         if path.is_symlink():
             raise UnsafeOutput(f"{what} {path} is a symbolic link; qwenvl-prep does not write through links it did "
                                "not create (give the real path)")
         if path.is_dir():
             raise UnsafeOutput(f"{what} {path} is a directory, not a file to write")
+        require_regular_output(path, what)
         if path.name == REGISTRY:
             raise UnsafeOutput(f"{what} {path} would replace the dataset registry {REGISTRY}")
         target = path.resolve()

@@ -3,7 +3,12 @@ write, flushed to disk), the run's settings to ``OUTPUT.partial.settings.json`` 
 the same settings skips the whole batches already there (a batch cut by a kill is dropped and written again, so each
 batch is answered as the uninterrupted run answers it), one with other
 settings is refused naming them, and only a finished run renames both into ``OUTPUT`` and ``OUTPUT.settings.json``.
-Two runs at once into one output are refused (an flock held while writing)."""
+Two runs at once into one output are refused (an flock held while writing).
+
+The finish is four steps, ordered so that a kill after any of them leaves what the next run resumes or finishes, and
+never an ``OUTPUT`` beside another run's settings: the old ``OUTPUT.settings.json`` and ``OUTPUT`` are removed, the
+settings renamed, then the rows. Killed after the settings' rename, ``OUTPUT.partial`` stands with its settings at
+``OUTPUT.settings.json``: the next run takes them back and, every batch being there, finishes."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from qwenvl_prep.plumbing.atomic import atomic_writer
+from qwenvl_prep.plumbing.outputs import require_regular_output
 
 
 class ResumeConflict(ValueError):
@@ -47,9 +53,10 @@ class ResumableOutput:
         return [self.path, self.partial, self.partial_settings, self.settings_path]
 
     def __enter__(self) -> "ResumableOutput":
-        for path in (self.partial, self.partial_settings):
+        for path in self.outputs():
             if path.is_symlink():
                 raise ResumeConflict(f"{path} is a symbolic link; it is not followed")
+            require_regular_output(path, "output")
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.partial, "a+b")
         try:
@@ -74,16 +81,22 @@ class ResumableOutput:
         return self
 
     def _check_settings(self) -> None:
+        """The rows' settings must be these. A run killed inside the finish left them at ``OUTPUT.settings.json``
+        (``OUTPUT.partial.settings.json`` gone): they are taken back from there."""
+        moved = not self.partial_settings.exists() and self.settings_path.exists()
+        where = self.settings_path if moved else self.partial_settings
         try:
-            recorded = json.loads(self.partial_settings.read_text(encoding="utf-8"))
+            recorded = json.loads(where.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ResumeConflict(f"{self.partial} has rows but its settings ({self.partial_settings}) cannot be "
-                                 f"read ({exc}); delete both to start over") from None
+            raise ResumeConflict(f"{self.partial} has rows but its settings ({where}) cannot be read ({exc}); delete "
+                                 "both to start over") from None
         changed = _differences(recorded, self.settings)
         if changed:
             raise ResumeConflict(f"{self.partial} was written with other settings ({', '.join(changed)} differ: "
-                                 f"{self.partial_settings} has them); rerun with the same ones to continue it, or "
-                                 "delete both files to start over")
+                                 f"{where} has them); rerun with the same ones to continue it, or delete both files "
+                                 "to start over")
+        if moved:
+            os.replace(self.settings_path, self.partial_settings)
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
         """One batch of rows, in one write, flushed to disk before the next batch starts."""
@@ -101,7 +114,9 @@ class ResumableOutput:
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         try:
-            if kind is None:
+            if kind is None:  # each step leaves a state the next run resumes or finishes (module docstring)
+                self.settings_path.unlink(missing_ok=True)
+                self.path.unlink(missing_ok=True)
                 os.replace(self.partial_settings, self.settings_path)
                 os.replace(self.partial, self.path)
         finally:

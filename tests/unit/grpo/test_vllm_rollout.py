@@ -244,7 +244,8 @@ def check_video_rollouts(folder, engine, model, tokenizer, tmp_path) -> None:
         mine = torch.log_softmax(logits / SAMPLING["temperature"], -1).gather(1, completion.unsqueeze(1)).squeeze(1)
         assert (mine - logps[keep]).abs().max() < tolerance, (mine, logps[keep])
     clip = clips[1][0]
-    smaller = VideoClip(clip.frames[:, :-32], clip.plan, clip.grid)  # 32 rows fewer: another grid, other pads
+    factor = 2 * clip.frames.shape[1] // clip.grid[1]  # a merged patch's rows: 28 (Qwen2.5-VL) or 32 (Qwen3)
+    smaller = VideoClip(clip.frames[:, :-factor], clip.plan, clip.grid)  # a row of patches fewer: another grid
     with pytest.raises(VideoFrameMismatchError, match="dataset record 5: vLLM encoded its videos in grids"):
         engine.generate([prompts[1]], [[]], [5], tokenizer.pad_token_id, videos=[[smaller]])
 

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import BIN, save_image
+from helpers import BIN, save_image, write_clip
 from hostile import POLICY
 
 from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image, open_image
@@ -83,3 +83,19 @@ def test_sixteen_bit_grey_pngs_are_scaled_not_clipped(tmp_path):
     image = model_input_image(str(path), ResizePolicy(56 * 56, 64 * 64 * 4))
     pixels = np.asarray(image.convert("L"), dtype=np.float64)
     assert image.mode == "RGB" and 100 < pixels.mean() < 155  # clipping gave a mean near 255
+
+
+def test_a_clip_is_named_a_video(tmp_path, monkeypatch):
+    """Issue 51: a clip's frame size over PIL's limit read "image video X: refused as a decompression bomb"; a FIFO
+    clip, "only regular image files are read"."""
+    from PIL import Image
+
+    from llamafactory_qwenvl_patch.image_io.video import probe
+
+    os.mkfifo(tmp_path / "fifo.mp4")
+    with pytest.raises(ImageError, match=r"^video .*fifo\.mp4: is a FIFO, .*only regular video files are read"):
+        within(10, probe, str(tmp_path / "fifo.mp4"), 2.0)
+    clip = write_clip(tmp_path / "big.mp4", 1, 4, 160, 96)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 160x96 is over twice this limit
+    with pytest.raises(ImageError, match=r"^video .*big\.mp4: refused as a decompression bomb \(160x96"):
+        probe(str(clip), 2.0)

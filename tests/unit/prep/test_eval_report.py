@@ -79,3 +79,39 @@ def test_the_same_seed_gives_the_same_intervals_and_outputs_are_guarded(benchmar
     assert "must be at most 100000" in capsys.readouterr().err
     assert main(["eval", str(data), "--predictions", str(a), "--report", str(a)]) != 0  # never over an input
     assert json.loads(a.read_text().splitlines()[0])["prompt"] == "p"
+
+
+HOSTILE = "Output `bbox_2d` JSON <script>alert(1)</script>\n# Forged heading\n| forged | row |\r\n``<img src=x>"
+
+
+def test_recorded_values_are_rendered_as_text(benchmark, tmp_path, capsys):
+    """Issue 51, class 6: a prompt holding a backtick ended its code span and let the rest through as HTML; a
+    settings file's preset source with a newline, a heading, a table row or a <script> was carried into the report
+    as such. Rendered (CommonMark with tables), every recorded value is text: no HTML element, no heading or table
+    row of its own, and still readable."""
+    markdown_it = pytest.importorskip("markdown_it")
+    data, (a, b), _, _ = benchmark
+    preset = {"preset": "refcoco`", "family": "qwen2_5_vl\n# H", "source": HOSTILE, "template": HOSTILE,
+              "answer": ["not", "a name"], "system": "s", "prefill": "`"}
+    for path, prompt in ((a, preset), (b, HOSTILE)):
+        path.with_name(path.name + ".settings.json").write_text(json.dumps(
+            {"model_dir": HOSTILE, "policy": {"min_pixels": HOSTILE}, "prompt": prompt, "settings": {}}))
+    records = json.loads(data.read_text())
+    for k, record in enumerate(records):
+        record["meta"] = {"group": HOSTILE if k % 2 else "plain"}
+    data.write_text(json.dumps(records))
+    report = tmp_path / "report.md"
+    assert main(["eval", str(data), "--predictions", str(a), "--compare", str(b), "--report", str(report),
+                 "--bootstrap", "20", "--by", "group"]) == 0
+    text = report.read_text()
+    html = markdown_it.MarkdownIt("commonmark").enable("table").render(text)
+    assert "<script" not in html and "<img" not in html
+    assert html.count("<h1>") == 1 and "<h2>" not in html and [line for line in text.splitlines()
+                                                              if line.startswith("#")] == ["# Evaluation report"]
+    table_lines = [line for line in text.splitlines() if line.startswith("|")]
+    assert html.count("<tr>") == len(table_lines) - 2  # each table's separator line is no row
+    for row in html.split("<tr>")[1:]:
+        assert row.count("<td>") in (0, 5, 6) and row.count("<th>") in (0, 5, 6), row
+    flat = "Output `bbox_2d` JSON &lt;script&gt;alert(1)&lt;/script&gt; # Forged heading | forged | row |"
+    assert html.count(flat) >= 6  # model_dir, source and template of A, prompt and model_dir of B, a subset
+    assert "<code>refcoco`</code>" in html and "<code>`</code>" in html
