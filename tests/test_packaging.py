@@ -3,6 +3,7 @@ requirements admit the tested sets and refuse the releases known to be wrong."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def test_wheel_installs_the_hook(tmp_path):
     code = (f"import site, sys; site.addsitedir({str(target)!r}); "
             "import llamafactory_qwenvl_patch as p; "
             "print(any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path), p.__file__)")
-    probe = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the wheel's copy, not a checkout's
+    probe = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert probe.returncode == 0, probe.stderr
     found, location = probe.stdout.split()
     assert found == "True" and location.startswith(str(target))
