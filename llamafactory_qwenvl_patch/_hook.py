@@ -23,6 +23,7 @@ TARGETS = {
     "llamafactory.train.tuner": "patch_tuner",
     "llamafactory.chat.chat_model": "patch_chat_model",
     "llamafactory.chat.hf_engine": "patch_hf_engine",
+    "llamafactory.chat.vllm_engine": "patch_vllm_engine",
     "llamafactory.api.chat": "patch_api_chat",
 }
 

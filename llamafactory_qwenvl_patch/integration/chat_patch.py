@@ -1,6 +1,6 @@
 """Patches LF's inference: ``llamafactory.chat.chat_model`` (images checked, answers mapped to the request's
-pixels), ``llamafactory.chat.hf_engine`` (M-RoPE token types for transformers 5.x) and ``llamafactory.api.chat``
-(a refused image is a 400, not a crash)."""
+pixels), ``llamafactory.chat.hf_engine`` (M-RoPE token types for transformers 5.x), ``llamafactory.chat.vllm_engine``
+(each video's clock handed to vLLM) and ``llamafactory.api.chat`` (a refused image is a 400, not a crash)."""
 
 from __future__ import annotations
 
@@ -160,3 +160,49 @@ def patch_hf_engine(hf_engine: ModuleType) -> None:
     method = staticmethod(wrapper)
     method.__qwenvl_wrapped__ = True
     engine_cls._process_args = method
+
+
+def patch_vllm_engine(vllm_engine: ModuleType) -> None:
+    """LF's vLLM inference engine hands vLLM each video's frames alone: vLLM then stamps Qwen3's groups and sets
+    Qwen2.5-VL's seconds per group by its own defaults, not the frames' times. Under the pinned plugin each video goes
+    with its plan's metadata, not resampled, and the request with ``video_processor_kwargs`` (the clock the GRPO
+    rollouts and ``predict --backend vllm`` check against vLLM's)."""
+    lf_compat.require(vllm_engine, ["VllmEngine"])
+    engine_cls = vllm_engine.VllmEngine
+    lf_compat.require(engine_cls, ["_generate"])
+    generate_request = engine_cls._generate
+    if getattr(generate_request, "__qwenvl_wrapped__", False):
+        return
+
+    @functools.wraps(generate_request)
+    async def generate_pinned(self, *args: Any, **kwargs: Any) -> Any:
+        plugin = getattr(self.template, "mm_plugin", None)
+        if getattr(plugin, "video_policy", None) is None:
+            return await generate_request(self, *args, **kwargs)
+        import numpy as np
+
+        from llamafactory_qwenvl_patch.frame.video import video_processor_kwargs
+        from llamafactory_qwenvl_patch.grpo.generation.vllm_video import swapped
+
+        plans: list[Any] = []
+        regularize, model_generate = plugin._regularize_videos, self.model.generate
+
+        def with_clock(videos: list[Any], **options: Any) -> dict[str, Any]:
+            data = regularize(videos, **options)
+            plans.extend(data["plans"])
+            items = [(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]),
+                      {**plan.metadata(len(frames)), "do_sample_frames": False})
+                     for frames, plan in zip(data["videos"], data["plans"])]
+            return {**data, "videos": items}
+
+        def with_kwargs(prompt: dict[str, Any], *rest: Any, **options: Any) -> Any:
+            if plans:
+                prompt = {**prompt, "mm_processor_kwargs": video_processor_kwargs(plans)}
+            return model_generate(prompt, *rest, **options)
+
+        # LF's _generate awaits nothing before it calls generate: no other request runs while these are swapped
+        with swapped(plugin, "_regularize_videos", with_clock), swapped(self.model, "generate", with_kwargs):
+            return await generate_request(self, *args, **kwargs)
+
+    generate_pinned.__qwenvl_wrapped__ = True
+    engine_cls._generate = generate_pinned

@@ -7,7 +7,9 @@ Each patch is inert unless the run opts in with ``qwenvl_patch: true``; without 
 
 from __future__ import annotations
 
-from llamafactory_qwenvl_patch.integration.chat_patch import patch_api_chat, patch_chat_model, patch_hf_engine
+from llamafactory_qwenvl_patch.integration.chat_patch import (
+    patch_api_chat, patch_chat_model, patch_hf_engine, patch_vllm_engine,
+)
 from llamafactory_qwenvl_patch.integration.data_patch import patch_data_loader
 from llamafactory_qwenvl_patch.integration.model_patch import patch_model_loader
 from llamafactory_qwenvl_patch.integration.parser_patch import patch_parser
@@ -15,4 +17,4 @@ from llamafactory_qwenvl_patch.integration.template_patch import patch_template
 from llamafactory_qwenvl_patch.integration.tuner_patch import patch_tuner
 
 __all__ = ["patch_api_chat", "patch_chat_model", "patch_data_loader", "patch_hf_engine", "patch_model_loader",
-           "patch_parser", "patch_template", "patch_tuner"]
+           "patch_parser", "patch_template", "patch_tuner", "patch_vllm_engine"]

@@ -167,7 +167,13 @@ def test_vllm_answers_as_predict_does(exported, vllm_server, predicted):
 def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
     """``llamafactory-cli api`` with ``infer_backend: vllm`` (vLLM 0.28; LF checks vllm<=0.11, skipped with
     DISABLE_VERSION_CHECK=1) on the export: the policy's prompt tokens (LF's template and pinned resize, vLLM's
-    processor), and ``qwenvl_answer_coords: original`` gives the memorised boxes in the pixels of the image sent."""
+    processor), and ``qwenvl_answer_coords: original`` gives the memorised boxes in the pixels of the image sent; a
+    clip's prompt holds the recorded video policy's frame groups."""
+    from helpers import write_clip
+
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
+    from llamafactory_qwenvl_patch.image_io.video import probe
+
     root, export_dir, images = exported
     config = {"model_name_or_path": str(export_dir), "template": "qwen2_vl", "infer_backend": "vllm",
               "infer_dtype": "float32", "vllm_maxlen": 2048, "vllm_enforce_eager": True,
@@ -188,6 +194,21 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
             expected = [convert_coords(item.coords, "model", "orig", (height, width), model_hw)
                         for item in parse_items(answer(colour))]
             assert [list(item.coords) for item in parse_items(response.choices[0].message.content)] == expected
+        # issue 49, item 3: a clip through LF's vLLM engine, in the folder's recorded video frame, with its plan's
+        # clock handed to vLLM (the patched engine; vLLM's seconds per group are checked against the plan in the
+        # GRPO rollout and predict tests, which hand vLLM the same request kwargs)
+        clip = write_clip(root / "api-clip.mp4", 3, 10, 320, 180)
+        video = folder_video_policy(export_dir)
+        probed = probe(str(clip), 2.0)
+        pads = probed.plan(video).groups * video.frame_tokens(probed.height, probed.width)
+
+        def tokens(content):
+            return server.client.chat.completions.create(model=server.model, temperature=0, max_tokens=4, messages=[
+                {"role": "user", "content": content}]).usage.prompt_tokens
+
+        text_only = tokens([{"type": "text", "text": PROMPT}])
+        assert tokens([{"type": "video_url", "video_url": {"url": str(clip)}}, {"type": "text", "text": PROMPT}]) == (
+            text_only + pads + 2)  # + vision start and end
     finally:
         server.stop()
     assert "running in its training frame" in (root / "lf-api.log").read_text()

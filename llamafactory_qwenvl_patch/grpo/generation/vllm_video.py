@@ -58,7 +58,7 @@ def captured_videos(plugin: Any) -> Iterator[list[tuple[Any, VideoPlan]]]:
         clips.extend(zip(data["videos"], data["plans"]))
         return data
 
-    with _swapped(plugin, "_regularize_videos", recording):
+    with swapped(plugin, "_regularize_videos", recording):
         yield clips
 
 
@@ -203,12 +203,12 @@ def vllm_video_grids(llm: Any, version: str) -> Iterator[list[list[EncodedVideo]
         grids.append(found)
         return request
 
-    with _swapped(processor, "process_inputs", recording):
+    with swapped(processor, "process_inputs", recording):
         yield grids
 
 
 @contextmanager
-def _swapped(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+def swapped(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     """``owner.name`` is ``replacement`` inside the block, then what it was (an instance attribute or the class's)."""
     own = owner.__dict__.get(name, _MISSING)
     setattr(owner, name, replacement)
