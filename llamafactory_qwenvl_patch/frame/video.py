@@ -209,6 +209,11 @@ class VideoPlan:
         return {"fps": self.rate, "frames_indices": list(range(frames)), "total_num_frames": frames,
                 "duration": self.duration}
 
+    def vllm_item(self, frames: Any) -> tuple[Any, dict[str, Any]]:
+        """vLLM's ``multi_modal_data["video"]`` item for this plan's decoded ``frames`` ((T, H, W, 3) array): the
+        frames and the plan's clock, not to be resampled."""
+        return frames, {**self.metadata(len(frames)), "do_sample_frames": False}
+
     def tokens(self, frame_tokens: int) -> int:
         """``<|video_pad|>`` tokens of the whole clip."""
         return self.groups * frame_tokens
@@ -219,7 +224,9 @@ def video_processor_kwargs(plans: list[VideoPlan]) -> dict[str, Any]:
     bounds would otherwise become the Qwen3 video processor's budget over all frames). vLLM 0.28 hands an item's
     metadata to the HF processor for the Qwen3 models only; Qwen2-VL's and Qwen2.5-VL's processor would take 24 fps
     (``VideoMetadata.sampled_fps``'s default) and put the groups 1/12 s apart, so their plans' metadata go as the
-    processor's own ``video_metadata``, one per video of the request."""
+    processor's own ``video_metadata``, one per video of the request. vLLM hashes an item with the request's kwargs
+    and, on a cache hit, runs the processor on the other items with the whole list: such a request is one video,
+    or runs with the processor cache off (GRPO, predict)."""
     kwargs: dict[str, Any] = {"do_resize": False}
     if any(plan.clock != "stamps" for plan in plans):
         kwargs["video_metadata"] = [plan.metadata(len(plan.indices)) for plan in plans]  # frames, padding included

@@ -190,14 +190,17 @@ def patch_vllm_engine(vllm_engine: ModuleType) -> None:
         def with_clock(videos: list[Any], **options: Any) -> dict[str, Any]:
             data = regularize(videos, **options)
             plans.extend(data["plans"])
-            items = [(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]),
-                      {**plan.metadata(len(frames)), "do_sample_frames": False})
+            items = [plan.vllm_item(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]))
                      for frames, plan in zip(data["videos"], data["plans"])]
             return {**data, "videos": items}
 
         def with_kwargs(prompt: dict[str, Any], *rest: Any, **options: Any) -> Any:
             if plans:
-                prompt = {**prompt, "mm_processor_kwargs": video_processor_kwargs(plans)}
+                kwargs = video_processor_kwargs(plans)
+                if "video_metadata" in kwargs and len(plans) > 1:  # LF's engine keeps vLLM's processor cache
+                    raise ValueError(f"{len(plans)} videos in one request: a Qwen2-VL / Qwen2.5-VL clock goes to "
+                                     "vLLM once per request (video_processor_kwargs); send one video per request")
+                prompt = {**prompt, "mm_processor_kwargs": kwargs}
             return model_generate(prompt, *rest, **options)
 
         # LF's _generate awaits nothing before it calls generate: no other request runs while these are swapped

@@ -70,6 +70,8 @@ LOSS_TYPES: dict[str, tuple[str, str]] = {}  # grpo_loss_type -> (surrogate, agg
 def register_surrogate(name: str) -> Callable[[Surrogate], Surrogate]:
     """Decorator: ``fn(ratio, advantages, logps, config) -> (per-token loss, clipped tokens)``."""
     def add(fn: Surrogate) -> Surrogate:
+        if name in SURROGATES:
+            raise ValueError(f"surrogate {name!r} is registered already")
         SURROGATES[name] = fn
         return fn
     return add
@@ -79,6 +81,8 @@ def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
     """Decorator: ``fn(per_token, mask, config, token_normalizer, seq_normalizer) -> loss`` (``mask`` as the loss's
     dtype; a None normaliser means this micro-batch's own count)."""
     def add(fn: Aggregation) -> Aggregation:
+        if name in AGGREGATIONS:
+            raise ValueError(f"aggregation {name!r} is registered already")
         AGGREGATIONS[name] = fn
         return fn
     return add
@@ -86,6 +90,8 @@ def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
 
 def register_loss(loss_type: str, surrogate: str, aggregation: str) -> None:
     """``grpo_loss_type: loss_type`` is ``surrogate`` aggregated by ``aggregation``."""
+    if loss_type in LOSS_TYPES:
+        raise ValueError(f"loss type {loss_type!r} is registered already")
     for kind, name, table in (("surrogate", surrogate, SURROGATES), ("aggregation", aggregation, AGGREGATIONS)):
         if name not in table:
             raise ValueError(f"loss {loss_type!r}: no {kind} {name!r} (registered: {', '.join(table)})")

@@ -1,9 +1,9 @@
 """Video prompts on the vLLM rollout engine, in the training frame and clock.
 
 vLLM is handed the frames the pinned plugin decoded for training (captured from its ``_regularize_videos`` while
-LF's collator runs, so no clip is decoded twice), with the plan's metadata (``fps`` = ``METADATA_FPS``, the sampled
-times as ``frames_indices``, no resampling) and ``do_resize=False``; it computes each group's ``<t seconds>`` stamp
-itself from that metadata. The training prompt is therefore collapsed to one ``<|vision_start|><|video_pad|>
+LF's collator runs, so no clip is decoded twice), with the plan's metadata (``VideoPlan.metadata``: for the Qwen3
+clock the sampled times as ``frames_indices`` at ``METADATA_FPS``, from which vLLM prints each group's ``<t
+seconds>``; for Qwen2.5-VL's the sampled rate) and ``video_processor_kwargs``, nothing resampled or resized. The training prompt is therefore collapsed to one ``<|vision_start|><|video_pad|>
 <|vision_end|>`` per video, stamps removed, and after sampling every video is checked: vLLM's grid, its pad count
 and the whole prompt must be the training batch's.
 
@@ -39,8 +39,8 @@ class VideoClip:
     grid: tuple[int, int, int]  # the training batch's video_grid_thw row
 
     def vllm_item(self) -> tuple[np.ndarray, dict[str, Any]]:
-        """vLLM's ``multi_modal_data["video"]`` item: the frames and the plan's clock, not resampled."""
-        return self.frames, {**self.plan.metadata(len(self.frames)), "do_sample_frames": False}
+        """vLLM's ``multi_modal_data["video"]`` item: the frames and the plan's clock (``VideoPlan.vllm_item``)."""
+        return self.plan.vllm_item(self.frames)
 
 
 

@@ -1,10 +1,10 @@
 """What one rollout produces: each prompt's meta, each sampled micro-batch (``SampledPart``) and each micro-batch
 ready to be optimised (``MicroBatch``).
 
-A completion is a trajectory of segments after its prompt: today one model segment (the sampled answer with its stop
-token, trained), and, for the multi-turn agents to come, model segments between environment segments (observations
-rendered by LF's template, never trained) each with its images. ``Trajectory.rows`` turns segments into the ids and
-loss mask the loss reads, so one layout serves both.
+A completion is one model segment after its prompt (the sampled answer with its stop token, trained). For the
+multi-turn agents being built (issue 50), ``Segment`` and ``Trajectory`` lay out model segments between environment
+segments (observations rendered by LF's template, never trained), each with its images: ``Trajectory.rows`` gives
+the ids and the loss mask such a trajectory trains with, in the completion rows ``MicroBatch`` already carries.
 """
 
 from __future__ import annotations

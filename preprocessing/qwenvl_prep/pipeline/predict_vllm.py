@@ -116,8 +116,7 @@ class VLLMPredictor(FolderModel):
 
         batch = self.read_clips(jobs, frame_list_fps)
         requests = [{"prompt": text, "mm_processor_kwargs": video_processor_kwargs([plan]),
-                     "multi_modal_data": {"video": (np.stack([np.asarray(frame) for frame in frames]),
-                                                    {**plan.metadata(len(frames)), "do_sample_frames": False})}}
+                     "multi_modal_data": {"video": plan.vllm_item(np.stack([np.asarray(frame) for frame in frames]))}}
                     for text, frames, plan in zip(batch.texts, batch.frames, batch.plans)]
         with vllm_video_grids(self.llm, vllm_version()) as encoded:
             outputs = self.llm.generate(requests, sampling_params=self._params(len(requests)), use_tqdm=False)

@@ -143,10 +143,12 @@ def test_unreadable_clips_are_named(tmp_path):
         read_clip(thin, QWEN3, 2.0)
 
 
-def test_a_vllm_video_request_carries_the_training_frames_and_clock(tmp_path, tiny_model_qwen3):
+def test_a_vllm_video_request_carries_the_training_frames_and_clock(tmp_path, tiny_model_qwen3, tiny_model):
     """``vllm_video_request``: the clip's training frames (PNG, lossless) and their times as integer indices at a
     rate that prints every stamp as the plan does (a 30-fps clip needs a finer base than milliseconds only where a
-    stamp would round the other way); Qwen2.5-VL's clock and a folder without a video policy are refused by name."""
+    stamp would round the other way); a Qwen2.5-VL clip carries its sampled rate and the processor's
+    ``video_metadata``, so vLLM's seconds per group are the plan's (issue 49); a folder without a video policy is
+    refused by name."""
     import base64
     import io
     import shutil
@@ -178,11 +180,15 @@ def test_a_vllm_video_request_carries_the_training_frames_and_clock(tmp_path, ti
     assert (kwargs["fps"], kwargs["frames_indices"]) == (rate, indices) and kwargs["do_sample_frames"] is False
     assert [f"<{(indices[i] / rate + indices[i + 1] / rate) / 2:.1f} seconds>" for i in range(0, len(indices), 2)] \
         == plan.stamp_texts
-    seconds = tmp_path / "qwen25"
-    seconds.mkdir()
-    write_policy_record(seconds, ResizePolicy(256, 4096, 28), VideoPolicy(256, 65536, 28, 2.0, 128, "seconds"))
-    with pytest.raises(VideoRequestError, match="other M-RoPE positions"):
-        vllm_video_request(clip, seconds)
+    seconds = Path(shutil.copytree(tiny_model, tmp_path / "qwen25"))
+    clock = VideoPolicy(256, 65536, 28, 2.0, 128, "seconds")
+    write_policy_record(seconds, ResizePolicy(256, 4096, 28), clock)
+    part, extra = vllm_video_request(clip, seconds)
+    plan = probe(clip, 2.0).plan(clock)
+    kwargs = extra["media_io_kwargs"]["video"]
+    assert kwargs["fps"] == plan.rate and kwargs["frames_indices"] == list(range(len(plan.indices)))
+    assert 2 / (len(kwargs["frames_indices"]) / kwargs["total_num_frames"] * kwargs["fps"]) == plan.second_per_grid_ts
+    assert extra["mm_processor_kwargs"]["video_metadata"] == [plan.metadata(len(plan.indices))]
     write_policy_record(seconds, ResizePolicy(256, 4096, 28))
     with pytest.raises(VideoRequestError, match="records no video policy"):
         vllm_video_request(clip, seconds)

@@ -232,3 +232,30 @@ def test_a_trajectory_trains_its_model_segments_only():
     assert Trajectory((Segment("model", (3, 2)),)).rows() == ([3, 2], [1, 1])
     with pytest.raises(ValueError, match="'model' or 'env'"):
         Segment("tool", (1,))
+
+
+def test_each_estimator_reduces_over_ranks_as_it_declares():
+    """An estimator's record says how its batch statistics cross ranks; each built-in asks the other ranks exactly
+    that (a recording ``Ranks`` with several ranks: gathering or summing nothing changes on one process)."""
+    from llamafactory_qwenvl_patch.grpo.algorithm.advantages import ESTIMATOR_REGISTRY
+
+    class Recording:
+        several = True
+
+        def __init__(self):
+            self.calls = set()
+
+        def gather(self, values):
+            self.calls.add("gather")
+            return values
+
+        def sum(self, values):
+            self.calls.add("sum")
+            return values
+
+    rewards, lengths = torch.tensor([0.0, 1.0, 0.5, 0.5]), torch.tensor([3, 1, 2, 4])
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        estimator = ESTIMATOR_REGISTRY[name]
+        ranks = Recording()
+        estimator.advantages(rewards, lengths, 2, "batch" if estimator.takes_scale else "group", ranks)
+        assert ranks.calls == (set() if estimator.reduces == "none" else {estimator.reduces}), name
