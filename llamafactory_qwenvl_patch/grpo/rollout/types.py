@@ -9,7 +9,7 @@ the ids and the loss mask such a trajectory trains with, in the completion rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -85,9 +85,26 @@ class Segment:
 
 @dataclass(frozen=True)
 class Trajectory:
-    """Everything after a prompt: its segments in order. A single-turn completion is one model segment."""
+    """Everything after a prompt: its segments in order. A single-turn completion is one model segment. ``end``
+    names why a trajectory stopped (``turns.CONTEXT``, an environment's end), None while it runs."""
 
     segments: tuple[Segment, ...] = field(default_factory=tuple)
+    end: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Its tokens, every segment's."""
+        return sum(len(segment.ids) for segment in self.segments)
+
+    def extended(self, *segments: Segment) -> Trajectory:
+        """The same trajectory with ``segments`` appended (an ended one takes none)."""
+        if self.end is not None:
+            raise ValueError(f"the trajectory ended ({self.end}): nothing follows its last segment")
+        return replace(self, segments=self.segments + segments)
+
+    def ended(self, end: str) -> Trajectory:
+        """The same segments, stopped for ``end``."""
+        return replace(self, end=end)
 
     def rows(self) -> tuple[list[int], list[int]]:
         """(ids, loss mask): the segments' ids in order, 1 on model tokens and 0 on environment tokens."""
