@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -186,9 +187,17 @@ def run_cli(
         args.append(str(yaml_path))
     full_env = {**os.environ, "DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
-    return subprocess.run(
-        [str(bin_dir / args[0]), *args[1:]], cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    # its own process group: a run past its timeout is killed with every process it started (a demo's training
+    # subprocess outlived its test and slowed the rest of the suite)
+    with subprocess.Popen([str(bin_dir / args[0]), *args[1:]], cwd=workdir, env=full_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def free_port() -> int:

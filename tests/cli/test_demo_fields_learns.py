@@ -17,14 +17,14 @@ GRPO_TOLERANCE = 0.025
 
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 def test_default_fields_demo_learns_to_read(tmp_path):
     """The field-extraction demo as a user runs it (a fixed step count, so no timing enters): curriculum stages in
     their own frames, stage 2 resuming stage 1, GRPO with the blank-image control, export, predict, and the issue's
     targets on held-out invoices against the most-common-value baseline of the same run. Seed 0 only: with
     ``--seed 1`` the SFT model already abstains on blank pages (README), so the blank target is not met there."""
     out = tmp_path / "fields"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "fields"], None, tmp_path, timeout=1500)
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "fields"], None, tmp_path, timeout=3300)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)
     assert [s["image_max_pixels"] for s in summary["stages"]] == list(STAGES)
