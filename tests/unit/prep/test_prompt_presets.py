@@ -152,7 +152,7 @@ def test_predict_asks_the_records_in_the_presets_words(screenspot, tiny_model, t
     report = tmp_path / "report.md"
     assert main(["eval", str(data), "--predictions", str(preds), "--report", str(report), "--bootstrap", "50"]) == 0
     text = report.read_text()
-    assert "preset `screenspot` for qwen2_5_vl (ScreenSpot-Pro's own evaluation code" in text
+    assert "preset `screenspot` for `qwen2_5_vl` (`ScreenSpot-Pro's own evaluation code" in text  # recorded values: code
     assert re.search(r"system prompt of \d{4} characters \(sha256 [0-9a-f]{16}\)", text)
     capsys.readouterr()
 
