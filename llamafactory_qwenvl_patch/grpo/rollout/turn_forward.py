@@ -9,6 +9,7 @@ suffix's alone shifted by the root's largest + 1, so the root's are computed onc
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,14 @@ from llamafactory_qwenvl_patch.grpo.rollout.shared_prefix import hf_model
 
 def row_positions(model: Any, ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
     """(3, L) positions of one row ``ids`` (L,) holding the images of ``image_grid_thw`` in order: the model's own
-    ``get_rope_index``, given the token types the HF processor would give."""
+    ``get_rope_index``, given the token types the HF processor would give (transformers 5.x asks for them; 4.x
+    finds the vision tokens itself)."""
     inner = hf_model(model).model  # owns get_rope_index
     row = ids.unsqueeze(0)
-    positions, _ = inner.get_rope_index(row, mm_token_type_ids=token_types(row, inner.config),
-                                        image_grid_thw=image_grid_thw, attention_mask=torch.ones_like(row))
+    types = {"mm_token_type_ids": token_types(row, inner.config)} \
+        if "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters else {}
+    positions, _ = inner.get_rope_index(row, image_grid_thw=image_grid_thw, attention_mask=torch.ones_like(row),
+                                        **types)
     return positions[:, 0]
 
 
