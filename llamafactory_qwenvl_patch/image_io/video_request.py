@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import importlib
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +94,9 @@ def server_resizes(folder: str | Path, frames: int, height: int, width: int) -> 
     import transformers
     from transformers import AutoVideoProcessor
 
-    processor = AutoVideoProcessor.from_pretrained(str(folder))
-    size = processor.size
+    with _class_size_kept():
+        processor = AutoVideoProcessor.from_pretrained(str(folder))
+        size = dict(processor.size)
     factor = processor.patch_size * processor.merge_size
     module = "qwen2_vl.image_processing_qwen2_vl" if type(processor).__name__.startswith("Qwen2VL") else \
         "qwen3_vl.video_processing_qwen3_vl"
@@ -106,6 +109,21 @@ def server_resizes(folder: str | Path, frames: int, height: int, width: int) -> 
         return smart_resize(height, width, factor, size["shortest_edge"], size["longest_edge"]) != (height, width)
     return smart_resize(frames, height, width, processor.temporal_patch_size, factor, size["shortest_edge"],
                         size["longest_edge"]) != (height, width)
+
+
+@contextmanager
+def _class_size_kept() -> Iterator[None]:
+    """transformers' Qwen2VLVideoProcessor writes a checkpoint's min/max pixels into its class-level ``size`` dict, so
+    every processor built later in the process inherits them (a pinned processor built next got another frame):
+    the dict is put back as it was."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    saved = dict(Qwen2VLVideoProcessor.size)
+    try:
+        yield
+    finally:
+        Qwen2VLVideoProcessor.size.clear()
+        Qwen2VLVideoProcessor.size.update(saved)
 
 
 def vllm_image_part(image: Any, folder: str | Path) -> dict[str, Any]:
