@@ -21,14 +21,13 @@ from __future__ import annotations
 import base64
 import importlib
 import io
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_video, read_policy_record
 from llamafactory_qwenvl_patch.frame.video import VideoPlan, video_processor_kwargs
 from llamafactory_qwenvl_patch.image_io.images import ImageError, model_input_image
+from llamafactory_qwenvl_patch.image_io.processor_sizes import keep_processor_class_sizes
 from llamafactory_qwenvl_patch.image_io.video import read_clip
 
 TIME_BASES = (1_000, 10_000, 100_000, 1_000_000)  # indices per second tried, coarsest first
@@ -94,9 +93,9 @@ def server_resizes(folder: str | Path, frames: int, height: int, width: int) -> 
     import transformers
     from transformers import AutoVideoProcessor
 
-    with _class_size_kept():
-        processor = AutoVideoProcessor.from_pretrained(str(folder))
-        size = dict(processor.size)
+    keep_processor_class_sizes()
+    processor = AutoVideoProcessor.from_pretrained(str(folder))
+    size = dict(processor.size)
     factor = processor.patch_size * processor.merge_size
     module = "qwen2_vl.image_processing_qwen2_vl" if type(processor).__name__.startswith("Qwen2VL") else \
         "qwen3_vl.video_processing_qwen3_vl"
@@ -109,21 +108,6 @@ def server_resizes(folder: str | Path, frames: int, height: int, width: int) -> 
         return smart_resize(height, width, factor, size["shortest_edge"], size["longest_edge"]) != (height, width)
     return smart_resize(frames, height, width, processor.temporal_patch_size, factor, size["shortest_edge"],
                         size["longest_edge"]) != (height, width)
-
-
-@contextmanager
-def _class_size_kept() -> Iterator[None]:
-    """transformers' Qwen2VLVideoProcessor writes a checkpoint's min/max pixels into its class-level ``size`` dict, so
-    every processor built later in the process inherits them (a pinned processor built next got another frame):
-    the dict is put back as it was."""
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    saved = dict(Qwen2VLVideoProcessor.size)
-    try:
-        yield
-    finally:
-        Qwen2VLVideoProcessor.size.clear()
-        Qwen2VLVideoProcessor.size.update(saved)
 
 
 def vllm_image_part(image: Any, folder: str | Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.frame.policy_record import (
     set_image_processor_bounds, set_video_processor_bounds, write_policy_record,
 )
+from llamafactory_qwenvl_patch.image_io.processor_sizes import keep_processor_class_sizes
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.export_staging import Staging, stage
 from llamafactory_qwenvl_patch.integration.patching import _replace
@@ -200,6 +201,7 @@ def _guard_flash_attention() -> None:
 
 def patch_model_loader(loader: ModuleType) -> None:
     lf_compat.require(loader, ["load_tokenizer", "patch_config", "load_model"])
+    keep_processor_class_sizes()  # before LF builds any processor: a pinned run may load two (reference, export)
 
     def make_patch_config(patch_config: Callable) -> Callable:
         def wrapper(config: Any, tokenizer: Any, model_args: Any, init_kwargs: dict[str, Any], *args: Any,

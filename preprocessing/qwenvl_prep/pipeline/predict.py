@@ -20,6 +20,7 @@ from llamafactory_qwenvl_patch.frame.policy_record import folder_policy, folder_
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPlan, VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.image_io.processor_sizes import keep_processor_class_sizes
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
 from qwenvl_prep.formats.prompt_presets import PromptPreset
@@ -80,6 +81,7 @@ def dataset_frame_problem(model_dir: str | Path, stamp: Stamp | None) -> str | N
     else:
         from transformers import AutoProcessor
 
+        keep_processor_class_sizes()
         policy = folder_policy(model_dir, AutoProcessor.from_pretrained(processor_folder(model_dir)).image_processor)
     if policy != stamp.policy:
         return (f"it was converted in the frame {stamp.policy.min_pixels}..{stamp.policy.max_pixels} pixels, "
@@ -149,6 +151,7 @@ class FolderModel:
                              f"got {temperature}")
         from transformers import AutoProcessor
 
+        keep_processor_class_sizes()  # a folder with only min/max_pixels must not change the next one's bounds
         self.model_dir = Path(model_dir)
         base = self.base = adapter_base(self.model_dir)
         self.processor = AutoProcessor.from_pretrained(processor_folder(self.model_dir))
