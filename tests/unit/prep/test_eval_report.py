@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from helpers import save_image
 
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
