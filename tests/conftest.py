@@ -55,6 +55,16 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SLOW_MACHINE_ENV] = f"{_probe_seconds():.4f}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_processor_sizes() -> None:
+    """Tests build processors directly (with a folder's min/max_pixels): transformers would write those bounds into
+    the class's default ``size``, and a later test in the same worker would get another frame. The product guards
+    its own entry points (``image_io.processor_sizes``); the tests get the guard before any of them runs."""
+    from llamafactory_qwenvl_patch.image_io.processor_sizes import keep_processor_class_sizes
+
+    keep_processor_class_sizes()
+
+
 def _slow_machine() -> float | None:
     seconds = float(os.environ.get(SLOW_MACHINE_ENV, "0") or 0)
     return seconds if seconds > SLOW_MACHINE_PROBE_S and not os.environ.get("QWENVL_RUN_ALL") else None

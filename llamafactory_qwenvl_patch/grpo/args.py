@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,7 +41,12 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_entropy_coef": (-math.inf, math.inf, False, False),
     "grpo_overlong_buffer": (1, math.inf, True, False),
     "grpo_max_resample": (1, math.inf, True, False),
+    "grpo_agent_max_turns": (1, math.inf, True, False),
+    "grpo_agent_max_tokens": (2, math.inf, True, False),
+    "grpo_agent_step_timeout": (0, math.inf, False, False),
+    "grpo_agent_max_env_failures": (0, 1, True, True),
 }
+AGENT_REFUSED_REWARDS = ("overlong",)  # counts one completion's tokens against max_new_tokens: a trajectory has many
 
 
 def _typed(name: str, declared: str, value: object) -> object:
@@ -223,6 +229,32 @@ def extend_finetuning_arguments(base: type) -> type:
                       "default: reading completions is how reward hacks and format failures are found)."},
         )
 
+        grpo_agent_env: str | None = field(
+            default=None,
+            metadata={"help": "Multi-turn GUI-agent rollouts: the environment class, `module:Class` or "
+                      "`path/to/env.py:Class` (docs/agents.md). Each record is a task; its meta reaches reset()."},
+        )
+        grpo_agent_env_kwargs: str | None = field(
+            default=None, metadata={"help": "The environment class's keyword arguments, a JSON object as text."}
+        )
+        grpo_agent_max_turns: int = field(default=8, metadata={"help": "Actions per trajectory at most."})
+        grpo_agent_max_tokens: int = field(
+            default=8192, metadata={"help": "Tokens per trajectory at most: the prompt, every screenshot and every "
+                                    "action; an observation that would pass it ends the trajectory (`context`)."}
+        )
+        grpo_agent_step_timeout: float = field(
+            default=60.0, metadata={"help": "Seconds each reset, step and close may take; a hung environment is "
+                                    "killed with its worker process (`env_timeout`)."}
+        )
+        grpo_agent_isolation: str = field(
+            default="process", metadata={"help": "process (each environment in a worker process, killed on timeout) "
+                                         "or inline (threads, for pure-Python simulators; a hang cannot be killed)."}
+        )
+        grpo_agent_max_env_failures: float = field(
+            default=0.5, metadata={"help": "Share of a rollout's trajectories that may end in an environment failure "
+                                   "(error or timeout); above it every rank stops."}
+        )
+
         def __post_init__(self) -> None:
             super().__post_init__()
             _read_keys_as_typed(self, DECLARED)
@@ -261,6 +293,7 @@ def extend_finetuning_arguments(base: type) -> type:
             if self.grpo_shared_prefix not in SHARED_PREFIX_SETTINGS:
                 raise ValueError(f"grpo_shared_prefix must be one of {', '.join(SHARED_PREFIX_SETTINGS)}, "
                                  f"got {self.grpo_shared_prefix!r}")
+            _check_agent_keys(self)
 
         @property
         def cheat_rules(self) -> CheatRules:
@@ -269,6 +302,52 @@ def extend_finetuning_arguments(base: type) -> type:
 
     DECLARED = dict(FinetuningArguments.__annotations__)  # as written: strings, under postponed annotations
     return FinetuningArguments
+
+
+def agent_env_kwargs(text: str | None) -> dict[str, Any]:
+    """``grpo_agent_env_kwargs``: a JSON object as text (LF hands YAML values on as written), or nothing."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"grpo_agent_env_kwargs must be a JSON object as text, e.g. '{{\"screens\": 3}}': {exc}"
+                         ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"grpo_agent_env_kwargs must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_agent_keys(args: Any) -> None:
+    """The agent keys among themselves and against the stage's other keys (before anything loads)."""
+    from llamafactory_qwenvl_patch.agent.runner import ISOLATIONS
+    from llamafactory_qwenvl_patch.grpo.rewards.agent import AGENT_REWARDS
+
+    names = [spec.strip() for spec in (args.reward_funcs or "").split(",")]
+    if args.grpo_agent_env is None:
+        needing = [name for name in names if name in AGENT_REWARDS]
+        if needing:
+            raise ValueError(f"reward {needing[0]!r} scores environment trajectories: it needs grpo_agent_env")
+        return
+    if ":" not in args.grpo_agent_env:
+        raise ValueError(f"grpo_agent_env must be module:Class or path/to/env.py:Class, got {args.grpo_agent_env!r}")
+    agent_env_kwargs(args.grpo_agent_env_kwargs)
+    if args.grpo_agent_isolation not in ISOLATIONS:
+        raise ValueError(f"grpo_agent_isolation must be one of {', '.join(ISOLATIONS)}, "
+                         f"got {args.grpo_agent_isolation!r}")
+    refused = [(key, why) for key, on, why in (
+        ("grpo_blank_image_ratio", args.grpo_blank_image_ratio > 0, "the blank-image control blanks a prompt's own "
+         "images; an agent's screenshots come from the environment"),
+        ("grpo_dynamic_sampling", args.grpo_dynamic_sampling, "refilling groups of trajectories is not built"),
+        ("grpo_rollout_backend: vllm", args.grpo_rollout_backend == "vllm", "agent rollouts run on hf for now"),
+        ("grpo_shared_prefix: true", args.grpo_shared_prefix == "true", "each trajectory is one row (the task "
+         "prefix is not shared across a group of trajectories yet)"),
+    ) if on]
+    refused += [(f"reward_funcs: {name}", "it counts one completion's tokens; a trajectory has many actions")
+                for name in names if name in AGENT_REFUSED_REWARDS]
+    if refused:
+        key, why = refused[0]
+        raise ValueError(f"{key} cannot be used with grpo_agent_env: {why}")
 
 
 def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: Any) -> None:
@@ -288,6 +367,9 @@ def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: 
                          "(variable-length flash attention over the packed group is not implemented): set "
                          "grpo_shared_prefix: auto (under fa2 each prompt is repeated for every completion) or "
                          "flash_attn: sdpa")
+    if finetuning_args.grpo_agent_env and not model_args.qwenvl_patch:
+        raise ValueError("grpo_agent_env needs `qwenvl_patch: true` (with image_min_pixels / image_max_pixels): "
+                         "every screenshot is put in the pinned frame and every action mapped back through it")
     if finetuning_args.grpo_rollout_backend != "vllm":
         return
     if not model_args.qwenvl_patch:

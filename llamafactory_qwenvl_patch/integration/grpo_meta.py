@@ -4,7 +4,8 @@ pipeline to the GRPO rewards, which receive it as ``metas`` (decoded by ``grpo.r
 LF drops every column it does not know, twice: ``align_dataset`` keeps only ``_prompt``, ``_response``, ... and the
 PPO-stage processor only ``input_ids``, ``labels``, ``images``, ... So, while ``stage: grpo`` builds its datasets,
 the converter also returns ``_meta`` and the processor keeps it as ``grpo_meta``, one row per row it keeps (it runs
-LF's own processor one record at a time, so whatever LF drops, the meta is dropped with it).
+LF's own processor one record at a time, so whatever LF drops, the meta is dropped with it). The aligned prompt
+messages, system prompt and tools travel the same way as ``grpo_task``: an agent run renders its turns from them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN
+from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN
 from llamafactory_qwenvl_patch.integration import lf_compat
 
 _state: dict[str, Any] = {}
@@ -28,8 +29,10 @@ class _MetaConverter:
 
     def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
         meta = example.get("meta")
-        return {**self.converter(example),
-                "_meta": "" if meta is None else meta if isinstance(meta, str) else json.dumps(meta)}
+        out = self.converter(example)
+        task = {"prompt": out["_prompt"], "system": out["_system"] or None, "tools": out["_tools"] or None}
+        return {**out, "_meta": "" if meta is None else meta if isinstance(meta, str) else json.dumps(meta),
+                "_task": json.dumps(task, ensure_ascii=False)}
 
 
 def _get_converter(name: str, dataset_attr: Any, data_args: Any) -> _MetaConverter:
@@ -43,6 +46,7 @@ def _preprocess(self: Any, examples: dict[str, list[Any]]) -> dict[str, list[Any
         for key, values in one.items():
             out[key] += values
         out[META_COLUMN] += [meta] * len(one.get("input_ids", []))
+        out[TASK_COLUMN] += [examples["_task"][i]] * len(one.get("input_ids", []))
     return out
 
 

@@ -21,7 +21,7 @@ def _log_callback_class():
     class GRPOLogCallback(callbacks.LogCallback):
         EXTRA_PREFIXES = ("reward", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio", "completion_length/",
                           "parse_failures", "truncated_ratio", "vision_tokens_cut", "groups_skipped", "blank/", "vllm/",
-                          "memory/", "monitor/", "entropy", "dynamic/", "eval_")
+                          "memory/", "monitor/", "entropy", "dynamic/", "agent/", "eval_")
 
         def __init__(self) -> None:
             super().__init__()
@@ -126,6 +126,21 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
                       finetuning_args.grpo_num_generations, model.config.image_token_id)
 
 
+def _agent_run(finetuning_args: Any, template: Any, tokenizer: Any, processor: Any, policy: Any) -> Any:
+    """The agent settings of ``grpo_agent_*`` and the turn renderer: LF's template (its plugin pinned to the run's
+    frame), tokenizer, processor and image placeholder."""
+    constants = lf_compat.require_module("llamafactory.extras.constants", ["IMAGE_PLACEHOLDER"])
+    from llamafactory_qwenvl_patch.grpo.args import agent_env_kwargs
+    from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentRun
+
+    fa = finetuning_args
+    return AgentRun(fa.grpo_agent_env, agent_env_kwargs(fa.grpo_agent_env_kwargs), fa.grpo_agent_max_turns,
+                    fa.grpo_agent_max_tokens, fa.grpo_agent_step_timeout, fa.grpo_agent_isolation,
+                    fa.grpo_agent_max_env_failures,
+                    TurnRenderer(template, tokenizer, processor, policy, constants.IMAGE_PLACEHOLDER))
+
+
 def grpo_resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:
     """The checkpoint to resume from. LF's automatic resume takes the highest-numbered ``checkpoint-N`` folder, even
     one a kill cut short (every relaunch then crashed): those are skipped with a warning naming each, for the last
@@ -209,10 +224,12 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     if finetuning_args.grpo_rollout_backend == "vllm":
         engine = _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, sampling, template,
                               tokenizer, model)
+    agent = _agent_run(finetuning_args, template, tokenizer, processor, policy) if finetuning_args.grpo_agent_env \
+        else None
     trainer = GRPOTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, callbacks=callbacks, finetuning_args=finetuning_args, sampling=sampling,
-        reward_funcs=rewards, ref_model=ref_model, resize_policy=policy, vllm_engine=engine,
+        reward_funcs=rewards, ref_model=ref_model, resize_policy=policy, vllm_engine=engine, agent=agent,
         coords=resolve_family(model_args.model_name_or_path, data_args.template).coords, stop_token_ids=template.get_stop_token_ids(tokenizer),
         suppress_token_ids=vision_token_ids(tokenizer), processor=processor, tokenizer=tokenizer,
     )

@@ -201,7 +201,6 @@ def _guard_flash_attention() -> None:
 
 def patch_model_loader(loader: ModuleType) -> None:
     lf_compat.require(loader, ["load_tokenizer", "patch_config", "load_model"])
-    keep_processor_class_sizes()  # before LF builds any processor: a pinned run may load two (reference, export)
 
     def make_patch_config(patch_config: Callable) -> Callable:
         def wrapper(config: Any, tokenizer: Any, model_args: Any, init_kwargs: dict[str, Any], *args: Any,
@@ -219,6 +218,8 @@ def patch_model_loader(loader: ModuleType) -> None:
 
     def make(load_tokenizer: Callable) -> Callable:
         def wrapper(model_args: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(model_args, "qwenvl_patch", False):  # a processor's bounds must not reach the next one's
+                keep_processor_class_sizes()
             module = load_tokenizer(model_args, *args, **kwargs)
             if getattr(model_args, "qwenvl_patch", False):
                 policy = pin_processor(module.get("processor"), model_args)

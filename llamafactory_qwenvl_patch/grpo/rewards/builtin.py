@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, frame_extent, map_coords
+from llamafactory_qwenvl_patch.grpo.rewards.agent import AGENT_REWARDS
 from llamafactory_qwenvl_patch.grpo.rewards.length import overlong_reward
 from llamafactory_qwenvl_patch.grpo.rewards.video import VIDEO_REWARDS, video_format_ok
 from llamafactory_qwenvl_patch.scoring.answers import not_present, try_parse_items
@@ -213,4 +214,5 @@ BUILTIN: dict[str, RewardFunc] = {
     "box_sanity": box_sanity_reward,
     "overlong": overlong_reward,
     **VIDEO_REWARDS,
+    **AGENT_REWARDS,
 }

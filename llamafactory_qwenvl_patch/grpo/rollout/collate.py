@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, decode_meta
+from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept, prompt_text
 from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
 from llamafactory_qwenvl_patch.image_io.images import blank_like, open_image
@@ -34,6 +34,7 @@ class GRPOCollator:
             index = int(feature.pop("grpo_index"))
             blank = bool(feature.pop("grpo_blank", False))
             record_meta = decode_meta(feature.pop(META_COLUMN, None))
+            feature.pop(TASK_COLUMN, None)
             labels = [t for t in feature.get("labels") or [] if t >= 0]
             images, videos = feature.get("images") or [], feature.get("videos") or []
             orig_hw = None

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 META_COLUMN = "grpo_meta"
+TASK_COLUMN = "grpo_task"  # the record's aligned prompt messages, system and tools as JSON (agent runs render them)
 
 
 def decode_meta(text: str | None) -> Any:

@@ -34,6 +34,8 @@ class MetricsMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        if self.agent is not None:  # one greedy trajectory per task
+            return self._logged_eval(self._agent_evaluate(dataset, metric_key_prefix))
         from accelerate.utils import gather_object
 
         model = self.model_wrapped
@@ -54,13 +56,19 @@ class MetricsMixin:
         blank = [confident_answer(text, sample.reference) for sample, text, _ in unique.values() if sample.blank]
         if blank:
             metrics[f"{metric_key_prefix}_blank/confident_rate"] = round(sum(blank) / len(blank), 6)
+        return self._logged_eval(metrics)
+
+    def _logged_eval(self, metrics: dict[str, float]) -> dict[str, float]:
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
     # --- metrics -------------------------------------------------------------------------------------------------
 
-    def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta]) -> None:
+    def _log_completions(self, texts: list[str], rewards: list[float], meta: list[SampleMeta],
+                         trajectories: list[dict] | None = None) -> None:
+        """One row per completion; in an agent run each also holds its ``trajectory`` (every turn's answer, the
+        action sent in screen pixels, the sizes, the reward, and the end)."""
         from accelerate.utils import gather_object
 
         G = self.num_generations
@@ -68,6 +76,8 @@ class MetricsMixin:
                  "reference": meta[i // G].reference, "completion": text, "reward": reward,
                  "blank": meta[i // G].blank}
                 for i, (text, reward) in enumerate(zip(texts, rewards))]
+        for row, trajectory in zip(rows, trajectories or []):
+            row["trajectory"] = trajectory
         rows = gather_object(rows)
         if self.accelerator.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)

@@ -314,6 +314,8 @@ class RolloutMixin:
         part.finish(inputs, old, ref)
 
     def _rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
+        if self.agent is not None:
+            return self._agent_rollout(model, features)
         G, spg = self.num_generations, self.steps_per_generation
         per_micro = len(features) // spg
         model.train()

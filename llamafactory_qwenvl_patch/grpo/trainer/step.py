@@ -13,6 +13,7 @@ from llamafactory_qwenvl_patch.grpo.algorithm.reference import reference_context
 from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import importance_weights, mismatch
 from llamafactory_qwenvl_patch.grpo.algorithm.token_stats import row_logps_and_entropy
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX
 from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch
 
 
@@ -78,13 +79,21 @@ class StepMixin:
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and with ``entropy``, entropies) of the completion tokens under softmax(logits / T) with the
         vision tokens suppressed, i.e. the distribution that was sampled (``token_stats``). A shared-prefix forward
-        must run inside ``_shared_attention``."""
+        must run inside ``_shared_attention``. Trajectory rows (``agent_rows``) carry the positions to keep, and
+        ``completion_ids`` are then the tokens those positions predict."""
         layout = inputs.get(shared_prefix.KWARG)
-        keep = completion_ids.size(1) + 1 if layout is None else layout.keep
-        logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
-        if logits.size(1) == inputs["input_ids"].size(1):  # the model ignores logits_to_keep (4.57's Qwen2-VL)
-            logits = logits[:, -keep:] if layout is None else logits[:, keep]
-        logits = logits[:, :-1, :] if layout is None else shared_prefix.unpack_logits(logits, layout)
+        actions = inputs.get(ACTION_INDEX)  # trajectory rows: logits only where an action token is predicted
+        if actions is not None:
+            inputs = {key: value for key, value in inputs.items() if key != ACTION_INDEX}
+            logits = model(**inputs, logits_to_keep=actions, use_cache=False).logits
+            if logits.size(1) == inputs["input_ids"].size(1):  # the model ignores logits_to_keep (4.57's Qwen2-VL)
+                logits = logits[:, actions]
+        else:
+            keep = completion_ids.size(1) + 1 if layout is None else layout.keep
+            logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
+            if logits.size(1) == inputs["input_ids"].size(1):  # the model ignores logits_to_keep (4.57's Qwen2-VL)
+                logits = logits[:, -keep:] if layout is None else logits[:, keep]
+            logits = logits[:, :-1, :] if layout is None else shared_prefix.unpack_logits(logits, layout)
         banned = torch.tensor(self.suppressed, device=logits.device, dtype=torch.long)
         rows = [row_logps_and_entropy(row_logits, row_ids, banned, self.temperature, entropy, entropy_grad)
                 for row_logits, row_ids in zip(logits, completion_ids)]

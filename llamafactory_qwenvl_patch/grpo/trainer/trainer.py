@@ -25,6 +25,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig
 from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentMixin, AgentRun, AgentShutdown
 from llamafactory_qwenvl_patch.grpo.trainer.checkpoint import (
     CheckpointMixin,
     _require_trainer_hooks,
@@ -42,11 +43,11 @@ from llamafactory_qwenvl_patch.scoring.clicks import ClickMonitorTally
 CLICK_REWARDS = ("click", "click_dense")
 
 
-class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
+class GRPOTrainer(RolloutMixin, AgentMixin, RefillMixin, StepMixin, MetricsMixin, CheckpointMixin, Trainer):
     def __init__(self, *, finetuning_args: Any, sampling: dict[str, Any], reward_funcs: list[Reward],
                  ref_model: Any, resize_policy: ResizePolicy | None, coords: str, stop_token_ids: list[int],
                  suppress_token_ids: list[int], processor: Any, tokenizer: Any, vllm_engine: Any = None,
-                 **kwargs: Any) -> None:
+                 agent: AgentRun | None = None, **kwargs: Any) -> None:
         _require_trainer_hooks()
         super().__init__(processing_class=processor or tokenizer, **kwargs)
         self.model_accepts_loss_kwargs = False  # Trainer divides each micro-batch loss by the accumulation steps
@@ -74,8 +75,11 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
         self.max_new_tokens = self.generation_config.max_new_tokens
         self.temperature = float(self.generation_config.temperature)
         fa = finetuning_args
+        self.agent = agent
+        # dr_grpo's constant: the most action tokens a completion (an agent's trajectory) can hold
+        longest = self.max_new_tokens * (agent.max_turns if agent is not None else 1)
         self.loss_config = LossConfig(fa.grpo_beta, fa.grpo_epsilon, fa.grpo_epsilon_high, fa.grpo_loss_type,
-                                      self.max_new_tokens, fa.grpo_importance_sampling, fa.grpo_cispo_cap,
+                                      longest, fa.grpo_importance_sampling, fa.grpo_cispo_cap,
                                       fa.grpo_delta, fa.grpo_entropy_coef)
         config = self.model.config
         self.vision_start_id = config.vision_start_token_id
@@ -98,7 +102,11 @@ class GRPOTrainer(RolloutMixin, RefillMixin, StepMixin, MetricsMixin, Checkpoint
                 "sampled without dropout but their log-probs are taken with it, so the on-policy ratio is not 1 "
                 "and clipping acts on noise. Set lora_dropout: 0 (LF's default) unless you mean it.")
         self.ref_model = ref_model
-        self.shared_prefix = shared_prefix.resolve(finetuning_args.grpo_shared_prefix, self._attention_models())
+        # an agent's trajectories are one row each (the parser refuses grpo_shared_prefix: true with an environment)
+        self.shared_prefix = agent is None and shared_prefix.resolve(finetuning_args.grpo_shared_prefix,
+                                                                     self._attention_models())
+        if agent is not None:
+            self.add_callback(AgentShutdown(self))
         if self.shared_prefix:
             for m in self._attention_models():
                 shared_prefix.install(m)

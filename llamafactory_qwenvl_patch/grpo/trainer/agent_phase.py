@@ -1,0 +1,310 @@
+"""The rollout of a multi-turn agent run (``grpo_agent_env``): each record is a task, rolled out G times against
+the environment (``generation.agent_episodes``), scored per trajectory and trained on its action tokens only, one
+row per trajectory (``rollout.agent_rows``).
+
+Advantages: the configured estimator over the G trajectories of a task, broadcast to every action token. A
+trajectory ended by an environment failure gets no loss and leaves its group's baseline: its reward is set to the
+mean of the group's other members before the estimator runs, and a group with fewer than two others gets no loss.
+"Sequence" in a loss means the trajectory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from llamafactory_qwenvl_patch.agent.runner import ENV_TIMEOUT, EnvRunner, describe_task
+from llamafactory_qwenvl_patch.frame.mrope import token_types
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import micro_batch_counts, step_normalizers
+from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
+    DONE,
+    Episode,
+    EpisodeSettings,
+    Sampler,
+    Task,
+    run_episodes,
+    trie_saving,
+)
+from llamafactory_qwenvl_patch.grpo.rewards.monitors import rollout_metrics
+from llamafactory_qwenvl_patch.grpo.rewards.registry import reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import trajectory_inputs
+from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
+from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
+from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
+from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch, SampleMeta
+
+logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
+SEED_MODULUS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """An agent run's settings (the ``grpo_agent_*`` keys) and its turn renderer."""
+
+    env: str
+    env_kwargs: dict[str, Any]
+    max_turns: int
+    max_tokens: int
+    step_timeout: float
+    isolation: str
+    max_env_failures: float
+    renderer: TurnRenderer
+
+    @property
+    def policy(self) -> ResizePolicy:
+        return self.renderer.policy
+
+
+class AgentShutdown(TrainerCallback):
+    """Stop the environments' worker processes when training ends."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._agent_shutdown()
+
+
+class AgentMixin:
+    agent: AgentRun | None = None
+
+    # --- tasks and environments ------------------------------------------------------------------------------------
+
+    def _agent_tasks(self, features: list[dict[str, Any]]) -> tuple[list[Task], list[SampleMeta]]:
+        """Each record as a task (its meta, prompt, system and tools) and its SampleMeta for the rewards."""
+        tasks, meta = [], []
+        for feature in features:
+            index = int(feature["grpo_index"])
+            for media in ("videos", "images", "audios"):
+                if feature.get(media):
+                    raise ValueError(f"dataset record {index} has {media}: in an agent run (grpo_agent_env) a "
+                                     "record is a task, and its screenshots come from the environment")
+            if not feature.get(TASK_COLUMN):
+                raise RuntimeError("the records reached the agent rollout without their prompt messages; please "
+                                   "report this")
+            task = json.loads(feature[TASK_COLUMN])
+            record_meta = decode_meta(feature.get(META_COLUMN))
+            labels = [t for t in feature.get("labels") or [] if t >= 0]
+            name = f"record {index}" + (f" ({describe_task(record_meta)})" if record_meta is not None else "")
+            tasks.append(Task(record_meta if record_meta is not None else {}, task["prompt"], task["system"],
+                              task["tools"], name))
+            meta.append(SampleMeta(index, task["prompt"][-1]["content"],
+                                   decode_kept(self.tokenizer, labels, self.drop_ids).strip(), None,
+                                   meta=record_meta))
+        return tasks, meta
+
+    def _agent_runners(self, count: int) -> list[EnvRunner]:
+        """``count`` environment slots, kept across rollouts (their workers are reused)."""
+        pool = self.__dict__.setdefault("_agent_pool", [])
+        agent = self.agent
+        while len(pool) < count:
+            pool.append(EnvRunner(agent.env, agent.env_kwargs, policy=agent.policy, isolation=agent.isolation,
+                                  timeout=agent.step_timeout))
+        return pool[:count]
+
+    def _agent_shutdown(self) -> None:
+        for runner in self.__dict__.get("_agent_pool", []):
+            runner.shutdown()
+
+    def _agent_seed(self, index: int, part: int) -> int:
+        """One seed per task and rollout, from (run seed, rank, micro-step, part, record): the G members start on one
+        screen, and a relaunch redraws the same tasks."""
+        key = (((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self.run_state.micro_step)
+               * 97 + part) * 1_000_003 + index
+        return key % SEED_MODULUS
+
+    def _agent_settings(self) -> EpisodeSettings:
+        return EpisodeSettings(self.agent.policy, self.coords, self.agent.max_turns, self.agent.max_tokens,
+                               self.max_new_tokens)
+
+    # --- sampling --------------------------------------------------------------------------------------------------
+
+    def _agent_sampler(self, model: Any, greedy: bool = False) -> Sampler:
+        """HF ``generate`` of one action per row: rows left-padded with all their screenshots; the model computes
+        each row's positions itself, since every row starts at its task's root."""
+        config = copy.deepcopy(self.greedy_config if greedy else self.generation_config)
+        config.num_return_sequences = 1
+        pad = self.tokenizer.pad_token_id
+
+        def sample(rows: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[bool], list[str]]:
+            width = max(len(row) for row in rows)
+            batch: dict[str, Any] = {
+                "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in rows]),
+                "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+            }
+            visual = self.agent.renderer.processor.image_processor(images=[i for row in images for i in row], return_tensors="pt")
+            batch["pixel_values"], batch["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
+            ids, mask, stopped, texts, _ = self._completions(self._generate(model, self._prepare_input(batch),
+                                                                            config))
+            lengths = mask.sum(dim=1).tolist()
+            return [row[:n] for row, n in zip(ids.tolist(), lengths)], stopped.tolist(), texts
+
+        return sample
+
+    def _agent_episodes(self, model: Any, features: list[dict[str, Any]], part: int, G: int, greedy: bool = False
+                        ) -> tuple[list[Episode], list[SampleMeta]]:
+        tasks, meta = self._agent_tasks(features)
+        seeds = [self._agent_seed(m.index, part) for m in meta]
+        episodes = run_episodes(tasks, G, self._agent_runners(len(tasks) * G), seeds, self.agent.renderer,
+                                self._agent_sampler(model, greedy), self._agent_settings())
+        for m, e in zip(meta, episodes[::G]):  # the frame of the task's first screen
+            if e.turns:
+                m.orig_hw, m.model_hw = tuple(e.turns[0]["orig_hw"]), tuple(e.turns[0]["model_hw"])
+        return episodes, meta
+
+    def _agent_inputs(self, episodes: list[Episode]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+        rows = []
+        for e in episodes:
+            if e.root is None:  # failed at reset: an empty row, no loss
+                rows.append(([], [], []))
+                continue
+            ids, mask = e.trajectory.rows()
+            rows.append((list(e.root.ids) + ids, [0] * len(e.root.ids) + mask,
+                         [*e.root.images, *e.trajectory.images]))
+        inputs, targets, mask = trajectory_inputs(self.model, rows, self.agent.renderer.processor.image_processor,
+                                                  self.tokenizer.pad_token_id)
+        if self.pass_token_types:
+            inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
+        inputs = self._prepare_input(inputs)
+        return inputs, targets.to(inputs["input_ids"].device), mask.to(inputs["input_ids"].device)
+
+    # --- the rollout -----------------------------------------------------------------------------------------------
+
+    def _agent_rollout(self, model: Any, features: list[dict[str, Any]]) -> list[MicroBatch]:
+        G, spg = self.num_generations, self.steps_per_generation
+        per_micro = len(features) // spg
+        model.train()
+        parts = []
+        for j in range(spg):
+            episodes, meta = self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G)
+            inputs, targets, mask = self._agent_inputs(episodes)
+            with torch.no_grad():
+                old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
+                ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
+            parts.append((episodes, meta, inputs, targets, mask, old, ref))
+        episodes = [e for part in parts for e in part[0]]
+        meta = [m for part in parts for m in part[1]]
+        device = parts[0][2]["input_ids"].device
+        failed = torch.tensor([e.failed for e in episodes], device=device)
+        self._check_env_failures(episodes, failed)
+        texts = [e.actions_text for e in episodes]
+        lengths = torch.cat([part[4].sum(dim=1) for part in parts]).float()  # action tokens per trajectory
+        columns, shared = reward_inputs(meta, G, self.agent.policy, self.coords, [int(n) for n in lengths.tolist()],
+                                        self.loss_config.max_completion_length, None)
+        columns["trajectories"] = [e.record() for e in episodes]
+        results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+        rewards = self._score(texts, meta, [int(n) for n in lengths.tolist()], results).to(device)
+        baseline_rewards, usable = _leave_failures_out(rewards, failed, G)
+        adv = self._advantages(baseline_rewards, lengths)
+        keep = usable.clone()
+        stopped = torch.tensor([e.cut == 0 for e in episodes], device=device)  # no action cut at max_new_tokens
+        if self.grpo_args.grpo_skip_zero_std_groups:
+            from llamafactory_qwenvl_patch.grpo.algorithm.advantages import zero_std_groups
+
+            flat = zero_std_groups(baseline_rewards, G)
+            keep &= ~flat
+            self.run_state.metrics["groups_skipped"].append(float(flat.sum()) / G)
+        if self.grpo_args.grpo_mask_truncated:
+            keep &= stopped
+        bounds = torch.tensor([0] + [len(part[0]) for part in parts]).cumsum(0).tolist()
+        masks = [part[4] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
+        counts = micro_batch_counts(masks).to(device)
+        counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
+        norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
+        stats = rollout_metrics(rewards, lengths, stopped, texts, meta, G)
+        for key, value in {**stats, **_agent_metrics(episodes, G)}.items():
+            self.run_state.metrics[key].append(value)
+        self._warn_if_flat(stats, texts, meta)
+        if self.grpo_args.grpo_log_completions:
+            self._log_completions(texts, rewards.tolist(), meta, [e.record() for e in episodes])
+        return [MicroBatch(inputs=part[2], completion_ids=part[3], mask=masks[j],
+                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part[5], ref_logps=part[6],
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1])
+                for j, part in enumerate(parts)]
+
+    def _check_env_failures(self, episodes: list[Episode], failed: torch.Tensor) -> None:
+        """Log the first failure once; stop every rank together when the share of failed trajectories (all ranks)
+        passes ``grpo_agent_max_env_failures``."""
+        counts = torch.tensor([float(failed.sum()), float(len(episodes))], device=failed.device)
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        first = next((e for e in episodes if e.failed), None)
+        if first is not None and not self.__dict__.get("_agent_failure_logged"):
+            self._agent_failure_logged = True
+            logger.warning(f"an environment failed ({first.end}; counted in agent/env_errors and agent/env_timeouts, "
+                           f"shown once): {first.message}")
+        share = float(counts[0] / counts[1]) if counts[1] else 0.0
+        if share > self.agent.max_env_failures:
+            where = first.message if first is not None else "on another rank"
+            raise RuntimeError(f"{share:.0%} of this rollout's trajectories ended in an environment failure, above "
+                               f"grpo_agent_max_env_failures ({self.agent.max_env_failures:g}); the first: {where}")
+
+    # --- evaluation ------------------------------------------------------------------------------------------------
+
+    def _agent_evaluate(self, dataset: Any, prefix: str) -> dict[str, float]:
+        """One greedy trajectory per eval task: each reward's mean, the weighted total and the agent metrics."""
+        from accelerate.utils import gather_object
+
+        model = self.model_wrapped
+        rows = []
+        for inputs in self.get_eval_dataloader(dataset):
+            episodes, meta = self._agent_episodes(model, inputs["grpo_features"], 0, 1, greedy=True)
+            rows += [(m.index, e.actions_text, e.record(), m) for m, e in zip(meta, episodes)]
+        unique = {row[0]: row for row in gather_object(rows)}  # even_batches padding repeats records
+        rows = list(unique.values())
+        texts, records, meta = [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+        columns, shared = reward_inputs(meta, 1, self.agent.policy, self.coords, None,
+                                        self.loss_config.max_completion_length, None)
+        columns["trajectories"] = records
+        metrics: dict[str, float] = {}
+        total = torch.zeros(len(rows))
+        for reward in self.reward_funcs:
+            values = torch.tensor(score(reward, texts, columns, shared).values)
+            metrics[f"{prefix}_rewards/{reward.name}"] = round(float(values.mean()), 6) if rows else 0.0
+            total += reward.weight * values
+        metrics[f"{prefix}_reward"] = round(float(total.mean()), 6) if rows else 0.0
+        done = [r["end"] == DONE for r in records]
+        metrics[f"{prefix}_agent/done_rate"] = round(sum(done) / len(done), 6) if done else 0.0
+        metrics[f"{prefix}_agent/turns"] = round(sum(len(r["turns"]) for r in records) / len(records), 6) \
+            if records else 0.0
+        return metrics
+
+
+def _leave_failures_out(rewards: torch.Tensor, failed: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards for the estimator, trajectories that get a loss): a failed member stands at the mean of its group's
+    other members, so it moves neither the baseline nor anyone's advantage sign; it and every member of a group
+    with fewer than two usable members get no loss."""
+    rewards, failed = rewards.view(-1, G).clone(), failed.view(-1, G)
+    ok = ~failed
+    count = ok.sum(dim=1, keepdim=True)
+    mean = (rewards * ok).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    rewards = torch.where(ok, rewards, mean.expand_as(rewards))
+    usable = ok & (count >= 2)
+    return rewards.view(-1), usable.view(-1)
+
+
+def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
+    """What the rollout's trajectories did: turns, ends, invalid actions, and the share of tokens a prefix tree over
+    each group's trajectories would save (``trie_saving``)."""
+    n = len(episodes)
+    turns = [len(e.turns) for e in episodes]
+    actions = [t for e in episodes for t in e.turns]
+    groups = [[e.trajectory.rows()[0] for e in episodes[i:i + G]] for i in range(0, n, G)]
+    return {
+        "agent/turns/mean": sum(turns) / n,
+        "agent/turns/max": float(max(turns)),
+        "agent/done_rate": sum(e.end == DONE for e in episodes) / n,
+        "agent/context_rate": sum(e.end == "context" for e in episodes) / n,
+        "agent/invalid_action_rate": (sum(t["action"]["kind"] == "invalid" for t in actions) / len(actions))
+        if actions else 0.0,
+        "agent/env_errors": float(sum(e.failed and e.end != ENV_TIMEOUT for e in episodes)),
+        "agent/env_timeout_errors": float(sum(e.end == ENV_TIMEOUT for e in episodes)),
+        "agent/trie_saving": sum(trie_saving(rows) for rows in groups) / len(groups),
+    }
