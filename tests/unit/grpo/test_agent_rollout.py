@@ -1,0 +1,170 @@
+"""Multi-turn agent rollouts without a model's sampling: scripted actions (token ids) through ``run_episodes`` with
+the shipped simulator and LF's template. Clicks written at the named control's centre in the model's frame reach
+every screen on every family, screens changing size mid-episode; the same points written in screen pixels miss on
+every resized screen. The training rows of trajectories of different lengths, batched and left-padded, give each
+action token the log-prob its row gives alone, and the mask is exactly the action tokens. Failed trajectories leave
+their group's baseline; the agent rewards, the trie number and the YAML keys' rules."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from test_agent_turns import ACTIONS, FIXTURES, PROMPT, SCREENS, play, renderer, screenshot
+
+from llamafactory_qwenvl_patch.agent.frame import answer_text
+from llamafactory_qwenvl_patch.agent.runner import EnvRunner
+from llamafactory_qwenvl_patch.agent.types import Action
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
+from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
+from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
+    DONE,
+    TURNS,
+    EpisodeSettings,
+    Task,
+    run_episodes,
+    trie_saving,
+)
+from llamafactory_qwenvl_patch.grpo.rewards.agent import action_format_reward, env_reward
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX, trajectory_inputs
+from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import _leave_failures_out
+from llamafactory_qwenvl_patch.grpo.trainer.step import StepMixin
+from qwenvl_prep.demos.gui_env import ClickThroughEnv, draw_task_screen
+
+ENV = "qwenvl_prep.demos.gui_env:ClickThroughEnv"
+TASKS = [{"id": "phone-first", "screens": 3, "platform": "phone"}, {"id": "desktop-first", "screens": 3,
+                                                                   "platform": "desktop"}]
+G = 2
+
+
+def click_sampler(r, tasks, seeds, convention, in_model_frame=True):
+    """A scripted agent: on each row (its turn is its number of screenshots) it clicks the centre of the control the
+    screen names, written in the model's frame through that screenshot's sizes, or (``in_model_frame=False``) as
+    the screen's own pixels, the mistake the frame exists to prevent."""
+    stop, tok = r.stop_id, r.tokenizer
+    firsts = [draw_task_screen(task, seed, 0, change_size=True).image for task, seed in zip(tasks, seeds)]
+    firsts = [r.policy.model_size(image.height, image.width) for image in firsts]
+    assert len(set(firsts)) == len(firsts)  # a row's task is told by its first screenshot's frame
+
+    def sample(rows, images):
+        ids, texts = [], []
+        for row, shots in zip(rows, images):
+            task = firsts.index((shots[0].height, shots[0].width))
+            screen = draw_task_screen(tasks[task], seeds[task], len(shots) - 1, change_size=True)
+            x1, y1, x2, y2 = screen.box
+            centre = ((x1 + x2) / 2, (y1 + y2) / 2)
+            orig_hw = (screen.image.height, screen.image.width)
+            model_hw = r.policy.model_size(*orig_hw)
+            if in_model_frame:
+                text = answer_text(Action("click", *centre), convention, orig_hw, model_hw)
+            else:
+                text = '{"action": "click", "point_2d": [%d, %d]}' % centre
+            texts.append(text)
+            ids.append(tok.encode(text, add_special_tokens=False) + [stop])
+        return ids, [True] * len(rows), texts
+
+    return sample
+
+
+def episodes_of(r, sampler, tasks, seeds, convention, max_turns=4):
+    runners = [EnvRunner(ENV, {"change_size": True}, policy=r.policy, isolation="inline", timeout=30)
+               for _ in range(len(tasks) * G)]
+    settings = EpisodeSettings(r.policy, convention, max_turns, 16384, 48)
+    named = [Task(t, PROMPT, None, None, t["id"]) for t in tasks]
+    return run_episodes(named, G, runners, seeds, r, sampler, settings)
+
+
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_clicks_in_the_model_frame_reach_every_screen(request, family):
+    model_dir = request.getfixturevalue(FIXTURES[family])
+    r = renderer(model_dir)
+    convention = FAMILIES[family_of_model(model_dir)].coords
+    seeds = [11, 12]
+    sizes = [{draw_task_screen(t, s, i, change_size=True).image.size for i in range(3)} for t, s in zip(TASKS, seeds)]
+    assert all(len(s) == 3 for s in sizes)  # the screen changes size on every turn
+    right = episodes_of(r, click_sampler(r, TASKS, seeds, convention), TASKS, seeds, convention)
+    assert [e.end for e in right] == [DONE] * 4 and env_reward([], trajectories=[e.record() for e in right]) == [1.0] * 4
+    for e in right:
+        assert len(e.turns) == 3 and len({tuple(t["orig_hw"]) for t in e.turns}) == 3
+        for turn in e.turns:  # each action was mapped back through its own turn's sizes
+            assert tuple(turn["model_hw"]) == r.policy.model_size(*turn["orig_hw"])
+            assert turn["info"]["passed"] is True
+        assert not e.failed and e.trajectory.images and len(e.trajectory.images) == 2
+    wrong = episodes_of(r, click_sampler(r, TASKS, seeds, convention, in_model_frame=False), TASKS, seeds,
+                        convention, max_turns=2)
+    assert [e.end for e in wrong] == [TURNS] * 4  # screen pixels sent as model-frame numbers: every screen missed
+    assert all(t["info"]["passed"] is False for e in wrong for t in e.turns)
+
+
+def _action_logps(model, inputs, targets):
+    trainer = types.SimpleNamespace(suppressed=[], temperature=1.0)
+    return StepMixin._token_logps(trainer, model, inputs, targets)[0]
+
+
+def test_trajectory_rows_batched_give_each_row_its_own_logps(tiny_model):
+    """Two trajectories of different lengths and screen sizes in one left-padded batch: every action token's
+    log-prob equals its row's alone (explicit positions, logits only at the action index), and the targets under
+    the mask are exactly the action tokens in order."""
+    from transformers import AutoModelForImageTextToText
+
+    r = renderer(tiny_model)
+    tok = r.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model).eval()
+    pin_pretrained_positions(model)
+    shots = [screenshot(w, h, seed) for seed, (w, h) in enumerate(SCREENS)]
+    model_shots = [s.resize(r.policy.model_size(s.height, s.width)[::-1]) for s in shots]
+    actions = [tuple(tok.encode(text, add_special_tokens=False)) + (r.stop_id,) for text in ACTIONS]
+    rows = []
+    for count in (3, 1):
+        root, trajectory = play(r, actions[:count], model_shots[:count])
+        ids, mask = trajectory.rows()
+        rows.append((list(root.ids) + ids, [0] * len(root.ids) + mask, [*root.images, *trajectory.images]))
+    with torch.no_grad():
+        inputs, targets, mask = trajectory_inputs(model, rows, r.processor.image_processor, tok.pad_token_id)
+        batched = _action_logps(model, inputs, targets)
+        for b, row in enumerate(rows):
+            alone, alone_targets, alone_mask = trajectory_inputs(model, [row], r.processor.image_processor,
+                                                                 tok.pad_token_id)
+            single = _action_logps(model, alone, alone_targets)
+            assert alone_targets[alone_mask.bool()].tolist() == [t for i, t in enumerate(row[0]) if row[1][i]]
+            assert torch.allclose(batched[b][mask[b].bool()], single[0][alone_mask[0].bool()], atol=1e-5)
+    expected = [[t for a in actions[:3] for t in a], list(actions[0])]
+    assert [targets[b][mask[b].bool()].tolist() for b in range(2)] == expected
+    assert inputs[ACTION_INDEX].numel() == mask.size(1) < inputs["input_ids"].size(1) // 4  # logits kept: actions only
+    assert torch.isfinite(batched[mask.bool()]).all()
+    assert torch.isfinite(batched).all()  # masked places are finite too (a -inf would make the KL NaN)
+
+
+def test_a_failed_trajectory_leaves_its_groups_baseline():
+    rewards = torch.tensor([1.0, 0.0, 5.0, 0.5, 2.0, 3.0, 9.0, 1.0])
+    failed = torch.tensor([False, False, True, False, True, True, True, False])
+    baseline, usable = _leave_failures_out(rewards, failed, 4)
+    first = baseline[:4]
+    assert first[2] == pytest.approx((1.0 + 0.0 + 0.5) / 3) and first.mean() == pytest.approx(0.5)
+    assert usable.tolist() == [True, True, False, True, False, False, False, False]  # group 2: one usable member
+
+
+def test_agent_rewards_and_the_trie_number():
+    turns = [{"reward": 0.0, "action": {"kind": "click"}}, {"reward": 1.0, "action": {"kind": "invalid"}}]
+    records = [{"turns": turns, "end": DONE}, {"turns": [], "end": "env_error"}]
+    assert env_reward(["a", "b"], trajectories=records) == [1.0, 0.0]
+    assert action_format_reward(["a", "b"], trajectories=records) == [0.5, 0.0]
+    with pytest.raises(ValueError, match="needs grpo_agent_env"):
+        env_reward(["a"])
+    assert trie_saving([[1, 2, 3], [1, 2, 4]]) == pytest.approx(1 - 4 / 6)
+    assert trie_saving([[1, 2], [3, 4]]) == 0.0 and trie_saving([]) == 0.0
+    assert math.isclose(trie_saving([[7] * 5] * 4), 1 - 5 / 20)
+
+
+def test_a_simulator_instance_plays_one_task(tiny_model):
+    """The simulator inline, as the trainer's runners host it: a reset is the task's first screen, the right click
+    passes it."""
+    env = ClickThroughEnv(change_size=True)
+    first = env.reset(TASKS[0], 11)
+    screen = draw_task_screen(TASKS[0], 11, 0, change_size=True)
+    assert first.image.size == screen.image.size
+    x1, y1, x2, y2 = screen.box
+    step = env.step(Action("click", (x1 + x2) / 2, (y1 + y2) / 2))
+    assert step.info["passed"] and step.info["state_key"] == 1 and not step.done
