@@ -7,7 +7,7 @@ May import: ``plumbing``, ``lf``, ``formats``, ``pipeline``, ``demos`` and each 
 
 from __future__ import annotations
 
-from qwenvl_prep.commands import (check, convert, curriculum, demo, draw, evaluate, fix_config, predict,
+from qwenvl_prep.commands import (agent_eval, check, convert, curriculum, demo, draw, evaluate, fix_config, predict,
                                   tiny_model)
 
-COMMANDS = (tiny_model, convert, curriculum, check, draw, fix_config, predict, evaluate, demo)
+COMMANDS = (tiny_model, convert, curriculum, check, draw, fix_config, predict, evaluate, agent_eval, demo)

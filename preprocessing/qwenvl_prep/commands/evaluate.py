@@ -51,6 +51,13 @@ def resamples(text: str) -> int:
     return value
 
 
+def add_bootstrap_flags(parser: argparse.ArgumentParser) -> None:
+    """The intervals' flags, shared with ``agent-eval``: how many resamples, and their seed."""
+    parser.add_argument("--bootstrap", type=resamples, default=1000, metavar="N",
+                        help="bootstrap resamples for the intervals (default 1000)")
+    parser.add_argument("--bootstrap-seed", type=count(0), default=0, metavar="S", help="their seed (default 0)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The subcommand's arguments, with ``run`` as its handler."""
     ev = sub.add_parser(
@@ -80,9 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--compare", type=Path, metavar="PREDICTIONS_B",
                     help="a second predictions file of the same dataset: each metric of both and the paired "
                     "difference (PREDICTIONS - PREDICTIONS_B) with its interval, from the same resampled records")
-    ev.add_argument("--bootstrap", type=resamples, default=1000, metavar="N",
-                    help="bootstrap resamples for the intervals (default 1000)")
-    ev.add_argument("--bootstrap-seed", type=count(0), default=0, metavar="S", help="their seed (default 0)")
+    add_bootstrap_flags(ev)
     ev.add_argument("--by", metavar="FIELD,FIELD", help="also report each subset of records sharing these meta "
                     "values, e.g. --by platform,data_type (ScreenSpot) or --by group,ui_type (ScreenSpot-Pro)")
     add_policy_flags(ev)

@@ -32,6 +32,7 @@ METRICS = {  # a tally summary's section -> the rates that get an interval
     "spans": ("r1@0.3", "r1@0.5", "r1@0.7", "mean_tiou", "parse_failure_rate"),
     "tracks": ("acc@0.5", "mean_iou", "mean_track_score"),
     "fields": ("all_fields_exact", "format_valid_rate", "parse_failure_rate", "mean_fields_reward"),
+    "agent": ("success_rate", "mean_steps_to_success", "invalid_action_rate", "env_failure_rate", "mean_return"),
 }
 VERSIONED = ("llamafactory-qwenvl-patch", "llamafactory", "transformers", "torch", "vllm", "qwen-vl-utils")
 
@@ -227,24 +228,30 @@ def report_markdown(result: dict[str, Any], stamp_policy: dict[str, Any] | None,
             elif key in settings:
                 lines.append(f"  - {key.replace('_', ' ')}: {recorded(settings[key])}")
     lines.append(f"- evaluated with: {recorded(versions())}")
-    ci = result["intervals"]
-    lines += ["", f"Intervals: {ci['confidence']:.0%} percentile bootstrap over records ({ci['resamples']} resamples "
-              f"within each subset, seed {ci['seed']}). An interval is how far the metric moves when the same "
-              "model is scored on another draw of records of this kind; two models whose paired difference "
-              "interval holds 0 are not told apart by this benchmark.", "",
-              "| subset | n | metric | value | 95% interval |", "|---|---|---|---|---|"]
+    return "\n".join(lines + interval_lines(result["intervals"])) + "\n"
+
+
+def interval_lines(ci: dict[str, Any], unit: str = "records", tell_apart: str = "this benchmark") -> list[str]:
+    """The report's interval part (shared by ``eval --report`` and ``agent-eval --report``): how the intervals were
+    drawn, per subset n, each metric with its interval, and the paired differences. ``unit`` is what was resampled
+    (records, trajectories)."""
+    lines = ["", f"Intervals: {ci['confidence']:.0%} percentile bootstrap over {unit} ({ci['resamples']} resamples "
+             f"within each subset, seed {ci['seed']}). An interval is how far the metric moves when the same "
+             f"model is scored on another draw of {unit} of this kind; two models whose paired difference "
+             f"interval holds 0 are not told apart by {tell_apart}.", "",
+             "| subset | n | metric | value | 95% interval |", "|---|---|---|---|---|"]
     for name, row in ci["subsets"].items():
         for key, entry in row["metrics"].items():
             lines.append(f"| {_cell(name)} | {row['n']} | {key} | {entry['value']:.4f} | {_span(entry['ci95'])} |")
     if any("paired" in row for row in ci["subsets"].values()):
-        lines += ["", "Paired difference A - B (the same resampled records for both):", "",
+        lines += ["", f"Paired difference A - B (the same resampled {unit} for both):", "",
                   "| subset | metric | A | B | A - B | 95% interval |", "|---|---|---|---|---|---|"]
         for name, row in ci["subsets"].items():
             for key, entry in row.get("paired", {}).items():
                 lines.append(f"| {_cell(name)} | {key} | {entry['a']:.4f} | {entry['b']:.4f} "
                              f"| {entry['difference']:+.4f} "
                              f"| {_span(entry['ci95'])} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _span(bounds: list[float] | None) -> str:

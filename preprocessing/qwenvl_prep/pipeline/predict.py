@@ -313,16 +313,16 @@ class Predictor(FolderModel):
             if encoded_hw != model_hw:
                 raise RuntimeError(f"processor resized {image_path} again ({encoded_hw[1]}x{encoded_hw[0]} instead "
                                    f"of {model_hw[1]}x{model_hw[0]}): its bounds differ from the model's policy")
-        answers = self._generate(inputs)
+        answers = self.generate(inputs)
         return [self._row(image_path, prompt, answer, orig_hw, model_hw)
                 for (image_path, prompt), answer, (orig_hw, model_hw) in zip(jobs, answers, sizes)]
 
     def video_batch(self, jobs: list[tuple[str, str]], frame_list_fps: float | None = None) -> list[dict[str, Any]]:
         """Answer several (clip, prompt) pairs in one ``generate``, each clip in the folder's video frame and clock."""
         batch = self.read_clips(jobs, frame_list_fps)
-        return self.video_rows(jobs, self._generate(self.processor_inputs(batch)), batch)
+        return self.video_rows(jobs, self.generate(self.processor_inputs(batch)), batch)
 
-    def _generate(self, inputs: Any) -> list[str]:
+    def generate(self, inputs: Any) -> list[str]:
         """Greedy, or sampled at the temperature from torch's generator seeded once at the first call."""
         import torch
 
