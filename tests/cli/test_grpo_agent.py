@@ -1,0 +1,168 @@
+"""``llamafactory-cli train`` with ``stage: grpo`` and ``grpo_agent_env``: multi-turn rollouts from a stock YAML on
+tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5, against the shipped simulator (screens that change size every turn) and an
+environment written outside the project; the trajectories logged with every turn's sizes and mapped action; an
+environment that fails every trajectory stops the run naming it; keys refused before the model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import read_log, run_cli, train_config, write_sharegpt
+
+from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+
+MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
+FAMILIES = {"qwen2_5_vl": ("tiny_model", "qwen2_vl", 28), "qwen3_vl": ("tiny_model_qwen3", "qwen3_vl_nothink", 32),
+            "qwen3_5": ("tiny_model_qwen3_5", "qwen3_5_nothink", 32)}
+OUTSIDE_ENV = '''
+from PIL import Image
+
+from llamafactory_qwenvl_patch.agent import Observation, Step
+
+
+class ColourScreens:
+    """Written outside the project: a screen of another size every turn; an answer holding "e" passes it."""
+
+    def __init__(self, screens=2):
+        self.screens = screens
+
+    def reset(self, task, seed):
+        self.turn = 0
+        return self._observe()
+
+    def _observe(self):
+        size = [(900, 1600), (1600, 900), (777, 333)][self.turn % 3]
+        return Observation(Image.new("RGB", size, (40 * self.turn, 90, 160)), f"screen {self.turn + 1}")
+
+    def step(self, action):
+        passed = "e" in action.raw
+        self.turn += passed
+        done = self.turn == self.screens
+        return Step(self._observe(), 1.0 if done else 0.0, done, {"state_key": self.turn})
+
+    def close(self):
+        pass
+'''
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent")
+    data = root / "data"
+    records = [{"messages": [{"role": "user", "content": "Press the control each screen names, one per turn."},
+                             {"role": "assistant", "content": '{"action": "done"}'}],
+                "meta": {"id": f"task{i}", "screens": 2, "platform": platform}}
+               for i, platform in enumerate(["phone", "desktop"])]
+    write_sharegpt(data, "tasks", records, columns={"messages": "messages"})
+    (root / "envs").mkdir()
+    (root / "envs" / "colour_env.py").write_text(OUTSIDE_ENV)
+    return root, data
+
+
+def agent_config(model_dir, data, out, template, **overrides):
+    settings = dict(stage="grpo", dataset="tasks", template=template, image_min_pixels=MIN, image_max_pixels=MAX,
+                    max_steps=2, save_steps=2, grpo_num_generations=4, max_new_tokens=8, temperature=1.0,
+                    reward_funcs="env,action_format", reward_weights="1.0,0.1",
+                    grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnv",
+                    grpo_agent_env_kwargs='{"reader": "raw", "change_size": true}', grpo_agent_max_turns=3,
+                    grpo_agent_max_tokens=4096)
+    return train_config(model_dir, data, out, **{**settings, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
+    """Two steps of G 4 over two tasks, three turns at most: the run ends with an adapter; the log carries the agent
+    metrics; every logged turn's model frame is the policy's frame of that turn's screenshot, the screenshots of a
+    trajectory change size, and every action is either mapped into that screenshot's pixels or invalid with a
+    reason. Qwen2.5-VL also evaluates one greedy trajectory per task."""
+    fixture, template, factor = FAMILIES[family]
+    root, data = tasks
+    out = tmp_path / "out"
+    extra = dict(do_eval=True, eval_dataset="tasks", per_device_eval_batch_size=2) if family == "qwen2_5_vl" else {}
+    result = run_cli(["llamafactory-cli", "train"],
+                     agent_config(request.getfixturevalue(fixture), data, out, template, **extra), tmp_path,
+                     timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (out / "adapter_model.safetensors").is_file()
+    logged = [row for row in read_log(out) if "loss" in row]
+    assert len(logged) == 2
+    for row in logged:
+        assert 1 <= row["agent/turns/mean"] <= 3 and 0 <= row["agent/done_rate"] <= 1
+        assert "rewards/env/mean" in row and "rewards/action_format/mean" in row and "agent/trie_saving" in row
+    policy = ResizePolicy(MIN, MAX, factor)
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4  # a task per step (batch 1), G trajectories each
+    sizes = set()
+    for row in rows:
+        turns = row["trajectory"]["turns"]
+        assert row["completion"] == "\n".join(turn["text"] for turn in turns)
+        assert row["trajectory"]["end"] in ("done", "turns", "context")
+        for turn in turns:
+            orig_hw = tuple(turn["orig_hw"])
+            sizes.add(orig_hw)
+            assert tuple(turn["model_hw"]) == policy.model_size(*orig_hw)
+            action = turn["action"]
+            if action["kind"] == "invalid":
+                assert action["reason"]
+            elif "x" in action:
+                assert 0 <= action["x"] <= orig_hw[1] and 0 <= action["y"] <= orig_hw[0]
+    assert len(sizes) >= 2  # the simulator changes size mid-episode
+    if extra:
+        metrics = json.loads((out / "eval_results.json").read_text())
+        assert {"eval_reward", "eval_agent/done_rate", "eval_agent/turns", "eval_rewards/env"} <= set(metrics)
+
+
+@pytest.mark.slow
+def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path):
+    """``path/to/env.py:Class`` with its keyword arguments: the class is loaded in the worker processes, its
+    screenshots are whatever size it draws, and its rewards are the env reward."""
+    root, data = tasks
+    out = tmp_path / "out"
+    config = agent_config(tiny_model, data, out, "qwen2_vl", max_steps=1, save_steps=1,
+                          grpo_agent_env=f"{root / 'envs' / 'colour_env.py'}:ColourScreens",
+                          grpo_agent_env_kwargs='{"screens": 2}')
+    result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    for row in rows:
+        turns = row["trajectory"]["turns"]
+        assert tuple(turns[0]["orig_hw"]) == (1600, 900)
+        passed = sum("e" in turn["text"] for turn in turns)
+        assert row["reward"] == pytest.approx(1.0 if passed >= 2 else 0.0)  # action_format: 0, no JSON action
+
+
+@pytest.mark.slow
+def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, tasks, tmp_path):
+    """Every first step raises: all trajectories end env_error, above grpo_agent_max_env_failures; the run stops
+    with a message naming the share, the key and the environment's own error, and leaves no adapter."""
+    _, data = tasks
+    out = tmp_path / "out"
+    config = agent_config(tiny_model, data, out, "qwen2_vl", max_steps=1, save_steps=1,
+                          grpo_agent_env_kwargs='{"faults": {"step1": "raise"}}')
+    result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=1200)
+    assert result.returncode != 0
+    assert "grpo_agent_max_env_failures" in result.stderr and "simulated failure in step1" in result.stderr
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(grpo_agent_env_kwargs="[1]"), "grpo_agent_env_kwargs must be a JSON object"),
+    (dict(grpo_agent_env="no_colon"), "grpo_agent_env must be module:Class"),
+    (dict(grpo_agent_isolation="thread"), "grpo_agent_isolation must be one of process, inline"),
+    (dict(grpo_rollout_backend="vllm"), "agent rollouts run on hf for now"),
+    (dict(grpo_blank_image_ratio=0.5), "grpo_blank_image_ratio cannot be used with grpo_agent_env"),
+    (dict(reward_funcs="env,overlong"), "reward_funcs: overlong cannot be used with grpo_agent_env"),
+    (dict(grpo_agent_env=None), "reward 'env' scores environment trajectories: it needs grpo_agent_env"),
+    (dict(qwenvl_patch=False), "grpo_agent_env needs `qwenvl_patch: true`"),
+    (dict(grpo_agent_max_turns=0), "grpo_agent_max_turns must be in"),
+])
+def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
+    from llamafactory.hparams import get_train_args
+
+    _, data = tasks
+    config = agent_config(tiny_model, data, tmp_path / "out", "qwen2_vl")
+    config.update(overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        get_train_args({key: value for key, value in config.items() if value is not None})
