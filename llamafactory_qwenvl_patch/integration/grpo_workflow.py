@@ -115,7 +115,10 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
     settings = VLLMSettings(
         gpu_memory_utilization=finetuning_args.grpo_vllm_gpu_memory_utilization,
         tensor_parallel_size=finetuning_args.grpo_vllm_tensor_parallel_size,
-        max_model_len=data_args.cutoff_len + sampling["max_new_tokens"],
+        # an agent's trajectory: the task, every screenshot and every action, one screenshot per turn
+        max_model_len=finetuning_args.grpo_agent_max_tokens if finetuning_args.grpo_agent_env else
+        data_args.cutoff_len + sampling["max_new_tokens"],
+        images_per_prompt=max(8, finetuning_args.grpo_agent_max_turns) if finetuning_args.grpo_agent_env else 8,
         max_num_seqs=max(prompts, training_args.per_device_eval_batch_size) * finetuning_args.grpo_num_generations * 2,
         # one seed per engine: the ranks of a tensor-parallel group must sample alike
         seed=training_args.seed + training_args.process_index // finetuning_args.grpo_vllm_tensor_parallel_size,

@@ -151,7 +151,6 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env_kwargs="[1]"), "grpo_agent_env_kwargs must be a JSON object"),
     (dict(grpo_agent_env="no_colon"), "grpo_agent_env must be module:Class"),
     (dict(grpo_agent_isolation="thread"), "grpo_agent_isolation must be one of process, inline"),
-    (dict(grpo_rollout_backend="vllm"), "agent rollouts run on hf for now"),
     (dict(grpo_blank_image_ratio=0.5), "grpo_blank_image_ratio cannot be used with grpo_agent_env"),
     (dict(reward_funcs="env,overlong"), "reward_funcs: overlong cannot be used with grpo_agent_env"),
     (dict(grpo_agent_env=None), "reward 'env' scores environment trajectories: it needs grpo_agent_env"),
@@ -166,3 +165,25 @@ def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_pa
     config.update(overrides)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         get_train_args({key: value for key, value in config.items() if value is not None})
+
+
+@pytest.mark.slow
+def test_an_agent_rolls_out_on_vllm(small_model, tasks, tmp_path):
+    """``grpo_rollout_backend: vllm``: every turn is one request per live trajectory with all its screenshots (the
+    frame guard checks every one), and vLLM samples the training model's distribution on the action tokens of
+    three-turn trajectories (log-prob gap ~0, importance weights ~1); the trajectories keep each turn's frame."""
+    _, data = tasks
+    out = tmp_path / "out"
+    config = agent_config(small_model, data, out, "qwen2_vl", grpo_rollout_backend="vllm", seed=3)
+    result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=2400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    logged = [row for row in read_log(out) if "loss" in row]
+    assert len(logged) == 2
+    for row in logged:
+        assert row["vllm/logp_diff/mean"] < 1e-3 and abs(row["vllm/mismatch/kl"]) < 1e-3
+        assert 0.5 < row["vllm/is_weight/mean"] <= 3.0 and row["agent/turns/mean"] >= 1
+    policy = ResizePolicy(MIN, MAX, 28)
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert max(len(row["trajectory"]["turns"]) for row in rows) >= 2  # later turns went through the engine
+    assert all(tuple(t["model_hw"]) == policy.model_size(*t["orig_hw"]) for row in rows
+               for t in row["trajectory"]["turns"])

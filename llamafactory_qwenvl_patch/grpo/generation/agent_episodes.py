@@ -26,9 +26,11 @@ from llamafactory_qwenvl_patch.grpo.rollout.types import Segment, Trajectory
 DONE, TURNS = "done", "turns"  # the environment said done; grpo_agent_max_turns actions were taken
 FAILURES = ("env_error", "env_timeout")
 
-# rows (ids) and their images (model-input screenshots, in order) -> per row: sampled ids (stop token included when
-# it stopped), whether it stopped, its text
-Sampler = Callable[[list[list[int]], list[list[Any]]], tuple[list[list[int]], list[bool], list[str]]]
+# rows (ids), their images (model-input screenshots, in order) and their tasks (positions in the rollout's task list)
+# -> per row: sampled ids (stop token included when
+# it stopped), whether it stopped, its text, and the sampler's log-prob of each id (None: the sampler is the model)
+Sampled = tuple[list[list[int]], list[bool], list[str], list[list[float]] | None]
+Sampler = Callable[[list[list[int]], list[list[Any]], list[int]], Sampled]
 
 
 class AgentRunError(RuntimeError):
@@ -57,6 +59,7 @@ class Episode:
     trajectory: Trajectory = field(default_factory=Trajectory)
     turns: list[dict[str, Any]] = field(default_factory=list)
     screen: Screen | None = None  # the screenshot the next action answers
+    sampling_logps: list[float] = field(default_factory=list)  # the sampler's, per action token (vLLM)
     stopped: bool = True  # the last action ended with its stop token
     cut: int = 0  # actions cut at max_new_tokens before their stop token
     message: str = ""  # why it failed
@@ -152,10 +155,12 @@ def _act(live: list[Episode], runners: list[EnvRunner], tasks: Sequence[Task], r
     """One turn of every live episode: sample, read, step, render the next observation."""
     rows = [list(e.root.ids) + e.trajectory.rows()[0] for e in live]
     images = [[*e.root.images, *e.trajectory.images] for e in live]
-    ids, stopped, texts = sample(rows, images)
+    ids, stopped, texts, logps = sample(rows, images, [e.task for e in live])
     actions = []
-    for e, action_ids, stop, text in zip(live, ids, stopped, texts):
+    for k, (e, action_ids, stop, text) in enumerate(zip(live, ids, stopped, texts)):
         e.trajectory = e.trajectory.extended(Segment("model", tuple(action_ids)))
+        if logps is not None:
+            e.sampling_logps += logps[k][:len(action_ids)]
         e.stopped = stop
         e.cut += not stop
         screen = e.screen

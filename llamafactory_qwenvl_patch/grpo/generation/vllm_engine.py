@@ -50,6 +50,7 @@ class VLLMSettings:
     seed: int = 0
     dtype: str = "auto"  # the training model's dtype, so the sampler computes what the loss computes
     prefix_caching: bool | None = None  # None: on where it works (see VLLMEngine)
+    images_per_prompt: int = 8  # vLLM's limit_mm_per_prompt: an agent's trajectory holds one per turn
 
 
 @dataclass
@@ -156,7 +157,8 @@ class VLLMEngine:
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs, seed=settings.seed,
             **engine_dtypes(model_path, settings.dtype, cpu),
             mm_processor_kwargs={"min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
-            limit_mm_per_prompt={"image": 8, "video": MAX_VIDEOS}, logprobs_mode="processed_logprobs",
+            limit_mm_per_prompt={"image": settings.images_per_prompt, "video": MAX_VIDEOS},
+            logprobs_mode="processed_logprobs",
             # no processor cache: GRPO sees an item once per rollout anyway, and a cached item reaches the engine
             # without its grid, which the frame guard reads (vllm_video.vllm_video_grids)
             mm_processor_cache_gb=0,
@@ -178,7 +180,8 @@ class VLLMEngine:
         self.stamp_ids = lru_cache(maxsize=4096)(
             lambda stamp_text: tuple(tokenizer.encode(stamp_text, add_special_tokens=False)))
 
-    def _params(self, greedy: bool) -> Any:
+    def _params(self, greedy: bool, n: int | None = None) -> Any:
+        """``n`` completions per prompt (default G; an agent's later turns sample one per trajectory)."""
         from vllm import SamplingParams
 
         common = dict(max_tokens=self.sampling["max_new_tokens"], stop_token_ids=self.stop_token_ids, logprobs=0,
@@ -186,14 +189,15 @@ class VLLMEngine:
         if greedy:
             return SamplingParams(n=1, temperature=0.0, **common)
         top_k = self.sampling["top_k"]
-        return SamplingParams(n=self.num_generations, temperature=self.sampling["temperature"],
+        return SamplingParams(n=n or self.num_generations, temperature=self.sampling["temperature"],
                               top_p=self.sampling["top_p"], top_k=top_k if top_k and top_k > 0 else -1,
                               repetition_penalty=self.sampling["repetition_penalty"], **common)
 
     def generate(self, prompts: list[list[int]], images: list[list[Any]], indices: list[int], pad_id: int,
-                 greedy: bool = False, videos: list[list[VideoClip]] | None = None) -> Rollout:
-        """Sample for unpadded prompts whose images are already model-input images and whose videos are the
-        training clips; check the frame (and each video's clock) per prompt."""
+                 greedy: bool = False, videos: list[list[VideoClip]] | None = None, n: int | None = None
+                 ) -> Rollout:
+        """Sample (``n`` per prompt, default G) for unpadded prompts whose images are already model-input images and
+        whose videos are the training clips; check the frame (and each video's clock) per prompt."""
         videos = videos or [[] for _ in prompts]
         own = slice(0, len(prompts))
         if self.tp_group is not None:  # the group samples every member's prompts (same seed), each keeps its own
@@ -206,7 +210,7 @@ class VLLMEngine:
         requests = [self._request(ids, pictures, clips, index)
                     for ids, pictures, clips, index in zip(prompts, images, videos, indices)]
         with vllm_video_grids(self.llm, vllm_version()) as video_grids:
-            outputs = self.llm.generate(requests, sampling_params=self._params(greedy), use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling_params=self._params(greedy, n), use_tqdm=False)
         for ids, output, index, clips, grids in zip(prompts, outputs, indices, videos, video_grids):
             if clips:
                 check_videos(index, clips, grids, ids, list(output.prompt_token_ids or []), self.video_ids["pad"],

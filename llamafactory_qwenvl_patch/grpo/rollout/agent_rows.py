@@ -57,3 +57,13 @@ def trajectory_inputs(model: Any, rows: Sequence[tuple[list[int], list[int], lis
     # another row's action position may predict a screenshot pad here, whose log-prob under the sampled
     # distribution (vision tokens suppressed) is -inf: a masked -inf still makes the KL and the gradient NaN
     return inputs, torch.where(mask.bool(), targets, torch.full_like(targets, pad_id)), mask
+
+
+def action_values(values: Sequence[list[float]], width: int, index: torch.Tensor) -> torch.Tensor:
+    """(B, K): per-token values of each row (aligned with its ids, e.g. the sampler's log-probs), left-padded to
+    ``width`` as ``trajectory_inputs`` pads the ids, at the tokens the kept positions ``index`` predict."""
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for b, row in enumerate(values):
+        if row:
+            out[b, width - len(row):] = torch.tensor(row, dtype=torch.float32)
+    return out[:, (index.cpu() + 1).clamp(max=width - 1)]

@@ -27,6 +27,7 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     DONE,
     Episode,
     EpisodeSettings,
+    Sampled,
     Sampler,
     Task,
     run_episodes,
@@ -34,7 +35,7 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
 )
 from llamafactory_qwenvl_patch.grpo.rewards.monitors import rollout_metrics
 from llamafactory_qwenvl_patch.grpo.rewards.registry import reward_inputs, score
-from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import trajectory_inputs
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX, action_values, trajectory_inputs
 from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
 from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
@@ -126,25 +127,34 @@ class AgentMixin:
 
     # --- sampling --------------------------------------------------------------------------------------------------
 
-    def _agent_sampler(self, model: Any, greedy: bool = False) -> Sampler:
-        """HF ``generate`` of one action per row: rows left-padded with all their screenshots; the model computes
-        each row's positions itself, since every row starts at its task's root."""
+    def _agent_sampler(self, model: Any, meta: list[SampleMeta], greedy: bool = False) -> Sampler:
+        """One action per row, on whole rows with all their screenshots: HF ``generate`` (rows left-padded; the
+        model computes each row's positions itself, since every row starts at its task's root) or the vLLM engine
+        (its frame guard checks every screenshot of every turn; weights synced once per optimiser step)."""
         config = copy.deepcopy(self.greedy_config if greedy else self.generation_config)
         config.num_return_sequences = 1
         pad = self.tokenizer.pad_token_id
 
-        def sample(rows: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[bool], list[str]]:
-            width = max(len(row) for row in rows)
-            batch: dict[str, Any] = {
-                "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in rows]),
-                "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
-            }
-            visual = self.agent.renderer.processor.image_processor(images=[i for row in images for i in row], return_tensors="pt")
-            batch["pixel_values"], batch["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
-            ids, mask, stopped, texts, _ = self._completions(self._generate(model, self._prepare_input(batch),
-                                                                            config))
+        def sample(rows: list[list[int]], images: list[list[Any]], tasks: list[int]) -> Sampled:
+            if self.vllm is not None:
+                if self.run_state.vllm_step != self.state.global_step:
+                    self._sync_weights(model)
+                    self.run_state.vllm_step = self.state.global_step
+                out = self.vllm.generate(rows, images, [meta[t].index for t in tasks], pad, greedy=greedy, n=1)
+                sampled, logps = out.ids, out.logps.tolist()
+            else:
+                width = max(len(row) for row in rows)
+                batch: dict[str, Any] = {
+                    "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in rows]),
+                    "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+                }
+                visual = self.agent.renderer.processor.image_processor(images=[i for row in images for i in row],
+                                                                       return_tensors="pt")
+                batch["pixel_values"], batch["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
+                sampled, logps = self._generate(model, self._prepare_input(batch), config), None
+            ids, mask, stopped, texts, _ = self._completions(sampled)
             lengths = mask.sum(dim=1).tolist()
-            return [row[:n] for row, n in zip(ids.tolist(), lengths)], stopped.tolist(), texts
+            return [row[:n] for row, n in zip(ids.tolist(), lengths)], stopped.tolist(), texts, logps
 
         return sample
 
@@ -153,27 +163,36 @@ class AgentMixin:
         tasks, meta = self._agent_tasks(features)
         seeds = [self._agent_seed(m.index, part) for m in meta]
         episodes = run_episodes(tasks, G, self._agent_runners(len(tasks) * G), seeds, self.agent.renderer,
-                                self._agent_sampler(model, greedy), self._agent_settings())
+                                self._agent_sampler(model, meta, greedy), self._agent_settings())
         for m, e in zip(meta, episodes[::G]):  # the frame of the task's first screen
             if e.turns:
                 m.orig_hw, m.model_hw = tuple(e.turns[0]["orig_hw"]), tuple(e.turns[0]["model_hw"])
         return episodes, meta
 
-    def _agent_inputs(self, episodes: list[Episode]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-        rows = []
+    def _agent_inputs(self, episodes: list[Episode]
+                      ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The trajectories' training inputs, targets and mask at the kept positions, and there the sampler's
+        log-probs when the sampler is vLLM."""
+        rows, values = [], []
         for e in episodes:
             if e.root is None:  # failed at reset: an empty row, no loss
                 rows.append(([], [], []))
+                values.append([])
                 continue
             ids, mask = e.trajectory.rows()
             rows.append((list(e.root.ids) + ids, [0] * len(e.root.ids) + mask,
                          [*e.root.images, *e.trajectory.images]))
+            logps = iter(e.sampling_logps)
+            values.append([0.0] * len(e.root.ids) + [next(logps, 0.0) if m else 0.0 for m in mask])
         inputs, targets, mask = trajectory_inputs(self.model, rows, self.agent.renderer.processor.image_processor,
                                                   self.tokenizer.pad_token_id)
+        sampling = action_values(values, inputs["input_ids"].size(1), inputs[ACTION_INDEX]) \
+            if self.vllm is not None else None
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         inputs = self._prepare_input(inputs)
-        return inputs, targets.to(inputs["input_ids"].device), mask.to(inputs["input_ids"].device)
+        device = inputs["input_ids"].device
+        return inputs, targets.to(device), mask.to(device), None if sampling is None else sampling.to(device)
 
     # --- the rollout -----------------------------------------------------------------------------------------------
 
@@ -184,11 +203,11 @@ class AgentMixin:
         parts = []
         for j in range(spg):
             episodes, meta = self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G)
-            inputs, targets, mask = self._agent_inputs(episodes)
+            inputs, targets, mask, sampling = self._agent_inputs(episodes)
             with torch.no_grad():
                 old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
                 ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
-            parts.append((episodes, meta, inputs, targets, mask, old, ref))
+            parts.append((episodes, meta, inputs, targets, mask, old, ref, sampling))
         episodes = [e for part in parts for e in part[0]]
         meta = [m for part in parts for m in part[1]]
         device = parts[0][2]["input_ids"].device
@@ -226,7 +245,7 @@ class AgentMixin:
             self._log_completions(texts, rewards.tolist(), meta, [e.record() for e in episodes])
         return [MicroBatch(inputs=part[2], completion_ids=part[3], mask=masks[j],
                            advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part[5], ref_logps=part[6],
-                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1])
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part[7])
                 for j, part in enumerate(parts)]
 
     def _check_env_failures(self, episodes: list[Episode], failed: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ def click_sampler(r, tasks, seeds, convention, in_model_frame=True):
     firsts = [r.policy.model_size(image.height, image.width) for image in firsts]
     assert len(set(firsts)) == len(firsts)  # a row's task is told by its first screenshot's frame
 
-    def sample(rows, images):
+    def sample(rows, images, _positions):
         ids, texts = [], []
         for row, shots in zip(rows, images):
             task = firsts.index((shots[0].height, shots[0].width))
@@ -63,7 +63,7 @@ def click_sampler(r, tasks, seeds, convention, in_model_frame=True):
                 text = '{"action": "click", "point_2d": [%d, %d]}' % centre
             texts.append(text)
             ids.append(tok.encode(text, add_special_tokens=False) + [stop])
-        return ids, [True] * len(rows), texts
+        return ids, [True] * len(rows), texts, None
 
     return sample
 
