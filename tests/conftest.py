@@ -144,6 +144,14 @@ def small_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_model_qwen3(tmp_path_factory) -> Path:
+    """Qwen3-VL ``--size small`` (vLLM's CPU attention): the vLLM video GRPO run and the video chain share it."""
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3_vl", "qwen3_vl", size="small")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_qwen3(tmp_path_factory) -> Path:
     from qwenvl_prep.demos.tiny_model import build_tiny_model
 

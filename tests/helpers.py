@@ -95,6 +95,22 @@ def write_clip(path: Path, seconds: float, fps: int, width: int, height: int, co
     return path
 
 
+def video_structure(folder: Path, clip: Path) -> str:
+    """The text a clip becomes in a training prompt under ``folder``'s recorded video policy: each group's
+    ``<t seconds>`` stamp, vision start, its pads and vision end (the Qwen3 clocks), or one vision block holding every
+    group's pads (Qwen2-VL's group index, Qwen2.5-VL's seconds, which live in M-RoPE)."""
+    from llamafactory_qwenvl_patch.frame.policy_record import folder_video
+    from llamafactory_qwenvl_patch.image_io.video import probe, read_clip
+
+    video, fps = folder_video(folder)
+    probed = probe(str(clip), fps)
+    _, plan = read_clip(str(clip), video, fps, clip=probed)
+    pads = "<|video_pad|>" * video.frame_tokens(probed.height, probed.width)
+    if plan.clock == "stamps":
+        return "".join(f"{stamp}<|vision_start|>{pads}<|vision_end|>" for stamp in plan.stamp_texts)
+    return f"<|vision_start|>{pads * plan.groups}<|vision_end|>"
+
+
 def cut_file(path: Path, out: Path, share: float = 0.5) -> Path:
     """The first ``share`` of a file's bytes at ``out``: an interrupted copy or download."""
     data = path.read_bytes()

@@ -1,9 +1,9 @@
 """``qwenvl-prep predict --backend vllm`` (issue 43, items 1-2): offline vLLM in the folder's recorded frame gives
 the HF backend's greedy answers, token for token, and the same frame (image tokens, model size, boxes mapped to
-original pixels) on mixed image sizes, for Qwen2.5-VL and Qwen3-VL (``--size small``: vLLM's CPU attention needs
-its heads), and on clips of both (Qwen3-VL: the same frames, groups and stamps; Qwen2.5-VL: the same frames and
-seconds per group, and the text after the video where the HF backend's pinned model puts it; issue 49); an adapter
-folder is refused."""
+original pixels) on mixed image sizes, for Qwen2.5-VL, Qwen3-VL and Qwen2-VL (``--size small``: vLLM's CPU attention
+needs its heads), and on clips of each (Qwen3-VL: the same frames, groups and stamps; Qwen2.5-VL: the same frames and
+seconds per group; Qwen2/2.5-VL: the text after the video where the HF backend's pinned model puts it; issue 49); an
+adapter folder is refused."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SIZES = [(320, 240), (640, 360), (200, 450), (512, 384), (150, 150), (400, 100)]
 
 
-@pytest.mark.parametrize("family, factor", [("qwen2_5_vl", 28), ("qwen3_vl", 32)])
+@pytest.mark.parametrize("family, factor", [("qwen2_5_vl", 28), ("qwen3_vl", 32), ("qwen2_vl", 28)])
 def test_vllm_answers_equal_the_hf_backend(tmp_path, family, factor):
     pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
     from qwenvl_prep.demos.tiny_model import build_tiny_model

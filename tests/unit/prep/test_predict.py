@@ -109,11 +109,11 @@ def test_a_negative_non_finite_or_vanishing_temperature_is_refused(tiny_model, t
     assert greedy_seed.returncode == 2 and "--seed only acts with --temperature > 0" in greedy_seed.stderr
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_qwen3", "tiny_model_qwen2"])
 def test_video_answers_in_the_folders_video_policy(request, fixture, tmp_path):
     """Clips (mp4 and webm, mixed with an image in one call) are sampled, sized and clocked by the folder's recorded
     video policy; batched answers equal one-at-a-time ones; a track's boxes come back in the clip's pixels with their
-    times as written."""
+    times as written. Qwen2.5-VL (seconds), Qwen3-VL (stamps) and Qwen2-VL (group index, 0-1000 boxes at factor 28)."""
     from helpers import write_clip
 
     from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model
