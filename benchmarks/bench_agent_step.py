@@ -1,6 +1,9 @@
 """One multi-turn GRPO training pass (forward + backward of the action tokens' log-probs), three layouts, one run:
 
-- ``rows`` (``stage: grpo`` with ``grpo_agent_env``): one row per trajectory (the task with its first screenshot,
+- ``packed`` (``stage: grpo`` with ``grpo_agent_env``, the shared prefix on, the default): the G trajectories of the
+  task packed behind its root (the task prompt and first screenshot computed once), each suffix attending to the
+  root and to itself (``grpo/rollout/shared_prefix.py``), logits only where an action token is predicted;
+- ``rows`` (``grpo_shared_prefix: false``): one row per trajectory (the task with its first screenshot,
   then each action and observation), explicit M-RoPE positions, logits kept only where an action token is predicted
   (``grpo/rollout/agent_rows.py``);
 - ``rows_all_logits``: the same rows with logits over every position after the root, what a trainer that keeps the
@@ -20,6 +23,7 @@ process; peak memory is the largest resident set during the passes minus the res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,9 +32,10 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
-LAYOUTS = ("rows", "rows_all_logits", "per_step")
+LAYOUTS = ("packed", "rows", "rows_all_logits", "per_step")
 SCREENS = [(1170, 2532), (1920, 1080), (800, 1280), (1280, 800)]
 MIN_PIXELS, MAX_PIXELS = 64 * 28 * 28, 256 * 28 * 28
 
@@ -111,7 +116,9 @@ def worker(spec: dict) -> dict:
     from transformers import AutoModelForImageTextToText
 
     from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
-    from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX, trajectory_inputs
+    from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+    from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (ACTION_INDEX, packed_trajectory_inputs,
+                                                                    trajectory_inputs)
     from llamafactory_qwenvl_patch.grpo.trainer.step import StepMixin
     from types import SimpleNamespace
 
@@ -123,7 +130,16 @@ def worker(spec: dict) -> dict:
     model.train()
     root, trajectories = _trajectories(r, spec["generations"], spec["turns"], spec["action_tokens"], 0)
     rows = _rows(root, trajectories, spec["layout"])
-    inputs, targets, mask = trajectory_inputs(model, rows, r.processor.image_processor, r.tokenizer.pad_token_id)
+    context = contextlib.nullcontext
+    if spec["layout"] == "packed":
+        shared_prefix.install(model)
+        members = [(*t.rows(), list(t.images)) for t in trajectories]
+        inputs, targets, mask, _ = packed_trajectory_inputs(model, [(list(root.ids), list(root.images), members)],
+                                                            r.processor.image_processor, r.tokenizer.pad_token_id,
+                                                            len(trajectories))
+        context = partial(shared_prefix.attention_active, [model])
+    else:
+        inputs, targets, mask = trajectory_inputs(model, rows, r.processor.image_processor, r.tokenizer.pad_token_id)
     if spec["layout"] == "rows_all_logits":  # every position after the root: the completion's logits
         width = inputs["input_ids"].size(1)
         index = torch.arange(width - max(len(ids) for ids, _, _ in rows) + len(root.ids) - 1, width - 1)
@@ -146,14 +162,17 @@ def worker(spec: dict) -> dict:
     times = []
     for _ in range(spec["passes"]):
         start = time.perf_counter()
-        logps = StepMixin._token_logps(trainer, model, inputs, targets)[0]
-        (-(logps * mask).sum() / mask.sum()).backward()
+        with context():
+            logps = StepMixin._token_logps(trainer, model, inputs, targets)[0]
+            (-(logps * mask).sum() / mask.sum()).backward()
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     stop[0] = True
     thread.join()
-    return {"layout": spec["layout"], "rows": len(rows), "row_tokens": int(inputs["attention_mask"].sum()),
-            "kept_logits": int(inputs[ACTION_INDEX].numel()) * len(rows), "action_tokens": int(mask.sum()),
+    layout = inputs.get(shared_prefix.KWARG)
+    kept = layout.keep.numel() if layout is not None else int(inputs[ACTION_INDEX].numel()) * len(rows)
+    return {"layout": spec["layout"], "rows": inputs["input_ids"].size(0),
+            "row_tokens": int(inputs["attention_mask"].sum()), "kept_logits": kept, "action_tokens": int(mask.sum()),
             "pass_s": round(statistics.median(times[1:] or times), 3), "peak_mib": round((peak[0] - base) / 2**20, 1)}
 
 
@@ -190,11 +209,12 @@ def main() -> None:
                 result = run_worker(spec)
                 if layout not in best or result["pass_s"] < best[layout]["pass_s"]:
                     best[layout] = result
-        base = best.get("rows")
+        base = best.get("packed")
         for layout, result in best.items():
             if base is not None:
-                result["time_vs_rows"] = round(result["pass_s"] / base["pass_s"], 2)
-                result["memory_vs_rows"] = round(result["peak_mib"] / base["peak_mib"], 2) if base["peak_mib"] else None
+                result["time_vs_packed"] = round(result["pass_s"] / base["pass_s"], 2)
+                result["memory_vs_packed"] = (round(result["peak_mib"] / base["peak_mib"], 2) if base["peak_mib"]
+                                              else None)
             print(json.dumps(result))
 
 

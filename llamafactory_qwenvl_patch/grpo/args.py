@@ -339,8 +339,6 @@ def _check_agent_keys(args: Any) -> None:
         ("grpo_blank_image_ratio", args.grpo_blank_image_ratio > 0, "the blank-image control blanks a prompt's own "
          "images; an agent's screenshots come from the environment"),
         ("grpo_dynamic_sampling", args.grpo_dynamic_sampling, "refilling groups of trajectories is not built"),
-        ("grpo_shared_prefix: true", args.grpo_shared_prefix == "true", "each trajectory is one row (the task "
-         "prefix is not shared across a group of trajectories yet)"),
     ) if on]
     refused += [(f"reward_funcs: {name}", "it counts one completion's tokens; a trajectory has many actions")
                 for name in names if name in AGENT_REFUSED_REWARDS]

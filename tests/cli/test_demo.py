@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import run_cli
@@ -190,6 +191,8 @@ def test_gui_screens_label_the_elements_they_draw(tmp_path):
                                                              "the fields demo uses Qwen2.5-VL"),
     (["--controls", "2"], "--controls applies to the gui demo"), (["--task", "fields", "--controls", "1"],
                                                                   "--controls applies to the gui demo"),
+    (["--task", "agent", "--controls", "1"], "--controls applies to the gui demo"),
+    (["--task", "agent", "--family", "qwen9"], "invalid choice"),
     (["--task", "gui", "--controls", "4"], "--controls must be 1 to 3"),
     (["--task", "gui", "--controls", "0"], "--controls must be 1 to 3"),
 ])
@@ -274,3 +277,38 @@ def test_video_demo_smoke_run(tmp_path):
     rows = [json.loads(line) for line in (out / "predictions-trained.jsonl").read_text().splitlines()]
     assert len(rows) == summary["held_out_clips"] and all(row["video"].endswith(".mp4") for row in rows)
     assert "R@1 tIoU 0.5" in result.stderr
+
+
+@pytest.mark.slow
+def test_agent_demo_smoke_run(tmp_path):
+    """The agent demo's smoke path (under 50 steps): single screens converted into the model's frame, SFT and
+    multi-turn GRPO against the shipped simulator through llamafactory-cli, an export with the pinned policy, and
+    agent-eval of the held-out tasks by the untrained, SFT and trained models; every turn's screenshot is a real
+    screen size shown in the run's frame."""
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES
+    from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+    from qwenvl_prep.demos import gui
+    from qwenvl_prep.demos.agent import HELD_OUT_SMOKE, MAX_TURNS
+
+    out = tmp_path / "agent"
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "agent", "--steps", "6"], None, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert summary["task"] == "agent" and summary["sft_steps"] == 6 and summary["family"] == "qwen3_vl"
+    assert set(summary["held_out"]) == {"untrained", "sft", "trained"} and "SFT + GRPO" in result.stderr
+    policy = ResizePolicy(gui.MIN_PIXELS, gui.MAX_PIXELS, FAMILIES["qwen3_vl"].factor)
+    for evaluated in summary["held_out"].values():
+        assert evaluated["trajectories"] == HELD_OUT_SMOKE and 0 <= evaluated["success_rate"] <= 1
+        rows = [json.loads(line) for line in Path(evaluated["rows"]).read_text().splitlines()]
+        assert len(rows) == HELD_OUT_SMOKE and all(1 <= len(row["turns"]) <= MAX_TURNS for row in rows)
+        for turn in (turn for row in rows for turn in row["turns"]):
+            assert tuple(turn["orig_size"]) in set(gui.SCREENS.values())
+            width, height = turn["orig_size"]
+            assert tuple(turn["model_size"]) == policy.model_size(height, width)[::-1]
+    trained = json.loads(Path(summary["held_out"]["trained"]["report"]).with_suffix(".json").read_text())
+    assert trained["agent"]["success_rate"] == summary["held_out"]["trained"]["success_rate"]
+    grpo_log = [json.loads(line) for line in (out / "grpo" / "trainer_log.jsonl").read_text().splitlines()]
+    assert any("rewards/env/mean" in row and "agent/turns/mean" in row for row in grpo_log)
+    assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["max_pixels"] == gui.MAX_PIXELS
+    first = json.loads((out / "data" / "agent_train.json").read_text())[0]  # a trajectory: a screenshot a turn
+    assert [m["content"].count("<image>") for m in first["messages"]] == [1, 0, 1, 0] and len(first["images"]) == 2

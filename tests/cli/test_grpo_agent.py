@@ -53,7 +53,7 @@ def tasks(tmp_path_factory):
     records = [{"messages": [{"role": "user", "content": "Press the control each screen names, one per turn."},
                              {"role": "assistant", "content": '{"action": "done"}'}],
                 "meta": {"id": f"task{i}", "screens": 2, "platform": platform}}
-               for i, platform in enumerate(["phone", "desktop"])]
+               for i, platform in enumerate(["phone", "desktop", "laptop", "tablet"])]
     write_sharegpt(data, "tasks", records, columns={"messages": "messages"})
     (root / "envs").mkdir()
     (root / "envs" / "colour_env.py").write_text(OUTSIDE_ENV)
@@ -112,6 +112,41 @@ def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
     if extra:
         metrics = json.loads((out / "eval_results.json").read_text())
         assert {"eval_reward", "eval_agent/done_rate", "eval_agent/turns", "eval_rewards/env"} <= set(metrics)
+
+
+@pytest.mark.slow
+def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tasks, tmp_path):
+    """Two tasks a step, accumulation 2, G 4, up to three turns on screens that change size: the same seed with the
+    shared prefix (on by default: each task's root once, its trajectories packed behind it) and without (one row
+    per trajectory) give the same rewards and trajectories, the same loss and KL, and adapters within 1e-5 (SGD, so
+    the adapters compare the gradients)."""
+    from safetensors.torch import load_file
+
+    _, data = tasks
+    logs, adapters, completions = {}, {}, {}
+    for shared in ("auto", "false"):
+        out = tmp_path / shared
+        config = agent_config(tiny_model, data, out, "qwen2_vl", per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, optim="sgd", learning_rate=0.1, grpo_shared_prefix=shared)
+        result = run_cli(["llamafactory-cli", "train"], config, tmp_path / f"run-{shared}", timeout=1200)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        assert ("grpo_shared_prefix: on" in output) == (shared == "auto")
+        logs[shared] = [row for row in read_log(out) if "loss" in row]
+        adapters[shared] = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+        completions[shared] = [json.loads(line)["completion"] for line in
+                               (out / "completions.jsonl").read_text().splitlines()]
+    assert completions["auto"] == completions["false"] and len(completions["auto"]) == 2 * 2 * 2 * 4
+    assert len(logs["auto"]) == len(logs["false"]) == 2
+    for ours, theirs in zip(logs["auto"], logs["false"]):
+        assert ours["reward"] == theirs["reward"] and ours["agent/turns/mean"] == theirs["agent/turns/mean"]
+        for key in ("loss", "kl", "entropy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    moved = 0
+    for name, tensor in adapters["false"].items():
+        assert (adapters["auto"][name] - tensor).abs().max() <= 1e-5, name
+        moved += bool(tensor.abs().max() > 1e-4 and "lora_B" in name)
+    assert moved > 0
 
 
 @pytest.mark.slow

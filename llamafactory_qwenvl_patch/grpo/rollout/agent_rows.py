@@ -4,6 +4,11 @@ observations), left-padded, with every screenshot in order, explicit M-RoPE posi
 that predict an action token, so the forward keeps logits only there (``ACTION_INDEX``, read by the trainer's
 log-prob pass).
 
+With the shared prefix (``packed_trajectory_inputs``) a task's G trajectories are one packed row instead: the
+root (task prompt and first screenshot) computed once, each trajectory's suffix attending to it and to itself
+(``shared_prefix``), with the suffix's positions of the one-piece row; the loss reads the same targets and mask, per
+trajectory, at the suffix tokens that are actions.
+
 What the loss sees per row is then ``(targets, mask)`` at those K positions: the action tokens (stop tokens included)
 and 1 where the row's token is one of its own action tokens; observation tokens are never a target (the padding
 token stands in for them, masked).
@@ -15,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from llamafactory_qwenvl_patch.grpo.rollout.turn_forward import row_positions
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.turn_forward import next_position, row_positions, suffix_positions
 
 ACTION_INDEX = "qwenvl_action_index"  # an inputs key: (K,) the positions whose logits the loss reads
 PAD_POSITION = 1  # what HF's get_rope_index gives padding
@@ -67,3 +73,76 @@ def action_values(values: Sequence[list[float]], width: int, index: torch.Tensor
         if row:
             out[b, width - len(row):] = torch.tensor(row, dtype=torch.float32)
     return out[:, (index.cpu() + 1).clamp(max=width - 1)]
+
+
+Member = tuple[list[int], list[int], list[Any]]  # a trajectory after its root: ids, loss mask, screenshots
+
+
+def packed_trajectory_inputs(model: Any, groups: Sequence[tuple[list[int], list[Any], Sequence[Member]]],
+                             image_processor: Any, pad_id: int, generations: int
+                             ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets (B*G, K), mask (B*G, K), suffix index (K,)) of ``groups``: each (root ids, root screenshots,
+    G members). One packed row a group (``shared_prefix.pack_group``): the root left-padded, then each member's
+    suffix right-padded, the screenshots in that order; every token at the position of its trajectory's one-piece
+    row (the root's own, each suffix's shifted past the root: ``suffix_positions``); logits kept at the K suffix
+    places (the union over the batch) whose next token is an action token. A group with no root (every reset
+    failed) is one pad token and no member tokens, masked."""
+    G = generations
+    groups = [(root, images, members) if root else ([pad_id], [], [([], [], [])] * G) for root, images, members in groups]
+    if any(len(members) != G for _, _, members in groups):
+        raise RuntimeError(f"a packed group of trajectories does not hold {G} members; please report this")
+    B = len(groups)
+    P = max(len(root) for root, _, _ in groups)
+    T = max([1] + [len(ids) for _, _, members in groups for ids, _, _ in members])
+    prompt_ids = torch.full((B, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((B, P), dtype=torch.long)
+    root_positions = torch.full((3, B, P), PAD_POSITION, dtype=torch.long)
+    ids = torch.full((B * G, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B * G, T), dtype=torch.long)
+    loss_mask = torch.zeros((B * G, T), dtype=torch.long)
+    positions = torch.full((3, B * G, T), PAD_POSITION, dtype=torch.long)
+    counts = [n for _, images, members in groups for n in (len(images), *(len(m[2]) for m in members))]
+    images = [image for _, root_images, members in groups for image in (*root_images, *(i for m in members
+                                                                                           for i in m[2]))]
+    inputs: dict[str, Any] = {}
+    grids: list[torch.Tensor | None] = [None] * len(counts)
+    if images:
+        visual = image_processor(images=images, return_tensors="pt")
+        inputs["pixel_values"], inputs["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
+        grids = [grid if n else None for grid, n in zip(visual["image_grid_thw"].split(counts), counts)]
+    grids_of = iter(grids)
+    for b, (root, _, members) in enumerate(groups):
+        start = P - len(root)
+        prompt_ids[b, start:] = torch.tensor(root)
+        prompt_mask[b, start:] = 1  # a rootless group's pad token too: every query of the row then sees a key
+        root_positions[:, b, start:] = row_positions(model, prompt_ids[b, start:], next(grids_of))
+        after = next_position(root_positions[:, b, start:])
+        for g, (member_ids, member_mask, _) in enumerate(members):
+            row, n, grid = b * G + g, len(member_ids), next(grids_of)
+            if n:
+                ids[row, :n] = torch.tensor(member_ids)
+                attention[row, :n] = 1
+                loss_mask[row, :n] = torch.tensor(member_mask)
+                positions[:, row, :n] = suffix_positions(model, ids[row, :n], grid, after)
+    inputs_packed, layout = shared_prefix.pack_group(prompt_ids, prompt_mask, ids, attention, G)
+    index = loss_mask.bool().any(dim=0).nonzero().squeeze(1)
+    if index.numel() == 0:  # no action token in the batch: one place, masked
+        index = torch.zeros(1, dtype=torch.long)
+    # suffix token j of member g is predicted by the root's last token (j = 0) or the member's token j - 1
+    starts = P + T * torch.arange(G)
+    layout.keep = torch.where(index == 0, P - 1, starts[:, None] + index - 1).flatten()
+    layout.positions_given = True
+    inputs.update(inputs_packed, position_ids=torch.cat([root_positions, positions.reshape(3, B, G * T)], dim=2))
+    inputs[shared_prefix.KWARG] = layout
+    mask = loss_mask[:, index]
+    targets = torch.where(mask.bool(), ids[:, index], torch.full_like(mask, pad_id))
+    return inputs, targets, mask, index
+
+
+def suffix_values(values: Sequence[list[float]], width: int, index: torch.Tensor) -> torch.Tensor:
+    """(B*G, K): per-token values of each member's suffix (aligned with its ids), at the suffix places ``index``
+    that ``packed_trajectory_inputs`` kept."""
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for row, row_values in enumerate(values):
+        out[row, :len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
+    return out[:, index.cpu()]

@@ -11,6 +11,11 @@ gradients equal those of the repeated layout up to float rounding (``tests/unit/
 Linear-attention layers (Qwen3.5's Gated DeltaNet) start every completion from the prompt's end states instead
 (``linear_prefix``), so hybrid models are exact too.
 
+An agent's group packs the same way (``agent_rows.packed_trajectory_inputs``): the task's root (prompt and first
+screenshot) once, then each trajectory's actions and later screenshots as its completion, with the positions of
+the trajectory's one-piece row passed in (``PrefixLayout.positions_given``) and logits kept only where an action
+token is predicted.
+
 PrefixGrouper itself (PyPI ``prefix-grouper``) is not used: it needs a modified modelling file that takes its object
 in ``forward`` (verl ships one for text-only Qwen3), and it leaves positions and the vision tower to the caller.
 """
@@ -44,7 +49,10 @@ class PrefixLayout:
     completion_length: int  # T: every completion is right-padded to it
     prefix_mask: torch.Tensor | None  # (B, 1, P, P) bool; None: no padding, plain causal attention
     suffix_mask: torch.Tensor  # (B*G, 1, T, P+T) bool: prompt keys, then the completion's own causal keys
-    keep: torch.Tensor  # (G*T,) positions whose logits predict the completion tokens
+    keep: torch.Tensor  # (G*K,) positions whose logits are kept (K = T: every completion token; fewer for agents)
+    # the caller passes every token's position_ids (a trajectory's suffix holds screenshots, so its positions are
+    # not the text run ``following`` numbers); the pre-hook then leaves them as they are
+    positions_given: bool = False
 
 
 def pack_group(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -78,9 +86,9 @@ def pack_group(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_i
 
 
 def unpack_logits(logits: torch.Tensor, layout: PrefixLayout) -> torch.Tensor:
-    """(B, G*T, V) logits at ``layout.keep`` -> (B*G, T, V), the rows in the order of the completions."""
+    """(B, G*K, V) logits at ``layout.keep`` -> (B*G, K, V), the rows in the order of the completions."""
     B = logits.size(0)
-    return logits.reshape(B * layout.generations, layout.completion_length, logits.size(-1))
+    return logits.reshape(B * layout.generations, -1, logits.size(-1))
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -134,7 +142,7 @@ def _completion_positions(module: torch.nn.Module, args: tuple, kwargs: dict[str
     """Language-model pre-hook: every completion starts right after the prompt, as in the repeated layout (the
     model computed the prompt's positions, M-RoPE included)."""
     layout: PrefixLayout | None = kwargs.get(KWARG)
-    if layout is None:
+    if layout is None or layout.positions_given:
         return None
     positions = received_positions(kwargs)
     P, G, T = layout.prompt_length, layout.generations, layout.completion_length

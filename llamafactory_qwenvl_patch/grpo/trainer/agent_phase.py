@@ -1,6 +1,7 @@
 """The rollout of a multi-turn agent run (``grpo_agent_env``): each record is a task, rolled out G times against
-the environment (``generation.agent_episodes``), scored per trajectory and trained on its action tokens only, one
-row per trajectory (``rollout.agent_rows``).
+the environment (``generation.agent_episodes``), scored per trajectory and trained on its action tokens only: one
+packed row per task with the shared prefix (the task's root once, each trajectory behind it), else one row per
+trajectory (``rollout.agent_rows``).
 
 Advantages: the configured estimator over the G trajectories of a task, broadcast to every action token. A
 trajectory ended by an environment failure gets no loss and leaves its group's baseline: its reward is set to the
@@ -35,7 +36,14 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
 )
 from llamafactory_qwenvl_patch.grpo.rewards.monitors import rollout_metrics
 from llamafactory_qwenvl_patch.grpo.rewards.registry import reward_inputs, score
-from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX, action_values, trajectory_inputs
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
+    ACTION_INDEX,
+    action_values,
+    packed_trajectory_inputs,
+    suffix_values,
+    trajectory_inputs,
+)
 from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
 from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
@@ -172,27 +180,56 @@ class AgentMixin:
     def _agent_inputs(self, episodes: list[Episode]
                       ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The trajectories' training inputs, targets and mask at the kept positions, and there the sampler's
-        log-probs when the sampler is vLLM."""
-        rows, values = [], []
-        for e in episodes:
-            if e.root is None:  # failed at reset: an empty row, no loss
-                rows.append(([], [], []))
-                values.append([])
-                continue
-            ids, mask = e.trajectory.rows()
-            rows.append((list(e.root.ids) + ids, [0] * len(e.root.ids) + mask,
-                         [*e.root.images, *e.trajectory.images]))
-            logps = iter(e.sampling_logps)
-            values.append([0.0] * len(e.root.ids) + [next(logps, 0.0) if m else 0.0 for m in mask])
-        inputs, targets, mask = trajectory_inputs(self.model, rows, self.agent.renderer.processor.image_processor,
-                                                  self.tokenizer.pad_token_id)
-        sampling = action_values(values, inputs["input_ids"].size(1), inputs[ACTION_INDEX]) \
-            if self.vllm is not None else None
+        log-probs when the sampler is vLLM: one packed row per task with the shared prefix (its root once), else
+        one row per trajectory."""
+        if self.shared_prefix:
+            inputs, targets, mask, sampling = self._agent_packed_inputs(episodes)
+        else:
+            rows, values = [], []
+            for e in episodes:
+                if e.root is None:  # failed at reset: an empty row, no loss
+                    rows.append(([], [], []))
+                    values.append([])
+                    continue
+                ids, loss_mask = e.trajectory.rows()
+                rows.append((list(e.root.ids) + ids, [0] * len(e.root.ids) + loss_mask,
+                             [*e.root.images, *e.trajectory.images]))
+                values.append([0.0] * len(e.root.ids) + _sampled_values(e, loss_mask))
+            inputs, targets, mask = trajectory_inputs(self.model, rows, self.agent.renderer.processor.image_processor,
+                                                      self.tokenizer.pad_token_id)
+            sampling = action_values(values, inputs["input_ids"].size(1), inputs[ACTION_INDEX]) \
+                if self.vllm is not None else None
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         inputs = self._prepare_input(inputs)
         device = inputs["input_ids"].device
         return inputs, targets.to(device), mask.to(device), None if sampling is None else sampling.to(device)
+
+    def _agent_packed_inputs(self, episodes: list[Episode]
+                             ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``_agent_inputs`` with the shared prefix: the G trajectories of a task (one start, checked at reset)
+        packed behind their root."""
+        G = self.num_generations
+        groups, values = [], []
+        for start in range(0, len(episodes), G):
+            members = episodes[start:start + G]
+            root = next((e.root for e in members if e.root is not None), None)
+            if any(e.root is not None and list(e.root.ids) != list(root.ids) for e in members):
+                raise RuntimeError("the trajectories of one task start from different roots; please report this")
+            packed = []
+            for e in members:
+                if e.root is None:
+                    packed.append(([], [], []))
+                    values.append([])
+                    continue
+                ids, loss_mask = e.trajectory.rows()
+                packed.append((ids, loss_mask, list(e.trajectory.images)))
+                values.append(_sampled_values(e, loss_mask))
+            groups.append(([], [], packed) if root is None else (list(root.ids), list(root.images), packed))
+        inputs, targets, mask, index = packed_trajectory_inputs(
+            self.model, groups, self.agent.renderer.processor.image_processor, self.tokenizer.pad_token_id, G)
+        width = inputs[shared_prefix.KWARG].completion_length
+        return inputs, targets, mask, suffix_values(values, width, index) if self.vllm is not None else None
 
     # --- the rollout -----------------------------------------------------------------------------------------------
 
@@ -204,7 +241,7 @@ class AgentMixin:
         for j in range(spg):
             episodes, meta = self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G)
             inputs, targets, mask, sampling = self._agent_inputs(episodes)
-            with torch.no_grad():
+            with torch.no_grad(), self._shared_attention():
                 old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
                 ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
             parts.append((episodes, meta, inputs, targets, mask, old, ref, sampling))
@@ -327,3 +364,9 @@ def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
         "agent/env_timeout_errors": float(sum(e.end == ENV_TIMEOUT for e in episodes)),
         "agent/trie_saving": sum(trie_saving(rows) for rows in groups) / len(groups),
     }
+
+
+def _sampled_values(episode: Episode, loss_mask: list[int]) -> list[float]:
+    """The sampler's log-prob of each action token of ``episode``'s trajectory (0 elsewhere), aligned with its ids."""
+    logps = iter(episode.sampling_logps)
+    return [next(logps, 0.0) if m else 0.0 for m in loss_mask]

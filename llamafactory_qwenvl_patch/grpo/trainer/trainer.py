@@ -102,9 +102,8 @@ class GRPOTrainer(RolloutMixin, AgentMixin, RefillMixin, StepMixin, MetricsMixin
                 "sampled without dropout but their log-probs are taken with it, so the on-policy ratio is not 1 "
                 "and clipping acts on noise. Set lora_dropout: 0 (LF's default) unless you mean it.")
         self.ref_model = ref_model
-        # an agent's trajectories are one row each (the parser refuses grpo_shared_prefix: true with an environment)
-        self.shared_prefix = agent is None and shared_prefix.resolve(finetuning_args.grpo_shared_prefix,
-                                                                     self._attention_models())
+        # an agent's group shares its task's root (prompt and first screenshot); its trajectories are the suffixes
+        self.shared_prefix = shared_prefix.resolve(finetuning_args.grpo_shared_prefix, self._attention_models())
         if agent is not None:
             self.add_callback(AgentShutdown(self))
         if self.shared_prefix:

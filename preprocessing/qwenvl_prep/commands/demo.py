@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         from qwenvl_prep.demos.gui import format_gui_summary
 
         print(format_gui_summary(summary), file=sys.stderr)
+    elif args.task == "agent":
+        from qwenvl_prep.demos.agent import format_agent_summary
+
+        print(format_agent_summary(summary), file=sys.stderr)
     elif args.task == "video":
         from qwenvl_prep.demos.video import format_video_summary
 
@@ -52,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=finite("--minutes", False),
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
-                      "for grounding, 3.33 (1,300 steps) for gui, 5 for fields, 8.26 (900 steps) for video: the model learns "
+                      "for grounding, 3.33 (1,300 steps) for gui, 3.33 (650 steps of two-screen trajectories) for agent, 5 for fields, 8.26 (900 steps) for video: the model learns "
                       "the task; less is a quicker smoke "
                       "run)")
     demo.add_argument("--steps", type=count(1),
@@ -65,13 +69,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="gui: controls per screenshot, the instruction naming one (default 1: the model finds the "
                       "control; 2 or 3: it must also read which, and needs more steps: --minutes 8 for 2)")
     demo.add_argument("--family", choices=[name for name, f in FAMILIES.items() if f.tiny],
-                      help=f"model family of the grounding, gui and video demos (default {DEFAULT} for grounding, "
-                      "qwen3_vl for gui and video; Qwen2-VL, Qwen3-VL and Qwen3.5 answer in 0-1000)")
-    demo.add_argument("--task", choices=["grounding", "gui", "fields", "video"], default="grounding",
+                      help=f"model family of the grounding, gui, video and agent demos (default {DEFAULT} for grounding, "
+                      "qwen3_vl for gui, video and agent; Qwen2-VL, Qwen3-VL and Qwen3.5 answer in 0-1000)")
+    demo.add_argument("--task", choices=["grounding", "gui", "fields", "video", "agent"], default="grounding",
                       help="grounding (boxes, the default); gui: screenshots at real screen sizes written as a "
                       "ScreenSpot file, 'click <label>' answered with a point, GRPO with click,click_dense,format, "
                       "click accuracy by platform and element type; fields: rendered invoices answered as JSON "
                       "objects, a two-stage resolution curriculum, GRPO with fields,format,no_cheat and the "
                       "blank-image control, field metrics; or video: clips in which a square appears and leaves, "
-                      "answered with its span in seconds, GRPO with tiou,format, R@1 at tIoU and mean tIoU")
+                      "answered with its span in seconds, GRPO with tiou,format, R@1 at tIoU and mean tIoU; or agent: SFT on "
+                      "two-screen trajectories the simulator draws, then multi-turn GRPO against the shipped simulator "
+                      "(qwenvl_prep.demos.gui_env:ClickThroughEnv, 2 screens a task), held-out tasks played by "
+                      "qwenvl-prep agent-eval: success rate and steps to success")
     demo.set_defaults(func=run)

@@ -92,7 +92,9 @@ HELD_OUT, HELD_OUT_SMOKE = 100, 8
 def run_demo(out: Path, minutes: float | None = None, family: str | None = None, task: str = "grounding",
              steps: int | None = None, seed: int = 0, controls: int | None = None) -> dict[str, Any]:
     """The grounding demo (a small model trained from scratch until it finds the rectangles), with ``task="gui"``
-    the click one (``demos.gui``), or with ``task="fields"`` the field-extraction one (``demos.fields``). ``minutes``
+    the click one (``demos.gui``), with ``task="fields"`` the field-extraction one (``demos.fields``), with
+    ``task="video"`` the video one (``demos.video``), or with ``task="agent"`` the multi-turn agent one
+    (``demos.agent``). ``minutes``
     (each task has its default) becomes a fixed SFT step count; ``steps`` sets it directly; ``seed`` draws another
     run (other images and another initial model); ``family`` defaults to the task's own (``DEFAULT_FAMILY``);
     ``controls`` per screenshot is the gui demo's (default 1)."""
@@ -116,8 +118,17 @@ def run_demo(out: Path, minutes: float | None = None, family: str | None = None,
         from qwenvl_prep.demos.video import run_video_demo
 
         return run_video_demo(out, steps, minutes, family, seed)
+    if task == "agent":
+        if family is not None and (family not in FAMILIES or not FAMILIES[family].tiny):
+            raise ValueError(f"demo family must be one of {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, "
+                             f"got {family!r}")
+        from qwenvl_prep.demos import agent
+
+        return agent.run_agent_demo(out, steps or steps_for(minutes or agent.DEFAULT_MINUTES,
+                                                            agent.SFT_STEPS_PER_MINUTE), family or agent.DEFAULT_FAMILY,
+                                    seed)
     if task not in ("grounding", "gui"):
-        raise ValueError(f"demo task must be grounding, gui, fields or video, got {task!r}")
+        raise ValueError(f"demo task must be grounding, gui, fields, video or agent, got {task!r}")
     if family is None:
         family = gui.DEFAULT_FAMILY if task == "gui" else DEFAULT
     if family not in FAMILIES or not FAMILIES[family].tiny:

@@ -33,16 +33,19 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def run_step(step: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+def run_step(step: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
+             stdout: Path | None = None) -> None:
     """Run one step as its own process (as a user would), logging to a file; fail with the log's tail. ``env`` adds
-    variables the user has not set."""
+    variables the user has not set; ``stdout`` keeps the step's standard output apart from its log (a JSON summary
+    the demo reads)."""
     bin_dir = Path(sys.executable).parent
     env = {**(env or {}), **os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "HF_HUB_OFFLINE": "1", "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = log_dir / f"{step}.log"
     print(f"[demo {time.strftime('%H:%M:%S')}] {step}: {' '.join(args)} (log: {log})", file=sys.stderr, flush=True)
-    with open(log, "w") as f:
-        code = subprocess.run([str(bin_dir / args[0]), *args[1:]], stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    with open(log, "w") as f, open(stdout or os.devnull, "w") as out:
+        code = subprocess.run([str(bin_dir / args[0]), *args[1:]], stdout=out if stdout else f,
+                              stderr=subprocess.STDOUT if stdout is None else f, env=env).returncode
     if code != 0:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"demo step {step} failed (exit {code}); end of {log}:\n{tail}")

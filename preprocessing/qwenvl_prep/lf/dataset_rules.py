@@ -18,7 +18,8 @@ USER_SIDE = ("user", "observation")  # LF's odd turns
 MODEL_SIDE = ("assistant", "function_call")  # LF's even turns
 NOT_CARRIED = ("chosen", "rejected", "kto_tag", "audios")  # preference data, audio
 OTHER_MEDIA_TAGS = ("<audio>",)
-MEDIA = (("<image>", "images", "image"), ("<video>", "videos", "video"))  # (tag, column, noun)
+IMAGE_TAG = "<image>"
+MEDIA = ((IMAGE_TAG, "images", "image"), ("<video>", "videos", "video"))  # (tag, column, noun)
 
 # DatasetAttr's defaults: they apply when an entry has no "columns" (or no "tags") at all; an entry that has one
 # gets None for every key it leaves out
@@ -79,6 +80,29 @@ def record_problem(record: dict[str, Any]) -> str | None:
             return (f"the record has {len(record.get(column) or [])} {noun}(s) but {tags} {tag} tag(s) in its user "
                     f"turns; LLaMA-Factory needs one tag per {noun}")
     return None
+
+
+def images_of_turns(texts: list[str], has_coords: list[bool], count: int) -> list[int]:
+    """For each turn (its text, and whether it holds coordinates), the index of the image its coordinates are on:
+    the only one of a single-image record; in a record of ``count`` images (an agent's trajectory, a screenshot a
+    turn), the image of the last turn that showed one, at or before it. ValueError for coordinates before any image,
+    or after a turn that showed several (which one is unknown)."""
+    if count == 1:
+        return [0] * len(texts)
+    shown, last_tags, out = 0, 0, []
+    for position, (text, coords) in enumerate(zip(texts, has_coords), start=1):
+        tags = text.count(IMAGE_TAG)
+        shown += tags
+        last_tags = tags or last_tags
+        if coords and shown == 0:
+            raise ValueError(f"turn {position} has coordinates before any image is shown: in a record of {count} "
+                             "images, coordinates are on the image of the last turn that showed one")
+        if coords and last_tags > 1:
+            raise ValueError(f"turn {position} has coordinates after a turn that shows {last_tags} images: which "
+                             "image they are on is unknown (a record of several images takes coordinates after a "
+                             "turn that shows one)")
+        out.append(shown - 1)
+    return out
 
 
 def not_carried(raw: dict[str, Any]) -> str | None:

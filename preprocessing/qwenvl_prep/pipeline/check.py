@@ -16,12 +16,12 @@ from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy, check_box, check_point
-from llamafactory_qwenvl_patch.scoring.answers import Item
+from llamafactory_qwenvl_patch.scoring.answers import Item, parse_items
 from llamafactory_qwenvl_patch.frame.stamp import Stamp, differences
 from qwenvl_prep.formats.converted import DatasetRef, iter_samples
 from qwenvl_prep.lf.drift import DriftAudit, processor_bounds
 from qwenvl_prep.plumbing.imageinfo import read_info
-from qwenvl_prep.lf.dataset_rules import EntryError, entry_reader
+from qwenvl_prep.lf.dataset_rules import EntryError, entry_reader, images_of_turns
 from qwenvl_prep.lf.run_spec import RunSpec, template_problem
 from qwenvl_prep.pipeline.check_video import VideoChecker
 from qwenvl_prep.plumbing.workers import init_worker
@@ -85,6 +85,19 @@ def _scan_image(image: str, policy: ResizePolicy) -> tuple[tuple[int, int], tupl
     return info.hw, policy.model_size(*info.hw)
 
 
+def _items_by_image(sample: Any) -> list[tuple[int, list[Item]]]:
+    """(image index, the labels on it) of a record with images: a single image's are every turn's labels; in a
+    record of several, each turn's are on the image of the last turn that showed one (``images_of_turns``, the
+    rule ``convert`` maps them by)."""
+    if len(sample.images) == 1:
+        return [(0, sample.turn_items)]
+    if not sample.images:
+        return []
+    per_turn = [parse_items(text) for text in sample.turns]
+    shown = images_of_turns(sample.turns, [bool(items) for items in per_turn], len(sample.images))
+    return [(index, items) for index, items in zip(shown, per_turn) if items]
+
+
 def _item_error(item: Item, stamp: Stamp, hw: tuple[int, int]) -> str | None:
     """Why a label does not fit the frame its stamp names (None when it fits)."""
     try:
@@ -146,7 +159,8 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             tokens += video_tokens
             for video, message in video_problems:
                 problem(sample.index, video, message)
-        for image in sample.images:
+        sizes: dict[int, tuple[tuple[int, int], tuple[int, int], tuple[int, int]]] = {}
+        for shown, image in enumerate(sample.images):
             report.images += 1
             report.image_files.add(str(image))
             try:
@@ -157,13 +171,20 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             if full_decode:
                 to_decode.append((sample.index, image))
             tokens += policy.image_tokens(*hw) + 2
-            stock_hw = drift.add_image(hw, model_hw)
-            if len(sample.images) != 1:
+            sizes[shown] = hw, model_hw, drift.add_image(hw, model_hw)
+        try:
+            labelled = _items_by_image(sample)
+        except ValueError as exc:
+            problem(sample.index, None, str(exc))
+            labelled = []
+        for shown, items in labelled:
+            if shown not in sizes:  # unreadable: named above
                 continue
-            for item in sample.turn_items:
+            hw, model_hw, stock_hw = sizes[shown]
+            for item in items:
                 error = _item_error(item, data_stamp, hw)
                 if error:
-                    problem(sample.index, image, error)
+                    problem(sample.index, sample.images[shown], error)
                 elif data_stamp.coords == "model":
                     drift.add_label(item.coords, hw, model_hw, stock_hw)
         report.max_sequence_tokens = max(report.max_sequence_tokens, tokens)

@@ -25,7 +25,7 @@ from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
 from qwenvl_prep.formats.records import RecordError, to_record
 from qwenvl_prep.formats.temporal import ORIGIN_KEY
-from qwenvl_prep.lf.dataset_rules import record_problem
+from qwenvl_prep.lf.dataset_rules import images_of_turns, record_problem
 from qwenvl_prep.pipeline import convert_video
 from qwenvl_prep.plumbing.imageinfo import ImageInfo, bake_exif, read_info
 from qwenvl_prep.plumbing.workers import init_worker
@@ -167,6 +167,23 @@ def _check_declared_size(source: str, declared: list[int], image: str, info: Ima
                       f"{seen}: {hint} Boxes would land in the wrong place")
 
 
+def _labelled_size(job: Job, images: list[str], shown: int, info: ImageInfo, result: Result) -> tuple[int, int]:
+    """(height, width) of the image the labels of image ``shown`` are on: its stored pixels, or under ``--exif
+    bake`` the displayed ones (a rotated copy replaces it in ``images``); an EXIF-rotated image is refused under
+    ``--exif error``."""
+    if info.orientation == 1 or job.exif == "raw":
+        return info.hw
+    if job.exif == "error":
+        raise RecordError(
+            f"image {images[shown]} has EXIF orientation {info.orientation}: training sees the raw pixels, "
+            "annotation tools usually show the rotated image. Pass --exif bake (write a rotated copy, "
+            "coordinates are on the displayed image) or --exif raw (coordinates are on the raw pixels)"
+        )
+    images[shown] = str(bake_exif(images[shown], Path(job.out_dir, "exif_baked")))
+    result.exif_baked += 1
+    return info.displayed_hw
+
+
 def convert_record(index: int, raw: Any, job: Job) -> Result:
     """Convert one raw input record; every failure becomes an error row naming record, file and image."""
     result = Result(index)
@@ -216,28 +233,26 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         else:
             if job.source.coords is None:
                 raise ConvertError("the record has coordinates: declare their convention with --input-coords")
-            if len(images) != 1:
-                raise RecordError(f"the record has coordinates and {len(images)} images; coordinates need exactly 1")
-            info = infos[0]
-            hw = info.hw
-            if info.orientation != 1:
-                if job.exif == "error":
-                    raise RecordError(
-                        f"image {image} has EXIF orientation {info.orientation}: training sees the raw pixels, "
-                        "annotation tools usually show the rotated image. Pass --exif bake (write a rotated copy, "
-                        "coordinates are on the displayed image) or --exif raw (coordinates are on the raw pixels)"
-                    )
-                if job.exif == "bake":
-                    images[0] = str(bake_exif(image, Path(job.out_dir, "exif_baked")))
-                    hw = info.displayed_hw
-                    result.exif_baked = 1
             declared = record.get("coco_size") or record.get("declared_size")
-            if declared:
-                _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared, image, info,
-                                     hw)
-            transform = _transformer(job, hw)
-            for turn, answer in zip(turns, parsed):
-                turn["content"] = answer.rewrite(transform)
+            if declared and len(images) != 1:
+                raise RecordError(f"the record declares an image size and has {len(images)} images; a declared "
+                                  "size needs exactly 1")
+            try:
+                shown_in = images_of_turns([m["content"] for m in turns], [bool(p.items) for p in parsed],
+                                           len(images))
+            except ValueError as exc:
+                raise RecordError(str(exc)) from None
+            sizes: dict[int, tuple[int, int]] = {}
+            for turn, answer, shown in zip(turns, parsed, shown_in):
+                if not answer.items:
+                    continue
+                if shown not in sizes:
+                    image = images[shown]
+                    sizes[shown] = _labelled_size(job, images, shown, infos[shown], result)
+                    if declared:
+                        _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared,
+                                             image, infos[shown], sizes[shown])
+                turn["content"] = answer.rewrite(_transformer(job, sizes[shown]))
             result.boxes = sum(item.kind == "bbox_2d" for item in items)
             result.points = sum(item.kind == "point_2d" for item in items)
         out = {"messages": record["messages"], "images": [_output_path(p, job) for p in images]}

@@ -28,7 +28,13 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     trie_saving,
 )
 from llamafactory_qwenvl_patch.grpo.rewards.agent import action_format_reward, env_reward
-from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import ACTION_INDEX, trajectory_inputs
+from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
+from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
+    ACTION_INDEX,
+    packed_trajectory_inputs,
+    suffix_values,
+    trajectory_inputs,
+)
 from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import _leave_failures_out
 from llamafactory_qwenvl_patch.grpo.trainer.step import StepMixin
 from qwenvl_prep.demos.gui_env import ClickThroughEnv, draw_task_screen
@@ -135,6 +141,73 @@ def test_trajectory_rows_batched_give_each_row_its_own_logps(tiny_model):
     assert inputs[ACTION_INDEX].numel() == mask.size(1) < inputs["input_ids"].size(1) // 4  # logits kept: actions only
     assert torch.isfinite(batched[mask.bool()]).all()
     assert torch.isfinite(batched).all()  # masked places are finite too (a -inf would make the KL NaN)
+
+
+def _logps_and_grads(model, inputs, targets, mask, weights):
+    model.zero_grad()
+    context = shared_prefix.attention_active([model]) if shared_prefix.KWARG in inputs else torch.enable_grad()
+    with context:
+        logps = _action_logps(model, inputs, targets)
+        (logps * mask * weights).sum().backward()
+    return logps.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_a_packed_group_equals_one_row_per_trajectory(request, family):
+    """Two tasks of G 3 packed behind their roots (the first screenshot once per task; one member failed at reset,
+    one of a single turn, the others of 2-3 turns with screenshots of other sizes): every action token's log-prob
+    and the gradient of a weighted sum of them equal those of one row per trajectory (fp32: 1e-5; gradients
+    relative 1e-4), the targets under the mask are exactly the same action tokens, and the sampler's values land
+    on the same tokens."""
+    from test_grpo_shared_prefix import assert_close_grads
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = request.getfixturevalue(FIXTURES[family])
+    r = renderer(model_dir)
+    tok = r.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    model.train()
+    pin_pretrained_positions(model)
+    shared_prefix.install(model)
+    shots = [screenshot(w, h, seed) for seed, (w, h) in enumerate(SCREENS)]
+    model_shots = [s.resize(r.policy.model_size(s.height, s.width)[::-1]) for s in shots]
+    actions = [tuple(tok.encode(text, add_special_tokens=False)) + (r.stop_id,) for text in ACTIONS]
+    plan = [[((0, 1, 2), (0, 1, 2)), ((1,), (0,)), None],  # (actions, screenshots) of each member; None: no root
+            [((2, 0), (2, 1)), ((0, 1, 2), (2, 0, 1)), ((1, 0), (2, 2))]]
+    rows, groups, values = [], [], []
+    for task in plan:
+        members = []
+        for member in task:
+            if member is None:
+                rows.append(([], [], []))
+                members.append(([], [], []))
+                values.append([])
+                continue
+            root, trajectory = play(r, [actions[a] for a in member[0]], [model_shots[i] for i in member[1]])
+            ids, mask = trajectory.rows()
+            rows.append((list(root.ids) + ids, [0] * len(root.ids) + mask, [*root.images, *trajectory.images]))
+            members.append((ids, mask, list(trajectory.images)))
+            values.append([float(i) if m else 0.0 for i, m in enumerate(mask)])
+        groups.append((list(root.ids), list(root.images), members))
+    processor, pad = r.processor.image_processor, tok.pad_token_id
+    plain, plain_targets, plain_mask = trajectory_inputs(model, rows, processor, pad)
+    packed, targets, mask, index = packed_trajectory_inputs(model, groups, processor, pad, 3)
+    assert packed["pixel_values"].size(0) == plain["pixel_values"].size(0) - sum(
+        grid.prod() for grid in plain["image_grid_thw"][[3, 6, 9]])  # the roots' screenshots once per task
+    for b in range(6):
+        assert targets[b][mask[b].bool()].tolist() == plain_targets[b][plain_mask[b].bool()].tolist()
+    assert [targets[b][mask[b].bool()].tolist() for b in (0, 1, 2)] == [
+        [t for a in (0, 1, 2) for t in actions[a]], list(actions[1]), []]
+    sampled = suffix_values(values, packed[shared_prefix.KWARG].completion_length, index)
+    assert all(sampled[b][mask[b].bool()].tolist() == [float(i) for i, m in enumerate(rows[b][1][len(rows[b][1])
+               - len(groups[b // 3][2][b % 3][1]):]) if m] for b in range(6) if rows[b][0])
+    weights = torch.linspace(-1.0, 2.0, 6).unsqueeze(1)
+    plain_logps, plain_grads = _logps_and_grads(model, plain, plain_targets, plain_mask, weights)
+    packed_logps, packed_grads = _logps_and_grads(model, packed, targets, mask, weights)
+    for b in range(6):
+        assert torch.allclose(packed_logps[b][mask[b].bool()], plain_logps[b][plain_mask[b].bool()], atol=1e-5)
+    assert torch.isfinite(packed_logps).all()
+    assert_close_grads(packed_grads, plain_grads)
 
 
 def test_a_failed_trajectory_leaves_its_groups_baseline():

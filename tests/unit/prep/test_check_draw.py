@@ -70,6 +70,35 @@ def test_check_finds_mismatch_tokens_and_outside_boxes(tmp_path, dataset, capsys
     assert code == 1 and "truncated" in report["problems"][0]["error"]
 
 
+def test_check_reads_a_trajectorys_clicks_in_each_turns_screenshot(tmp_path, capsys):
+    """A converted trajectory (a screenshot a user turn, a click in each answer) passes check; a click moved
+    outside its own screenshot's frame, though inside the first one's, is a problem naming that screenshot."""
+    raw = tmp_path / "raw"
+    save_image(raw / "wide.jpg", 4032, 3024)
+    save_image(raw / "tall.jpg", 600, 1800)
+    record = {"messages": [{"role": "user", "content": "Go.<image>Screen 1"},
+                           {"role": "assistant", "content": '{"action": "click", "point_2d": [3000, 2000]}'},
+                           {"role": "user", "content": "<image>Screen 2"},
+                           {"role": "assistant", "content": '{"action": "click", "point_2d": [300, 1700]}'}],
+              "images": ["wide.jpg", "tall.jpg"]}
+    (raw / "in.jsonl").write_text(json.dumps(record) + "\n")
+    data = tmp_path / "data"
+    assert main(["convert", str(raw / "in.jsonl"), "-o", str(data / "grounding.json"), "--input-coords", "abs",
+                 "--min-pixels", str(MIN), "--max-pixels", str(MAX), "-q", "--workers", "1"]) == 0
+    capsys.readouterr()
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, data))
+    assert code == 0 and report["problems"] == [] and report["images"] == 2
+    records = json.loads((data / "grounding.json").read_text())
+    first_w, first_h = ResizePolicy(MIN, MAX, 28).model_size(3024, 4032)[::-1]
+    tall_w = ResizePolicy(MIN, MAX, 28).model_size(1800, 600)[1]
+    assert tall_w < first_w - 10
+    records[0]["messages"][3]["content"] = '{"action": "click", "point_2d": [%d, 10]}' % (tall_w + 5)
+    (data / "grounding.json").write_text(json.dumps(records))
+    code, report = check_json(capsys, "--yaml", write_yaml(tmp_path, data))
+    assert code == 1 and len(report["problems"]) == 1
+    assert report["problems"][0]["image"].endswith("tall.jpg") and "outside" in report["problems"][0]["error"]
+
+
 @pytest.mark.parametrize("frame", ["original", "model"])
 def test_draw_puts_boxes_where_the_labels_say(tmp_path, dataset, capsys, frame):
     assert main(["draw", str(dataset / "grounding.json"), "-o", str(tmp_path / "drawn"), "--frame", frame,

@@ -156,10 +156,45 @@ BAD = [
     ("bad answer json", sharegpt("wide.jpg", '[{"bbox_2d": [1, 2, 3}]'), "cannot be read"),
     ("two images", {"messages": [{"role": "user", "content": "<image><image>Find it."},
                                  {"role": "assistant", "content": '[{"bbox_2d": [1, 1, 5, 5]}]'}],
-                    "images": ["wide.jpg", "wide.jpg"]}, "exactly 1"),
+                    "images": ["wide.jpg", "wide.jpg"]}, "after a turn that shows 2 images"),
+    ("coordinates before an image", {"messages": [
+        {"role": "user", "content": 'Find [{"bbox_2d": [1, 1, 5, 5]}] again.'}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "sure"},
+        {"role": "user", "content": "<image>Now?"}, {"role": "assistant", "content": "done"}],
+        "images": ["wide.jpg", "wide.jpg"]}, "turn 1 has coordinates before any image"),
     ("tags and images differ", {**sharegpt("wide.jpg", "no boxes"), "images": ["wide.jpg", "wide.jpg"]},
      "2 image(s) but 1 <image> tag(s)"),
 ]
+
+
+def test_a_trajectory_maps_each_turns_coordinates_through_its_own_screenshot(tmp_path, wide, capsys):
+    """An agent's trajectory as SFT data: a screenshot a user turn, of another size each (one EXIF-rotated, baked),
+    and a click in each answer in that screenshot's pixels: each point goes through its own screenshot's frame;
+    text around the actions stays byte for byte."""
+    save_image(tmp_path / "tall.jpg", 600, 1800)
+    exif_rotated(tmp_path / "phone.jpg")
+    click = '{"action": "click", "point_2d": [%s, %s]} '
+    record = {"messages": [{"role": "user", "content": "Open settings.<image>Screen 1"},
+                           {"role": "assistant", "content": click % (1000, 500) + "first"},
+                           {"role": "user", "content": "<image>Screen 2"},
+                           {"role": "assistant", "content": click % (300, 1700)},
+                           {"role": "user", "content": "no screenshot this turn"},
+                           {"role": "assistant", "content": click % (10, 20)},
+                           {"role": "user", "content": "<image>Screen 3"},
+                           {"role": "assistant", "content": click % (100, 300)}],
+              "images": ["wide.jpg", "tall.jpg", "phone.jpg"]}
+    src = write_lines(tmp_path / "in.jsonl", [record])
+    code, summary = run(capsys, "convert", src, "-o", tmp_path / "out" / "t.jsonl", "--input-coords", "abs",
+                        "--exif", "bake", *FLAGS)
+    assert code == 0 and summary["points"] == 4 and summary["exif_baked"] == 1
+    got = json.loads((tmp_path / "out" / "t.jsonl").read_text())
+    texts = [m["content"] for m in got["messages"]]
+    for turn, (x, y, hw) in zip((1, 3, 5, 7), [(1000, 500, (1000, 2000)), (300, 1700, (1800, 600)),
+                                               (10, 20, (1800, 600)), (100, 300, (400, 200))]):
+        mh, mw = POLICY.model_size(*hw)
+        assert parse_items(texts[turn])[0].coords == (round(x * mw / hw[1]), round(y * mh / hw[0])), turn
+    assert texts[1].endswith("} first") and texts[0] == record["messages"][0]["content"]
+    assert texts[4] == "no screenshot this turn"
 
 
 def test_every_bad_record_gets_a_row_and_no_partial_output(tmp_path, wide, capsys):
