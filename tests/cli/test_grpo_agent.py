@@ -118,7 +118,8 @@ def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
 def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tasks, tmp_path):
     """Two tasks a step, accumulation 2, G 4, up to three turns on screens that change size: the same seed with the
     shared prefix (on by default: each task's root once, its trajectories packed behind it) and without (one row
-    per trajectory) give the same rewards and trajectories, the same loss and KL, and adapters within 1e-5 (SGD, so
+    per trajectory; each task's first turn sampled G times from one prefill of its root, or from G rows) give the same
+    rewards and trajectories, the same loss and KL, and adapters within 1e-5 (SGD, so
     the adapters compare the gradients)."""
     from safetensors.torch import load_file
 
@@ -140,6 +141,7 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
     assert len(logs["auto"]) == len(logs["false"]) == 2
     for ours, theirs in zip(logs["auto"], logs["false"]):
         assert ours["reward"] == theirs["reward"] and ours["agent/turns/mean"] == theirs["agent/turns/mean"]
+        assert ours["agent/shared_roots"] == 2 and "agent/shared_roots" not in theirs  # sampled from one prefill
         for key in ("loss", "kl", "entropy"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     moved = 0

@@ -151,15 +151,25 @@ class AgentMixin:
                 out = self.vllm.generate(rows, images, [meta[t].index for t in tasks], pad, greedy=greedy, n=1)
                 sampled, logps = out.ids, out.logps.tolist()
             else:
-                width = max(len(row) for row in rows)
+                # the first turn's G rows of a task are its root: with the shared prefix it is prefilled once and
+                # sampled G times (sample_shared_prefix), as single answers are
+                group = self.num_generations if self.shared_prefix and _repeated(rows, self.num_generations) else 1
+                unique, unique_images = rows[::group], images[::group]
+                width = max(len(row) for row in unique)
                 batch: dict[str, Any] = {
-                    "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in rows]),
-                    "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+                    "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in unique]),
+                    "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in unique]),
                 }
-                visual = self.agent.renderer.processor.image_processor(images=[i for row in images for i in row],
-                                                                       return_tensors="pt")
+                visual = self.agent.renderer.processor.image_processor(
+                    images=[i for row in unique_images for i in row], return_tensors="pt")
                 batch["pixel_values"], batch["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
-                sampled, logps = self._generate(model, self._prepare_input(batch), config), None
+                turn_config = config
+                if group > 1:
+                    turn_config = copy.copy(config)
+                    turn_config.num_return_sequences = group
+                    if not greedy:
+                        self.run_state.metrics["agent/shared_roots"].append(float(len(unique)))
+                sampled, logps = self._generate(model, self._prepare_input(batch), turn_config), None
             ids, mask, stopped, texts, _ = self._completions(sampled)
             lengths = mask.sum(dim=1).tolist()
             return [row[:n] for row, n in zip(ids.tolist(), lengths)], stopped.tolist(), texts, logps
@@ -364,6 +374,11 @@ def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
         "agent/env_timeout_errors": float(sum(e.end == ENV_TIMEOUT for e in episodes)),
         "agent/trie_saving": sum(trie_saving(rows) for rows in groups) / len(groups),
     }
+
+
+def _repeated(rows: list[list[int]], group: int) -> bool:
+    """Whether ``rows`` are runs of ``group`` equal rows (a rollout's first turn, every reset alive)."""
+    return group > 1 and len(rows) % group == 0 and all(row == rows[i - i % group] for i, row in enumerate(rows))
 
 
 def _sampled_values(episode: Episode, loss_mask: list[int]) -> list[float]:

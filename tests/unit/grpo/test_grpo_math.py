@@ -157,10 +157,15 @@ HUGE = "9" * 5000  # Python refuses to make an int of it (over 4,300 digits)
                 min_size=1, max_size=5),
        st.sampled_from([BOX, '{"a": 1}', "plain", "", f'[{{"bbox_2d": [1, 2, {HUGE}, 4]}}]']))
 def test_rewards_never_raise_on_garbage(completions, reference):
-    for name, func in BUILTIN.items():
+    from llamafactory_qwenvl_patch.grpo.rewards.agent import AGENT_REWARDS
+
+    for name, func in BUILTIN.items():  # an agent reward reads the trajectories, which the trainer builds
+        extra = {"trajectories": [{"turns": [{"text": c, "action": {"kind": "invalid", "reason": "garbage"},
+                                              "reward": 0.0}], "end": "turns"} for c in completions]} \
+            if name in AGENT_REWARDS else {}
         values = func(completions, references=[reference] * len(completions), orig_sizes=[None] * len(completions),
                       model_sizes=[None] * len(completions), policy=None, indices=list(range(len(completions))),
-                      coords="model")
+                      coords="model", **extra)
         low, high = RANGES.get(name, (0.0, 1.0))
         assert len(values) == len(completions) and all(low <= v <= high for v in values), name
 

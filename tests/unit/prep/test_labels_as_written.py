@@ -174,6 +174,7 @@ def test_system_and_tool_turns_are_converted_and_check_agrees(tmp_path, photo, c
 def test_deep_nesting_is_one_error_row_or_one_parse_failure(tmp_path, photo, capsys):
     """Was: RecursionError aborted convert, check, draw and eval (nothing written, even with --skip-bad), and the
     rewards raised on such a completion."""
+    from llamafactory_qwenvl_patch.grpo.rewards.agent import AGENT_REWARDS
     from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN
 
     good = {"image": "photo.jpg", "question": "Find it.", "answer": '[{"bbox_2d": [10, 20, 300, 400]}]'}
@@ -197,9 +198,10 @@ def test_deep_nesting_is_one_error_row_or_one_parse_failure(tmp_path, photo, cap
     assert json.loads(capsys.readouterr().out)["overall"]["parse_failure_rate"] == 1.0
     assert main(["draw", str(out), "-o", str(tmp_path / "drawn"), "--predictions", str(predictions)]) == 0
     for name, reward in BUILTIN.items():
+        extra = {"trajectories": [{"turns": [], "end": "turns"}] * 2} if name in AGENT_REWARDS else {}
         for reference in (record["messages"][1]["content"], '{"total": "3"}'):
             assert len(reward([DEEP, "{" + '"a":' * 300 + "1" + "}" * 300], references=[reference] * 2,
-                              prompts=["Q"] * 2)) == 2, name
+                              prompts=["Q"] * 2, **extra)) == 2, name
 
 
 # --- item 5: what LF loads -----------------------------------------------------------------------------------------
