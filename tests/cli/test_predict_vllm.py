@@ -3,7 +3,7 @@ the HF backend's greedy answers, token for token, and the same frame (image toke
 original pixels) on mixed image sizes, for Qwen2.5-VL, Qwen3-VL and Qwen2-VL (``--size small``: vLLM's CPU attention
 needs its heads), and on clips of each (Qwen3-VL: the same frames, groups and stamps; Qwen2.5-VL: the same frames and
 seconds per group; Qwen2/2.5-VL: the text after the video where the HF backend's pinned model puts it; issue 49); an
-adapter folder is refused."""
+adapter folder is refused. ``agent-eval --backend vllm`` plays the HF backend's trajectories (issue 50, item 8)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,31 @@ def test_an_adapter_folder_is_refused_with_the_merge_command(tiny_model, tmp_pat
     result = run_cli(["qwenvl-prep", "predict", str(adapter), str(image), "--prompt", "p", "--backend", "vllm"],
                      None, tmp_path)
     assert result.returncode == 2 and "llamafactory-cli export" in result.stderr and "--backend hf" in result.stderr
+
+
+def test_agent_eval_on_vllm_plays_the_hf_backends_trajectories(tmp_path):
+    """Greedy multi-turn play against the simulator (screens that change size every turn, up to three screenshots
+    in one prompt): vLLM's answers are the HF backend's, turn for turn, and each turn is shown in the same frame."""
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", "qwen2_5_vl", size="small")
+    write_policy_record(model, ResizePolicy(16 * 28 * 28, 64 * 28 * 28))
+    env_kwargs = json.dumps({"reader": "raw", "letter": "a", "screens": 3, "change_size": True})
+    rows = {}
+    for backend in ("hf", "vllm"):
+        out = tmp_path / f"{backend}.jsonl"
+        result = run_cli(["qwenvl-prep", "agent-eval", str(model), "--env", "qwenvl_prep.demos.gui_env:ClickThroughEnv",
+                          "--env-kwargs", env_kwargs, "--tasks", "4", "--max-turns", "3", "--max-new-tokens", "12",
+                          "--batch-size", "4", "--isolation", "inline", "--backend", backend, "-o", str(out)], None,
+                         tmp_path, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[backend] = [json.loads(line) for line in out.read_text().splitlines()]
+    turns = {backend: [turn for row in rows[backend] for turn in row["turns"]] for backend in rows}
+    same = [a["answer"] == b["answer"] for a, b in zip(turns["hf"], turns["vllm"])]
+    # float32 on both sides; a greedy tie broken the other way changes that answer and what follows it
+    assert sum(same) >= len(same) - 3 and len(turns["hf"]) >= 8, [(a["answer"], b["answer"]) for a, b in
+                                                                     zip(turns["hf"], turns["vllm"])]
+    assert max(len(row["turns"]) for row in rows["vllm"]) >= 2  # later turns held several screenshots
+    for a, b in zip(turns["hf"], turns["vllm"]):
+        assert a["orig_size"] == b["orig_size"] and a["model_size"] == b["model_size"]

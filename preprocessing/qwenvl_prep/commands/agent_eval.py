@@ -22,9 +22,6 @@ def run(args: argparse.Namespace) -> int:
     from qwenvl_prep.plumbing.outputs import Outputs
     from qwenvl_prep.plumbing.resumable import ResumableOutput
 
-    if args.backend == "vllm":
-        raise ValueError("--backend vllm is not built for agent-eval yet (a multi-turn prompt holds one screenshot "
-                         "per turn); use --backend hf, which takes full and adapter folders")
     if args.seed is not None and args.temperature == 0:
         raise ValueError("--seed only acts with --temperature > 0: greedy answers do not depend on a seed")
     if (args.tasks is None) == (args.dataset is None):
@@ -70,16 +67,27 @@ def run(args: argparse.Namespace) -> int:
 def play(args: argparse.Namespace, jobs: list[Any], env_kwargs: dict[str, Any], output: Any) -> list[dict]:
     """The trajectories: the environment slots started first (a class that cannot load fails before the model
     loads), then the model, then every batch not yet written."""
-    from qwenvl_prep.pipeline.agent_eval import AgentPlayer, model_max_tokens, play_all, start_runners
+    from qwenvl_prep.pipeline.agent_eval import AgentPlayer, VLLMAgentPlayer, model_max_tokens, play_all, start_runners
     from qwenvl_prep.pipeline.predict import FolderModel, Predictor
 
     policy = FolderModel(args.model_dir).policy  # the frame every screenshot is checked against where it is made
     runners = start_runners(args.env, env_kwargs, policy, min(args.batch_size, len(jobs)), args.isolation,
                             args.step_timeout)
     try:
-        predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
-        max_tokens = args.max_tokens or model_max_tokens(predictor.model)
-        player = AgentPlayer(predictor, runners, args.max_turns, max_tokens, args.success_reward)
+        if args.backend == "vllm":
+            from qwenvl_prep.pipeline.predict_vllm import VLLMPredictor
+
+            predictor = VLLMPredictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0,
+                                      images_per_prompt=args.max_turns)
+            from transformers import AutoConfig
+
+            max_tokens = args.max_tokens or model_max_tokens(AutoConfig.from_pretrained(args.model_dir))
+            player: AgentPlayer = VLLMAgentPlayer(predictor, runners, args.max_turns, max_tokens,
+                                                  args.success_reward)
+        else:
+            predictor = Predictor(args.model_dir, args.max_new_tokens, args.temperature, args.seed or 0)
+            max_tokens = args.max_tokens or model_max_tokens(predictor.model.config)
+            player = AgentPlayer(predictor, runners, args.max_turns, max_tokens, args.success_reward)
         with output:  # a stopped run continues from its last whole batch of trajectories
             if output.done < len(jobs):
                 play_all(player, jobs, args.batch_size, output)
@@ -181,7 +189,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "the paired difference (this - B) with its interval, from the same resampled tasks")
     add_bootstrap_flags(ag)
     ag.add_argument("--backend", choices=("hf", "vllm"), default="hf",
-                    help="hf: transformers generate (default); vllm: not built for agent-eval yet (refused)")
+                    help="hf: transformers generate (default; full and adapter folders); vllm: offline vLLM on a merged "
+                    "folder, every screenshot of a conversation in one prompt (the engine's image limit is "
+                    "--max-turns), each prompt checked to hold the frame's image tokens")
     ag.add_argument("--max-turns", type=count(1), default=MAX_TURNS,
                     help=f"actions per trajectory before it ends 'turns' (default {MAX_TURNS})")
     ag.add_argument("--max-new-tokens", type=count(1), default=128, help="tokens per answer (default 128)")

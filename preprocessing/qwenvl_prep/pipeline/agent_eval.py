@@ -230,9 +230,27 @@ class AgentPlayer:
         return self.predictor.generate(inputs)
 
 
-def model_max_tokens(model: Any) -> int:
-    """The longest sequence the loaded model positions: its text config's ``max_position_embeddings``."""
-    config = model.config
+class VLLMAgentPlayer(AgentPlayer):
+    """``AgentPlayer`` answered by vLLM (``VLLMPredictor.screens``): the same chat-template text of each
+    conversation, with all its screenshots in the folder's frame; the processor's batch still decides the context
+    rule and checks every screenshot's grid."""
+
+    _call = 0  # the turn within a batch: sampled runs seed each turn's requests apart
+
+    def play(self, jobs: Sequence[AgentTask]) -> list[dict[str, Any]]:
+        self._call = 0
+        return super().play(jobs)
+
+    def answer(self, trajectories: list[Trajectory], inputs: Any) -> list[str]:
+        processor = self.predictor.processor
+        texts = [processor.apply_chat_template(self._messages(t), add_generation_prompt=True) for t in trajectories]
+        self._call += 1
+        return self.predictor.screens(texts, [[screen.image for screen in t.screens] for t in trajectories],
+                                      self._call)
+
+
+def model_max_tokens(config: Any) -> int:
+    """The longest sequence the model of ``config`` positions: its text config's ``max_position_embeddings``."""
     config = getattr(config, "text_config", None) or config
     return int(getattr(config, "max_position_embeddings", 0) or 32768)
 

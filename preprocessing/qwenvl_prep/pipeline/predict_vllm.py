@@ -39,7 +39,8 @@ class VLLMPredictor(FolderModel):
     """One vLLM engine over a merged model folder (an adapter folder is refused with the command that merges it)."""
 
     def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-                 tensor_parallel_size: int = 1, preset: PromptPreset | None = None) -> None:
+                 tensor_parallel_size: int = 1, preset: PromptPreset | None = None, images_per_prompt: int = 1
+                 ) -> None:
         super().__init__(model_dir, max_new_tokens, temperature, seed, preset)
         if self.base is not None:
             raise ValueError(f"{model_dir} is a LoRA adapter: vLLM needs the merged model. Merge it with "
@@ -65,7 +66,8 @@ class VLLMPredictor(FolderModel):
             model=str(model_dir), tensor_parallel_size=tensor_parallel_size, seed=seed,
             **engine_dtypes(str(model_dir), "float32" if cpu else "auto", cpu),
             mm_processor_kwargs={"min_pixels": self.policy.min_pixels, "max_pixels": self.policy.max_pixels},
-            limit_mm_per_prompt={"image": 1, "video": 1}, mm_processor_cache_gb=0,  # the clip check reads each grid
+            limit_mm_per_prompt={"image": images_per_prompt, "video": 1},  # an agent's prompt: one screenshot a turn
+            mm_processor_cache_gb=0,  # the clip check reads each grid
             enforce_eager=cpu, hf_overrides=name_text_architectures,
         )
         self._batch = 0
@@ -73,14 +75,30 @@ class VLLMPredictor(FolderModel):
     def seed_batch(self, index: int) -> None:
         self._batch = index
 
-    def _params(self, count: int) -> list[Any]:
-        """Greedy, or sampled at the temperature with a seed per request from ``--seed``, the batch and its place."""
+    def _params(self, count: int, call: int = 0) -> list[Any]:
+        """Greedy, or sampled at the temperature with a seed per request from ``--seed``, the batch, the call within
+        the batch (an agent's turn) and its place."""
         from vllm import SamplingParams
 
-        batch_seed = (self._generator_seed * 1_000_003 + self._batch) * 4_099
+        batch_seed = ((self._generator_seed * 1_000_003 + self._batch) * 4_099 + call) * 65_537
         return [SamplingParams(temperature=self.temperature, top_k=-1, top_p=1.0, max_tokens=self.max_new_tokens,
                                detokenize=False, seed=batch_seed + position if self.temperature > 0 else None)
                 for position in range(count)]
+
+    def screens(self, texts: list[str], screenshots: list[list[Any]], call: int = 0) -> list[str]:
+        """Answer chat-template prompts ``texts``, each with its screenshots (model-input images, already in the
+        folder's frame: vLLM's resize is the identity), in one ``generate``; every prompt is checked to hold each
+        screenshot's image-token count."""
+        requests = [{"prompt": text, "multi_modal_data": {"image": list(images)}}
+                    for text, images in zip(texts, screenshots)]
+        outputs = self.llm.generate(requests, sampling_params=self._params(len(requests), call), use_tqdm=False)
+        for k, (output, images) in enumerate(zip(outputs, screenshots)):
+            expected = [self.policy.image_tokens(image.height, image.width) for image in images]
+            found = image_token_counts(list(output.prompt_token_ids or []), self.image_token_id)
+            if found != expected:
+                raise RuntimeError(f"vLLM's prompt {k} holds image tokens {found}, its screenshots in the folder's "
+                                   f"frame need {expected}: vLLM resized a screenshot again")
+        return self.decode([list(output.outputs[0].token_ids) for output in outputs])
 
     def batch(self, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """Answer several (image, prompt) pairs in one ``generate``; each prompt's image tokens are checked against

@@ -217,8 +217,7 @@ def test_bad_environments_and_outputs_are_named(model, tmp_path, capsys):
     for path, message in cases.items():
         code, _, err = run([model, "--env", SIM, "--tasks", 1, "-o", path], capsys)
         assert code == 2 and message in err, err
-    refusals = {("--backend", "vllm"): "--backend vllm is not built for agent-eval",
-                ("--env-kwargs", "[1]"): "--env-kwargs must be a JSON object",
+    refusals = {("--env-kwargs", "[1]"): "--env-kwargs must be a JSON object",
                 ("--seed", "3"): "--seed only acts with --temperature > 0",
                 ("--dataset", "x.jsonl"): "give --tasks N",
                 ("--report", tmp_path / "new.jsonl.settings.json"): "one of the output's own files"}
