@@ -76,7 +76,15 @@ def test_agent_eval_on_vllm_plays_the_hf_backends_trajectories(tmp_path):
     from qwenvl_prep.demos.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", "qwen2_5_vl", size="small")
-    write_policy_record(model, ResizePolicy(16 * 28 * 28, 64 * 28 * 28))
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)  # small screens (a few dozen tokens each), as an export writes
+    processor.image_processor.size = {"shortest_edge": 16 * 28 * 28, "longest_edge": 64 * 28 * 28}
+    for key, value in (("min_pixels", 16 * 28 * 28), ("max_pixels", 64 * 28 * 28)):
+        if hasattr(processor.image_processor, key):
+            setattr(processor.image_processor, key, value)
+    processor.save_pretrained(model)
+    write_policy_record(model, ResizePolicy.from_processor(AutoProcessor.from_pretrained(model).image_processor))
     env_kwargs = json.dumps({"reader": "raw", "letter": "a", "screens": 3, "change_size": True})
     rows = {}
     for backend in ("hf", "vllm"):
