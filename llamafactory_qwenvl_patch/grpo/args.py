@@ -45,7 +45,10 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_agent_max_tokens": (2, math.inf, True, False),
     "grpo_agent_step_timeout": (0, math.inf, False, False),
     "grpo_agent_max_env_failures": (0, 1, True, True),
+    "grpo_agent_step_weight": (0, math.inf, True, False),
+    "grpo_agent_gamma": (0, 1, True, True),
 }
+AGENT_CREDITS = ("trajectory", "gigpo")
 AGENT_REFUSED_REWARDS = ("overlong",)  # counts one completion's tokens against max_new_tokens: a trajectory has many
 
 
@@ -254,6 +257,18 @@ def extend_finetuning_arguments(base: type) -> type:
             default=0.5, metadata={"help": "Share of a rollout's trajectories that may end in an environment failure "
                                    "(error or timeout); above it every rank stops."}
         )
+        grpo_agent_credit: str = field(
+            default="trajectory", metadata={"help": "trajectory: every action token gets its trajectory's advantage; "
+                                            "gigpo: plus grpo_agent_step_weight x its step's advantage within the "
+                                            "steps of its task's group taken from the same environment state "
+                                            "(info['state_key'])."}
+        )
+        grpo_agent_step_weight: float = field(
+            default=1.0, metadata={"help": "gigpo: the weight of the step advantage beside the trajectory's."}
+        )
+        grpo_agent_gamma: float = field(
+            default=0.95, metadata={"help": "gigpo: the discount of the return from a step on."}
+        )
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -335,6 +350,8 @@ def _check_agent_keys(args: Any) -> None:
     if args.grpo_agent_isolation not in ISOLATIONS:
         raise ValueError(f"grpo_agent_isolation must be one of {', '.join(ISOLATIONS)}, "
                          f"got {args.grpo_agent_isolation!r}")
+    if args.grpo_agent_credit not in AGENT_CREDITS:
+        raise ValueError(f"grpo_agent_credit must be one of {', '.join(AGENT_CREDITS)}, got {args.grpo_agent_credit!r}")
     refused = [(key, why) for key, on, why in (
         ("grpo_blank_image_ratio", args.grpo_blank_image_ratio > 0, "the blank-image control blanks a prompt's own "
          "images; an agent's screenshots come from the environment"),

@@ -141,7 +141,8 @@ def _agent_run(finetuning_args: Any, template: Any, tokenizer: Any, processor: A
     return AgentRun(fa.grpo_agent_env, agent_env_kwargs(fa.grpo_agent_env_kwargs), fa.grpo_agent_max_turns,
                     fa.grpo_agent_max_tokens, fa.grpo_agent_step_timeout, fa.grpo_agent_isolation,
                     fa.grpo_agent_max_env_failures,
-                    TurnRenderer(template, tokenizer, processor, policy, constants.IMAGE_PLACEHOLDER))
+                    TurnRenderer(template, tokenizer, processor, policy, constants.IMAGE_PLACEHOLDER),
+                    fa.grpo_agent_credit, fa.grpo_agent_step_weight, fa.grpo_agent_gamma)
 
 
 def grpo_resume_point(training_args: Any, explicit: bool, logger: Any) -> Any:

@@ -154,12 +154,13 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
 @pytest.mark.slow
 def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path):
     """``path/to/env.py:Class`` with its keyword arguments: the class is loaded in the worker processes, its
-    screenshots are whatever size it draws, and its rewards are the env reward."""
+    screenshots are whatever size it draws, and its rewards are the env reward. With ``grpo_agent_credit: gigpo``
+    (its ``state_key`` is the screens passed) the steps taken from one state are grouped and the run trains."""
     root, data = tasks
     out = tmp_path / "out"
     config = agent_config(tiny_model, data, out, "qwen2_vl", max_steps=1, save_steps=1,
                           grpo_agent_env=f"{root / 'envs' / 'colour_env.py'}:ColourScreens",
-                          grpo_agent_env_kwargs='{"screens": 2}')
+                          grpo_agent_env_kwargs='{"screens": 2}', grpo_agent_credit="gigpo", grpo_agent_gamma=0.9)
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -168,6 +169,8 @@ def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path)
         assert tuple(turns[0]["orig_hw"]) == (1600, 900)
         passed = sum("e" in turn["text"] for turn in turns)
         assert row["reward"] == pytest.approx(1.0 if passed >= 2 else 0.0)  # action_format: 0, no JSON action
+    [logged] = [row for row in read_log(out) if "loss" in row]
+    assert 0 < logged["agent/step_grouped_share"] <= 1 and (out / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -193,6 +196,8 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env=None), "reward 'env' scores environment trajectories: it needs grpo_agent_env"),
     (dict(qwenvl_patch=False), "grpo_agent_env needs `qwenvl_patch: true`"),
     (dict(grpo_agent_max_turns=0), "grpo_agent_max_turns must be in"),
+    (dict(grpo_agent_credit="steps"), "grpo_agent_credit must be one of trajectory, gigpo"),
+    (dict(grpo_agent_gamma=1.5), "grpo_agent_gamma must be in"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
     from llamafactory.hparams import get_train_args

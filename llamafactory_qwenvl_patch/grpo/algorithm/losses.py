@@ -171,7 +171,8 @@ def policy_loss(
     """The policy objective with an optional k3 KL term and entropy bonus, aggregated per ``config.loss_type``.
 
     Shapes: (N, T) for log-probs, ``mask`` (1 for completion tokens that enter the loss) and ``entropies``, (N,) for
-    ``adv``. ``config.importance``: ``token`` ratios (GRPO) or one ratio per sequence from its mean log-ratio (GSPO).
+    ``adv``, or (N, T) with one per token (an agent's step credit, GiGPO). ``config.importance``: ``token`` ratios
+    (GRPO) or one ratio per sequence from its mean log-ratio (GSPO).
     ``grpo``: mean over each sequence's tokens, summed over sequences and divided by ``seq_normalizer`` (default:
     the sequences of this batch that enter the loss); ``bnpo``: token mean over this batch; ``dapo`` and ``cispo``:
     token sum over ``token_normalizer`` (default: this batch's tokens); ``dr_grpo``: token sum over N x
@@ -193,7 +194,8 @@ def policy_loss(
     if config.importance == "sequence":
         log_ratio = ((log_ratio * mask).sum(dim=1) / seq_tokens.clamp(min=1.0)).unsqueeze(1)
     surrogate, aggregation = LOSS_TYPES[config.loss_type]
-    per_token, is_clipped = SURROGATES[surrogate](torch.exp(log_ratio), adv.unsqueeze(1), logps, config)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv  # one per sequence, or per token (an agent's step credit)
+    per_token, is_clipped = SURROGATES[surrogate](torch.exp(log_ratio), a, logps, config)
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = torch.zeros_like(logps)

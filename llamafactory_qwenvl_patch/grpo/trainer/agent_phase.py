@@ -15,7 +15,7 @@ import copy
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import TrainerCallback
@@ -24,6 +24,7 @@ from llamafactory_qwenvl_patch.agent.runner import ENV_TIMEOUT, EnvRunner, descr
 from llamafactory_qwenvl_patch.frame.mrope import token_types
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import micro_batch_counts, step_normalizers
+from llamafactory_qwenvl_patch.grpo.algorithm.step_credit import grouped_share, step_advantages
 from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     DONE,
     Episode,
@@ -50,6 +51,7 @@ from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
 from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch, SampleMeta
 
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
+Kept = Callable[[list[list[float]]], torch.Tensor]  # per-token values of each trajectory -> (N, K) at the kept places
 SEED_MODULUS = 2**31 - 1
 
 
@@ -65,6 +67,9 @@ class AgentRun:
     isolation: str
     max_env_failures: float
     renderer: TurnRenderer
+    credit: str = "trajectory"  # or "gigpo": a step advantage within anchor-state groups (``step_credit``)
+    step_weight: float = 1.0
+    gamma: float = 0.95
 
     @property
     def policy(self) -> ResizePolicy:
@@ -187,59 +192,41 @@ class AgentMixin:
                 m.orig_hw, m.model_hw = tuple(e.turns[0]["orig_hw"]), tuple(e.turns[0]["model_hw"])
         return episodes, meta
 
-    def _agent_inputs(self, episodes: list[Episode]
-                      ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The trajectories' training inputs, targets and mask at the kept positions, and there the sampler's
-        log-probs when the sampler is vLLM: one packed row per task with the shared prefix (its root once), else
-        one row per trajectory."""
+    def _agent_inputs(self, episodes: list[Episode]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, Kept]:
+        """The trajectories' training inputs, and their targets and mask at the kept positions: one packed row per
+        task with the shared prefix (its root once), else one row per trajectory. ``kept`` maps per-token values of
+        each trajectory (aligned with its ids after the root) to those positions (the sampler's log-probs, GiGPO's
+        token advantages)."""
+        pad, image_processor = self.tokenizer.pad_token_id, self.agent.renderer.processor.image_processor
         if self.shared_prefix:
-            inputs, targets, mask, sampling = self._agent_packed_inputs(episodes)
+            G = self.num_generations
+            groups = []
+            for start in range(0, len(episodes), G):
+                members = episodes[start:start + G]
+                root = next((e.root for e in members if e.root is not None), None)
+                if any(e.root is not None and list(e.root.ids) != list(root.ids) for e in members):
+                    raise RuntimeError("the trajectories of one task start from different roots; please report this")
+                packed = [(*e.trajectory.rows(), list(e.trajectory.images)) if e.root is not None else ([], [], [])
+                          for e in members]
+                groups.append(([], [], packed) if root is None else (list(root.ids), list(root.images), packed))
+            inputs, targets, mask, index = packed_trajectory_inputs(self.model, groups, image_processor, pad, G)
+            width = inputs[shared_prefix.KWARG].completion_length
+
+            def kept(values: list[list[float]]) -> torch.Tensor:
+                return suffix_values(values, width, index)
         else:
-            rows, values = [], []
-            for e in episodes:
-                if e.root is None:  # failed at reset: an empty row, no loss
-                    rows.append(([], [], []))
-                    values.append([])
-                    continue
-                ids, loss_mask = e.trajectory.rows()
-                rows.append((list(e.root.ids) + ids, [0] * len(e.root.ids) + loss_mask,
-                             [*e.root.images, *e.trajectory.images]))
-                values.append([0.0] * len(e.root.ids) + _sampled_values(e, loss_mask))
-            inputs, targets, mask = trajectory_inputs(self.model, rows, self.agent.renderer.processor.image_processor,
-                                                      self.tokenizer.pad_token_id)
-            sampling = action_values(values, inputs["input_ids"].size(1), inputs[ACTION_INDEX]) \
-                if self.vllm is not None else None
+            rows = [([], [], []) if e.root is None else _row(e) for e in episodes]  # failed at reset: no loss
+            inputs, targets, mask = trajectory_inputs(self.model, rows, image_processor, pad)
+            width, index = inputs["input_ids"].size(1), inputs[ACTION_INDEX]
+            roots = [len(e.root.ids) if e.root is not None else 0 for e in episodes]
+
+            def kept(values: list[list[float]]) -> torch.Tensor:
+                return action_values([[0.0] * n + v if v else [] for n, v in zip(roots, values)], width, index)
         if self.pass_token_types:
             inputs["mm_token_type_ids"] = token_types(inputs["input_ids"], self.model.config)
         inputs = self._prepare_input(inputs)
         device = inputs["input_ids"].device
-        return inputs, targets.to(device), mask.to(device), None if sampling is None else sampling.to(device)
-
-    def _agent_packed_inputs(self, episodes: list[Episode]
-                             ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``_agent_inputs`` with the shared prefix: the G trajectories of a task (one start, checked at reset)
-        packed behind their root."""
-        G = self.num_generations
-        groups, values = [], []
-        for start in range(0, len(episodes), G):
-            members = episodes[start:start + G]
-            root = next((e.root for e in members if e.root is not None), None)
-            if any(e.root is not None and list(e.root.ids) != list(root.ids) for e in members):
-                raise RuntimeError("the trajectories of one task start from different roots; please report this")
-            packed = []
-            for e in members:
-                if e.root is None:
-                    packed.append(([], [], []))
-                    values.append([])
-                    continue
-                ids, loss_mask = e.trajectory.rows()
-                packed.append((ids, loss_mask, list(e.trajectory.images)))
-                values.append(_sampled_values(e, loss_mask))
-            groups.append(([], [], packed) if root is None else (list(root.ids), list(root.images), packed))
-        inputs, targets, mask, index = packed_trajectory_inputs(
-            self.model, groups, self.agent.renderer.processor.image_processor, self.tokenizer.pad_token_id, G)
-        width = inputs[shared_prefix.KWARG].completion_length
-        return inputs, targets, mask, suffix_values(values, width, index) if self.vllm is not None else None
+        return inputs, targets.to(device), mask.to(device), lambda values: kept(values).to(device)
 
     # --- the rollout -----------------------------------------------------------------------------------------------
 
@@ -250,11 +237,12 @@ class AgentMixin:
         parts = []
         for j in range(spg):
             episodes, meta = self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G)
-            inputs, targets, mask, sampling = self._agent_inputs(episodes)
+            inputs, targets, mask, kept = self._agent_inputs(episodes)
+            sampling = kept([_sampled_values(e) for e in episodes]) if self.vllm is not None else None
             with torch.no_grad(), self._shared_attention():
                 old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
                 ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
-            parts.append((episodes, meta, inputs, targets, mask, old, ref, sampling))
+            parts.append((episodes, meta, inputs, targets, mask, old, ref, sampling, kept))
         episodes = [e for part in parts for e in part[0]]
         meta = [m for part in parts for m in part[1]]
         device = parts[0][2]["input_ids"].device
@@ -269,6 +257,10 @@ class AgentMixin:
         rewards = self._score(texts, meta, [int(n) for n in lengths.tolist()], results).to(device)
         baseline_rewards, usable = _leave_failures_out(rewards, failed, G)
         adv = self._advantages(baseline_rewards, lengths)
+        bounds = torch.tensor([0] + [len(part[0]) for part in parts]).cumsum(0).tolist()
+        advantages = [adv[bounds[j]:bounds[j + 1]] for j in range(len(parts))]
+        if self.agent.credit == "gigpo":
+            advantages = self._step_credit(episodes, adv, usable, parts, bounds)
         keep = usable.clone()
         stopped = torch.tensor([e.cut == 0 for e in episodes], device=device)  # no action cut at max_new_tokens
         if self.grpo_args.grpo_skip_zero_std_groups:
@@ -279,7 +271,6 @@ class AgentMixin:
             self.run_state.metrics["groups_skipped"].append(float(flat.sum()) / G)
         if self.grpo_args.grpo_mask_truncated:
             keep &= stopped
-        bounds = torch.tensor([0] + [len(part[0]) for part in parts]).cumsum(0).tolist()
         masks = [part[4] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
@@ -291,8 +282,20 @@ class AgentMixin:
         if self.grpo_args.grpo_log_completions:
             self._log_completions(texts, rewards.tolist(), meta, [e.record() for e in episodes])
         return [MicroBatch(inputs=part[2], completion_ids=part[3], mask=masks[j],
-                           advantages=adv[bounds[j]:bounds[j + 1]], old_logps=part[5], ref_logps=part[6],
+                           advantages=advantages[j], old_logps=part[5], ref_logps=part[6],
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part[7])
+                for j, part in enumerate(parts)]
+
+    def _step_credit(self, episodes: list[Episode], adv: torch.Tensor, usable: torch.Tensor, parts: list[tuple],
+                     bounds: list[int]) -> list[torch.Tensor]:
+        """GiGPO (``algorithm.step_credit``): each part's (N, K) token advantages, the trajectory's advantage plus
+        ``step_weight`` x its step's advantage within the steps of its task's group taken from the same state."""
+        agent, G = self.agent, self.num_generations
+        turns, ok = [e.turns for e in episodes], usable.tolist()
+        steps = step_advantages(turns, ok, G, agent.gamma, self.grpo_args.grpo_scale_rewards == "group")
+        self.run_state.metrics["agent/step_grouped_share"].append(grouped_share(turns, ok, G))
+        per_action = [[float(adv[i]) + agent.step_weight * a for a in row] for i, row in enumerate(steps)]
+        return [part[8]([_token_values(e, per_action[bounds[j] + k]) for k, e in enumerate(part[0])])
                 for j, part in enumerate(parts)]
 
     def _check_env_failures(self, episodes: list[Episode], failed: torch.Tensor) -> None:
@@ -381,7 +384,27 @@ def _repeated(rows: list[list[int]], group: int) -> bool:
     return group > 1 and len(rows) % group == 0 and all(row == rows[i - i % group] for i, row in enumerate(rows))
 
 
-def _sampled_values(episode: Episode, loss_mask: list[int]) -> list[float]:
+def _row(episode: Episode) -> tuple[list[int], list[int], list[Any]]:
+    """A trajectory as one row: its root, then its actions and observations (ids, loss mask, screenshots)."""
+    ids, mask = episode.trajectory.rows()
+    root = episode.root
+    return list(root.ids) + ids, [0] * len(root.ids) + mask, [*root.images, *episode.trajectory.images]
+
+
+def _sampled_values(episode: Episode) -> list[float]:
     """The sampler's log-prob of each action token of ``episode``'s trajectory (0 elsewhere), aligned with its ids."""
+    if episode.root is None:
+        return []
     logps = iter(episode.sampling_logps)
-    return [next(logps, 0.0) if m else 0.0 for m in loss_mask]
+    return [next(logps, 0.0) if m else 0.0 for m in episode.trajectory.rows()[1]]
+
+
+def _token_values(episode: Episode, per_action: list[float]) -> list[float]:
+    """``per_action[t]`` on every token of the trajectory's action t (0 on observation tokens), aligned with its ids."""
+    if episode.root is None:
+        return []
+    values, actions = [], iter(per_action)
+    for segment in episode.trajectory.segments:
+        value = next(actions, 0.0) if segment.kind == "model" else 0.0
+        values += [value] * len(segment.ids)
+    return values

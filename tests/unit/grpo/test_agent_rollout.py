@@ -31,6 +31,7 @@ from llamafactory_qwenvl_patch.grpo.rewards.agent import action_format_reward, e
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
 from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
     ACTION_INDEX,
+    action_values,
     packed_trajectory_inputs,
     suffix_values,
     trajectory_inputs,
@@ -208,6 +209,46 @@ def test_a_packed_group_equals_one_row_per_trajectory(request, family):
         assert torch.allclose(packed_logps[b][mask[b].bool()], plain_logps[b][plain_mask[b].bool()], atol=1e-5)
     assert torch.isfinite(packed_logps).all()
     assert_close_grads(packed_grads, plain_grads)
+
+
+def test_step_values_land_on_their_own_actions_tokens(tiny_model):
+    """GiGPO's per-step advantages reach the loss as per-token values: each action's value on exactly that action's
+    tokens, in the packed layout and in one row per trajectory (a trajectory failed at reset has none)."""
+    from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import Episode
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import _token_values
+    from transformers import AutoModelForImageTextToText
+
+    r = renderer(tiny_model)
+    tok = r.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model)
+    pin_pretrained_positions(model)
+    shots = [screenshot(w, h, seed) for seed, (w, h) in enumerate(SCREENS)]
+    model_shots = [s.resize(r.policy.model_size(s.height, s.width)[::-1]) for s in shots]
+    actions = [tuple(tok.encode(text, add_special_tokens=False)) + (r.stop_id,) for text in ACTIONS]
+    episodes = []
+    for plan in ((0, 1, 2), (2,), None):
+        if plan is None:
+            episodes.append(Episode(0))
+            continue
+        root, trajectory = play(r, [actions[a] for a in plan], model_shots[:len(plan)])
+        episodes.append(Episode(0, root=root, trajectory=trajectory))
+    per_action = [[10.0, 20.0, 30.0], [40.0], []]
+    values = [_token_values(e, v) for e, v in zip(episodes, per_action)]
+    expected = [[10.0] * len(actions[0]) + [20.0] * len(actions[1]) + [30.0] * len(actions[2]),
+                [40.0] * len(actions[2]), []]
+    processor, pad = r.processor.image_processor, tok.pad_token_id
+    members = [(*e.trajectory.rows(), list(e.trajectory.images)) if e.root else ([], [], []) for e in episodes]
+    _, _, mask, index = packed_trajectory_inputs(model, [(list(episodes[0].root.ids), list(episodes[0].root.images),
+                                                          members)], processor, pad, 3)
+    packed = suffix_values(values, int(max(len(v) for v in values)), index)
+    assert [packed[b][mask[b].bool()].tolist() for b in range(3)] == expected
+    rows = [(list(e.root.ids) + e.trajectory.rows()[0], [0] * len(e.root.ids) + e.trajectory.rows()[1],
+             [*e.root.images, *e.trajectory.images]) if e.root else ([], [], []) for e in episodes]
+    inputs, _, row_mask = trajectory_inputs(model, rows, processor, pad)
+    roots = [len(e.root.ids) if e.root else 0 for e in episodes]
+    plain = action_values([[0.0] * n + v if v else [] for n, v in zip(roots, values)], inputs["input_ids"].size(1),
+                          inputs[ACTION_INDEX])
+    assert [plain[b][row_mask[b].bool()].tolist() for b in range(3)] == expected
 
 
 def test_a_failed_trajectory_leaves_its_groups_baseline():
