@@ -109,8 +109,10 @@ def run(args, capsys):
 
 
 def test_a_stopped_run_resumes_to_the_rows_of_a_whole_run(model, tmp_path, capsys):
+    # sampled, each batch at its own seed: a random model's greedy answer may be one token repeated (transformers 4.57
+    # builds other random weights), and a resumed run must sample what the whole run sampled
     base = [model, "--env", SIM, "--env-kwargs", RAW, "--tasks", 3, "--batch-size", 1, "--max-turns", 2,
-            "--max-new-tokens", 8, "--isolation", "inline", "--bootstrap", 10]
+            "--max-new-tokens", 8, "--isolation", "inline", "--bootstrap", 10, "--temperature", 1, "--seed", 0]
     whole = tmp_path / "whole.jsonl"
     code, out, err = run([*base, "-o", whole], capsys)
     assert code == 0, err
