@@ -209,22 +209,38 @@ def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_pa
         get_train_args({key: value for key, value in config.items() if value is not None})
 
 
+@pytest.fixture(scope="module")
+def small_model_qwen3_5(tmp_path_factory):
+    from qwenvl_prep.demos.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3_5", "qwen3_5", size="small")
+
+
 @pytest.mark.slow
-def test_an_agent_rolls_out_on_vllm(small_model, tasks, tmp_path):
-    """``grpo_rollout_backend: vllm``: every turn is one request per live trajectory with all its screenshots (the
-    frame guard checks every one), and vLLM samples the training model's distribution on the action tokens of
-    three-turn trajectories (log-prob gap ~0, importance weights ~1); the trajectories keep each turn's frame."""
+@pytest.mark.parametrize("fixture, template, factor", [("small_model", "qwen2_vl", 28),
+                                                       ("small_model_qwen3", "qwen3_vl_nothink", 32),
+                                                       ("small_model_qwen3_5", "qwen3_5_nothink", 32)],
+                         ids=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_an_agent_rolls_out_on_vllm(request, tasks, tmp_path, fixture, template, factor):
+    """``grpo_rollout_backend: vllm`` (``--size small`` models: vLLM's CPU attention needs their heads): every turn
+    is one request per live trajectory with all its screenshots (the frame guard checks every one), and vLLM samples
+    the training model's distribution on the action tokens of three-turn trajectories, packed behind each task's
+    root for the loss (log-prob gap ~0, importance weights ~1); the trajectories keep each turn's frame."""
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
     _, data = tasks
     out = tmp_path / "out"
-    config = agent_config(small_model, data, out, "qwen2_vl", grpo_rollout_backend="vllm", seed=3)
+    config = agent_config(request.getfixturevalue(fixture), data, out, template, grpo_rollout_backend="vllm", seed=3)
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=2400)
     assert result.returncode == 0, result.stderr[-4000:]
     logged = [row for row in read_log(out) if "loss" in row]
     assert len(logged) == 2
     for row in logged:
-        assert row["vllm/logp_diff/mean"] < 1e-3 and abs(row["vllm/mismatch/kl"]) < 1e-3
+        # Qwen3.5: vLLM's CPU linear-attention layers drift over three-screenshot prompts (mean 1.2e-3, max 4e-3,
+        # the same with and without the shared prefix: the gap is vLLM's, not the packing's)
+        assert row["vllm/logp_diff/mean"] < (5e-3 if fixture == "small_model_qwen3_5" else 1e-3)
+        assert abs(row["vllm/mismatch/kl"]) < 1e-3
         assert 0.5 < row["vllm/is_weight/mean"] <= 3.0 and row["agent/turns/mean"] >= 1
-    policy = ResizePolicy(MIN, MAX, 28)
+    policy = ResizePolicy(MIN, MAX, factor)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert max(len(row["trajectory"]["turns"]) for row in rows) >= 2  # later turns went through the engine
     assert all(tuple(t["model_hw"]) == policy.model_size(*t["orig_hw"]) for row in rows
