@@ -232,6 +232,14 @@ def torchrun_env(ranks: int = 2) -> dict[str, str]:
             "MASTER_PORT": str(free_port()), "PYTHONFAULTHANDLER": "1"}
 
 
+def failure_report(output: str, tail: int = 4000) -> str:
+    """A failed run's output for an assertion message: its tail, and before it any ``Fatal Python error`` section
+    (PYTHONFAULTHANDLER's stacks of an aborting rank), which the tail of a two-rank run's log leaves out."""
+    start = output.find("Fatal Python error")
+    fatal = output[start:start + tail] + "\n[...]\n" if 0 <= start < len(output) - tail else ""
+    return fatal + output[-tail:]
+
+
 class ServerProcess:
     """An OpenAI-compatible server (LF's ``api``, vLLM's) in a subprocess of its own session, listening on
     127.0.0.1:``port``: started, waited for until it lists its models (``client``, ``model``), stopped by its process

@@ -1,4 +1,5 @@
-"""``qwenvl-prep demo``, the main job, end to end; the export it makes reloads with the pinned frame."""
+"""``qwenvl-prep demo``: the smoke runs of every task (and of the families the learning runs leave out) and the
+demos' own parts; the default grounding demo runs end to end, its export reloaded, in test_demo_learns.py."""
 
 from __future__ import annotations
 
@@ -6,52 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from demo_checks import check_grounding_summary
 from helpers import run_cli
 from PIL import Image
 
-from qwenvl_prep.demos.grounding import MAX_PIXELS, MIN_PIXELS
 from qwenvl_prep.demos.fields import (FIELDS, PAGE_SIZES, blank_copies, confident_rate, most_common_answer,
                                       render_invoice, synthesise_invoices)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "run"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6"], None, out.parent)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out, json.loads(result.stdout)
-
-
-def check_summary(out, summary, family: str, factor: int, coords: str) -> None:
-    assert summary["family"] == family and summary["sft_steps"] == 6
-    assert set(summary["held_out"]) == {"baseline", "untrained", "trained"}
-    n = summary["held_out_images"]
-    for name in ("baseline", "untrained", "trained"):
-        assert json.loads((out / f"eval-{name}.json").read_text())["overall"]["samples"] == n
-    assert summary["held_out"]["baseline"]["parse_failure_rate"] == 0.0
-    assert summary["held_out"]["baseline"]["mean_iou"] > 0
-    assert len(summary["grpo_reward_first_last"]) == 2 and (out / "grpo" / "model.safetensors").exists()
-    rows = [json.loads(line) for line in (out / "predictions-trained.jsonl").read_text().splitlines()]
-    assert len(rows) == n and all(row["model_size"][0] % factor == 0 and row["coords"] == coords for row in rows)
-    assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["factor"] == factor
-    assert (out / "drawn" / "demo_eval-contact-sheet-original.jpg").stat().st_size > 0
-    assert "OK" in (out / "logs" / "check.log").read_text()
-
-
-@pytest.mark.slow
-def test_demo_runs_end_to_end(demo):
-    out, summary = demo
-    check_summary(out, summary, "qwen2_5_vl", 28, "model")
-
-
-@pytest.mark.slow
-def test_qwen2_vl_demo_runs_end_to_end(tmp_path):
-    """Qwen2-VL: factor 28 like Qwen2.5-VL but answers in 0-1000 like Qwen3-VL, the one family whose factor and
-    convention pair differently, so a step that guessed one from the other would show here."""
-    out = tmp_path / "q2"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen2_vl"], None, tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    check_summary(out, json.loads(result.stdout), "qwen2_vl", 28, "rel1000")
 
 
 @pytest.mark.slow
@@ -59,13 +20,14 @@ def test_qwen3_5_demo_runs_end_to_end(tmp_path):
     """Qwen3.5 (Gated DeltaNet and full-attention layers) through the same steps, the frame taken from the
     checkpoint (factor 32, labels in 0-1000, predictions mapped back to original pixels), GRPO with the exact shared
     prefix on; another --seed draws other photos (named by their seed) and another initial model. (Qwen3-VL, the
-    same factor and convention, runs the demo pipeline in the GUI and agent demos' smoke runs.)"""
+    same factor and convention, runs the demo pipeline in the video and agent demos' smoke runs; Qwen2-VL in the GUI
+    demo's.)"""
     out = tmp_path / "q35"
     result = run_cli(["qwenvl-prep", "demo", str(out), "--steps", "6", "--family", "qwen3_5", "--seed", "1"], None,
                      tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)
-    check_summary(out, summary, "qwen3_5", 32, "rel1000")
+    check_grounding_summary(out, summary, "qwen3_5", 32, "rel1000", 6)
     assert summary["seed"] == 1 and json.loads((out / "model" / "tiny_model.json").read_text())["seed"] == 1
     assert {path.name[:3] for path in (out / "raw").glob("*.jpg")} == {"s2_", "s3_"}
     raw = json.loads((out / "raw" / "eval.jsonl").read_text().splitlines()[0])
@@ -77,21 +39,6 @@ def test_qwen3_5_demo_runs_end_to_end(tmp_path):
     assert "grpo_shared_prefix: on" in (out / "logs" / "train-grpo.log").read_text()
     assert json.loads((out / "data" / "dataset_info.json").read_text())["demo_train"]["qwenvl_policy"][
         "family"] == "qwen3_5"
-
-
-@pytest.mark.slow
-def test_export_reloads_with_the_pinned_bounds(demo):
-    out, _ = demo
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(out / "exported")
-    assert processor.image_processor.size["shortest_edge"] == MIN_PIXELS
-    assert processor.image_processor.size["longest_edge"] == MAX_PIXELS
-    AutoModelForImageTextToText.from_pretrained(out / "exported")
-    preprocessor = json.loads((out / "exported" / "preprocessor_config.json").read_text())
-    assert preprocessor["size"] == {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    record = json.loads((out / "exported" / "qwenvl_policy.json").read_text())
-    assert (record["min_pixels"], record["max_pixels"], record["factor"]) == (MIN_PIXELS, MAX_PIXELS, 28)
 
 
 def test_fields_demo_pages_baseline_and_blank_rate(tmp_path):
@@ -223,15 +170,23 @@ def test_other_control_rate_counts_clicks_on_controls_the_instruction_did_not_na
 
 @pytest.mark.slow
 def test_gui_demo_smoke_run_with_two_controls(tmp_path):
-    """The GUI demo's smoke path (under 50 steps) with two controls a screen: every step runs through
+    """The GUI demo's smoke path (under 50 steps) with two controls a screen, on Qwen2-VL: every step runs through
     llamafactory-cli, each screenshot holds two controls, and each model's clicks on the control the instruction did
-    not name are reported beside its accuracy."""
+    not name are reported beside its accuracy. Qwen2-VL has factor 28 like Qwen2.5-VL but answers in 0-1000 like
+    Qwen3-VL, the one family whose factor and convention pair differently, so a step that guessed one from the other
+    would show here."""
     out = tmp_path / "gui"
-    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "gui", "--steps", "6", "--controls", "2"], None,
-                     tmp_path)
+    result = run_cli(["qwenvl-prep", "demo", str(out), "--task", "gui", "--steps", "6", "--controls", "2",
+                      "--family", "qwen2_vl"], None, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)
-    assert summary["controls"] == 2 and summary["sft_steps"] == 6 and summary["family"] == "qwen3_vl"
+    assert summary["controls"] == 2 and summary["sft_steps"] == 6 and summary["family"] == "qwen2_vl"
+    rows = [json.loads(line) for line in (out / "predictions-grpo.jsonl").read_text().splitlines()]
+    assert len(rows) == summary["held_out_instructions"]
+    assert all(row["model_size"][0] % 28 == 0 and row["model_size"][1] % 28 == 0 and row["coords"] == "rel1000"
+               for row in rows)
+    assert json.loads((out / "exported" / "qwenvl_policy.json").read_text())["factor"] == 28
+    assert "OK" in (out / "logs" / "check.log").read_text()
     assert set(summary["click"]) == {"baseline", "untrained", "sft", "grpo"}
     for result_of_model in summary["click"].values():
         overall = result_of_model["overall"]

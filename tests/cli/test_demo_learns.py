@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from demo_checks import check_export_reloads_with_the_pinned_bounds, check_grounding_summary
 from helpers import run_cli
 
 DEMO_PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"  # the demo tables
@@ -34,11 +35,17 @@ def this_cpu() -> str:
 @pytest.mark.timeout(3600)
 def test_default_demo_learns_to_localise(tmp_path):
     """The main job as a user runs it (a fixed step count, so no timing enters): on held-out images the trained model
-    beats the constant mean-box baseline of the same run by the margins the docs state, and the untrained model."""
+    beats the constant mean-box baseline of the same run by the margins the docs state, and the untrained model;
+    every step's output is there, in the run's frame, and the export reloads with its bounds (this run is also the
+    default family's end-to-end check: a smoke run of it would repeat every step)."""
+    from qwenvl_prep.demos.grounding import MAX_PIXELS, MIN_PIXELS
+
     out = tmp_path / "learn"
     result = run_cli(["qwenvl-prep", "demo", str(out)], None, tmp_path, timeout=3300)  # 4 min alone, 10 under load
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)
+    check_grounding_summary(out, summary, "qwen2_5_vl", 28, "model", summary["sft_steps"])
+    check_export_reloads_with_the_pinned_bounds(out, MIN_PIXELS, MAX_PIXELS)
     trained, baseline, untrained = (summary["held_out"][name] for name in ("trained", "baseline", "untrained"))
     assert summary["held_out_images"] == 100 and baseline["acc@0.5"] > 0
     assert trained["mean_iou"] >= 2 * baseline["mean_iou"], summary
