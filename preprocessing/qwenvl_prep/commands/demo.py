@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("out", type=Path, help="new output folder")
     demo.add_argument("--minutes", type=finite("--minutes", False),
                       help="SFT training budget in minutes of 2 CPU cores, turned into a fixed step count (default 3 "
-                      "for grounding, 3.33 (1,300 steps) for gui, 8.1 (1,300 steps of two-screen trajectories) for agent, 5 for fields, 8.26 (900 steps) for video: the model learns "
+                      "for grounding, 3.33 (1,300 steps) for gui, 8.1 (1,300 steps of two-screen trajectories) for agent, 3 (900 steps) for fields, 8.26 (900 steps) for video: the model learns "
                       "the task; less is a quicker smoke "
                       "run)")
     demo.add_argument("--steps", type=count(1),
