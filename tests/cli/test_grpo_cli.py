@@ -14,8 +14,8 @@ from helpers import (
     image_pad_loving_model,
     read_log,
     run_cli,
+    run_ranks,
     save_image,
-    torchrun_env,
     train_config,
     write_sharegpt,
 )
@@ -210,8 +210,7 @@ def test_zero3_two_ranks(request, setup, tiny_model, tiny_model_qwen3_5, family)
         config = grpo_config(model, data_dir, out, root / "my_rewards.py",
                              deepspeed=str(CONFIG / "ds_z3_cpu_test.json"), ddp_backend="gloo", use_cpu=None,
                              grpo_scale_rewards="batch", grpo_shared_prefix=shared, **extra)
-        result = run_cli(["llamafactory-cli", "train"], config, root / f"z3-run-{family}-{shared}",
-                         env=torchrun_env(), timeout=900)
+        result = run_ranks(["llamafactory-cli", "train"], config, root / f"z3-run-{family}-{shared}")
         output = result.stdout + result.stderr
         assert result.returncode == 0, failure_report(output)
         assert ("grpo_shared_prefix: on" in output) == (shared == "auto")
