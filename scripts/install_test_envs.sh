@@ -4,6 +4,9 @@
 #   .venv-tf457  constraints-tf457.txt: the test extras under transformers 4.57 (no vLLM)
 # Each install is mostly one core unpacking wheels (about 2.5 minutes each on 2 cores, measured 2026-12-05), so the
 # two together take the time of the longer. The second's output goes to .venv-tf457/install.log, printed if it fails.
+# pip compiles the .pyc files at install on purpose: CI sets PYTHONDONTWRITEBYTECODE=1, so with --no-compile every
+# process would compile torch, transformers and LF from source again (measured 2026-12-06: the suite's CLI smoke runs
+# took about twice as long, more than the 38 s per set --no-compile saves at install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv

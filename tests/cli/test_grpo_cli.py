@@ -1,6 +1,6 @@
 """``llamafactory-cli train`` with ``stage: grpo`` on the tiny model (CPU): LoRA with evaluation, resume, no
-reference, full fine-tuning with a frozen reference, ZeRO-3 on 2 ranks, Qwen2-VL box tokens, SFT adapter -> GRPO,
-and a mixed-size batch of 4 with accumulation and rollout reuse."""
+reference, full fine-tuning with and without a frozen reference, ZeRO-3 on 2 ranks, Qwen2-VL box tokens, SFT adapter
+-> GRPO, and a mixed-size batch of 4 with accumulation and rollout reuse."""
 
 from __future__ import annotations
 
@@ -154,27 +154,6 @@ def test_resume_continues_the_step_count(lora_run):
     assert [row["step"] for row in state["log_history"] if "loss" in row][-2:] == [4, 5]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_full_finetuning_reference(setup, tiny_model, beta):
-    root, data_dir = setup
-    out = root / f"full-{beta}"
-    config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", finetuning_type="full", grpo_beta=beta,
-                         max_steps=2, save_steps=2, learning_rate=1e-3)
-    result = run_cli(["llamafactory-cli", "train"], config, root / f"full-run-{beta}")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, failure_report(output)
-    created = "Created reference model from the model itself." in output
-    assert created == (beta != 0)
-    steps = [row for row in read_log(out) if "loss" in row]
-    assert len(steps) == 2
-    if beta == 0:
-        assert all(row["kl"] == 0 for row in steps)
-    else:
-        assert steps[1]["kl"] > 0  # the policy moved away from its frozen copy after one update
-    assert (out / "model.safetensors").exists()
-
-
 def assert_same_training(shared: list[dict], repeated: list[dict]) -> None:
     """The same seed with the shared prefix and without: the same completions (rewards equal exactly), the same
     loss and KL up to float rounding (the loss is a sum of terms that nearly cancel: compared in absolute terms)."""
@@ -228,17 +207,23 @@ def test_zero3_two_ranks(request, setup, tiny_model, tiny_model_qwen3_5, family)
 
 
 @pytest.mark.slow
-def test_qwen3_vl_grpo(setup, tiny_model_qwen3):
-    """Qwen3-VL: factor 32, 0-1000 coordinates, and the token types its M-RoPE needs in transformers 5.x."""
+def test_qwen3_vl_full_finetuning_with_a_frozen_reference(setup, tiny_model_qwen3):
+    """Qwen3-VL: factor 32, 0-1000 coordinates, and the token types its M-RoPE needs in transformers 5.x; full
+    fine-tuning with beta > 0 creates a frozen copy of the model as the reference, which the policy leaves."""
     root, data_dir = setup
     out = root / "qwen3"
     config = grpo_config(tiny_model_qwen3, data_dir, out, root / "my_rewards.py", template="qwen3_vl_nothink",
                          image_min_pixels=64 * 32 * 32, image_max_pixels=256 * 32 * 32, max_steps=2, save_steps=2,
+                         finetuning_type="full", grpo_beta=0.04, learning_rate=1e-3,
                          reward_funcs=f"format,{root / 'my_rewards.py'}:spread_rel1000")
     result = run_cli(["llamafactory-cli", "train"], config, root / "qwen3-run")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, failure_report(output)
+    assert "Created reference model from the model itself." in output
     steps = [row for row in read_log(out) if "loss" in row]
     assert len(steps) == 2 and steps[0]["rewards/spread_rel1000/errors"] == 0 and steps[0]["reward_std"] > 0
+    assert steps[1]["kl"] > 0  # the policy moved away from its frozen copy after one update
+    assert (out / "model.safetensors").exists()
 
 
 def box_token_record(image: Path) -> dict:
@@ -250,17 +235,22 @@ def box_token_record(image: Path) -> dict:
 @pytest.mark.slow
 def test_qwen2vl_box_token_answers_reach_rewards(setup, tiny_model):
     """Defect 1: references and completions keep the Qwen2-VL grounding tokens, so iou/format/parse_failures work.
-    Also grpo_steps_per_generation 2 with accumulation 1: one rollout, old log-probs, two optimiser steps."""
+    Also grpo_steps_per_generation 2 with accumulation 1: one rollout, old log-probs, two optimiser steps; and full
+    fine-tuning with beta 0: no reference model is created and KL stays 0."""
     root, data_dir = setup
     write_sharegpt(data_dir, "boxtokens", [box_token_record(data_dir / f"g{i}.jpg") for i in range(2)])
     out = root / "boxtokens"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", dataset="boxtokens", max_steps=2,
                          save_steps=2, grpo_log_completions=True, grpo_steps_per_generation=2,
+                         finetuning_type="full", grpo_beta=0.0, learning_rate=1e-3,
                          reward_funcs=f"iou,format,{root / 'my_rewards.py'}:self_iou")
     result = run_cli(["llamafactory-cli", "train"], config, root / "boxtokens-run")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, failure_report(output)
+    assert "Created reference model" not in output
     steps = [row for row in read_log(out) if "loss" in row]
     assert len(steps) == 2 and "reward" not in steps[1]  # one rollout (2 micro-batches) serves both steps
+    assert all(row["kl"] == 0 for row in steps) and (out / "model.safetensors").exists()
     rollout = steps[0]
     assert rollout["rewards/self_iou/mean"] == 1.0  # was 0.0: the tokens were stripped
     assert rollout["parse_failures"] == 8 and rollout["rewards/format/mean"] == 0.0  # random model, 2 prompts x 4
@@ -296,18 +286,18 @@ def test_sft_adapter_changes_the_model(tiny_model, sft_adapter):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("create_new_adapter", [False, True])
-def test_sft_adapter_is_the_reference(setup, tiny_model, sft_adapter, create_new_adapter):
-    """Defect 3: SFT -> GRPO starts with KL 0 to the model the run starts from, whether LF resumes the SFT
-    adapter (trained further, a frozen copy is the reference) or merges it and trains a new one."""
+def test_sft_adapter_merged_into_the_reference(setup, tiny_model, sft_adapter):
+    """Defect 3: SFT -> GRPO starts with KL 0 to the model the run starts from when LF merges the SFT adapter and
+    trains a new one (the base with the adapter disabled is the reference). LF resuming the SFT adapter (a frozen
+    copy is the reference): test_dynamic_sampling_resumes_as_the_same_run and ZeRO-3 on Qwen2.5-VL."""
     root, data_dir = setup
-    out = root / f"sft-grpo-{create_new_adapter}"
+    out = root / "sft-grpo"
     config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", adapter_name_or_path=str(sft_adapter),
-                         create_new_adapter=create_new_adapter, max_steps=2, save_steps=1, learning_rate=5e-3)
-    result = run_cli(["llamafactory-cli", "train"], config, root / f"sft-grpo-run-{create_new_adapter}")
+                         create_new_adapter=True, max_steps=2, save_steps=1, learning_rate=5e-3)
+    result = run_cli(["llamafactory-cli", "train"], config, root / "sft-grpo-run")
     output = result.stdout + result.stderr
     assert result.returncode == 0, failure_report(output)
-    assert ("GRPO reference: the starting adapter" in output) == (not create_new_adapter)
+    assert "GRPO reference: the starting adapter" not in output
     steps = [row for row in read_log(out) if "loss" in row]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # was 0.0437 with the SFT adapter trainable
     assert steps[1]["kl"] > 0
@@ -397,15 +387,17 @@ def test_qwen3_5_shared_prefix_equals_the_repeated_layout(setup, tiny_model_qwen
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_resumes_as_the_same_run(setup, tiny_model):
+def test_dynamic_sampling_resumes_as_the_same_run(setup, tiny_model, sft_adapter):
     """Issue 42, item 3: a run with dynamic sampling stopped at its checkpoint and resumed draws the same fresh
-    prompts, samples the same completions and ends with the same adapter as the run that went straight through."""
+    prompts, samples the same completions and ends with the same adapter as the run that went straight through.
+    The runs train the SFT adapter further (defect 3: LF resumes it, a frozen copy of it is the reference, KL 0 at
+    the first step), so the resumed run must rebuild that reference from the starting adapter, not the checkpoint."""
     import torch
     from safetensors.torch import load_file
 
     root, data_dir = setup
     settings = dict(grpo_dynamic_sampling=True, reward_funcs=f"format,{root / 'my_rewards.py'}:spread_odd",
-                    grpo_advantage_estimator="reinforce_plus_plus_baseline",
+                    grpo_advantage_estimator="reinforce_plus_plus_baseline", adapter_name_or_path=str(sft_adapter),
                     grpo_log_completions=True, max_steps=4, save_steps=2, lr_scheduler_type="constant",
                     learning_rate=5e-2)
     whole, cut = root / "dynamic-whole", root / "dynamic-cut"
@@ -413,12 +405,17 @@ def test_dynamic_sampling_resumes_as_the_same_run(setup, tiny_model):
                        (cut, {"resume_from_checkpoint": str(cut / "checkpoint-2")})):
         config = grpo_config(tiny_model, data_dir, out, root / "my_rewards.py", **{**settings, **extra})
         result = run_cli(["llamafactory-cli", "train"], config, root / f"{out.name}-run")
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, failure_report(output)
+        assert "GRPO reference: the starting adapter" in output
     timing = ("elapsed_time", "remaining_time", "throughput", "total_steps", "percentage")  # the cut run's plan: 2
     logs = [[{k: v for k, v in row.items() if k not in timing} for row in read_log(out) if "loss" in row]
             for out in (whole, cut)]
     assert [row["current_steps"] for row in logs[1]] == [1, 2, 3, 4] and logs[0] == logs[1]
     assert sum(row["dynamic/replaced_groups"] for row in logs[0][2:]) > 0  # after the resume too
+    assert logs[0][0]["kl"] == pytest.approx(0.0, abs=1e-6) and logs[0][-1]["kl"] > 0  # was 0.0437 at step 1
+    assert not any((out / checkpoint / "grpo_reference").exists()
+                   for out in (whole, cut) for checkpoint in ("checkpoint-2", "checkpoint-4"))
     assert (whole / "completions.jsonl").read_text() == (cut / "completions.jsonl").read_text()
     expected, got = (load_file(out / "adapter_model.safetensors") for out in (whole, cut))
     assert all(torch.equal(expected[name], got[name]) for name in expected)
