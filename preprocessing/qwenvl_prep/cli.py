@@ -3,13 +3,17 @@ same error, interrupt and warning handling. Subcommands import their heavy modul
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
 import signal
 import sys
 import threading
+import time
 import warnings
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Iterator, Sequence
 
 # Pillow imports numpy, whose OpenBLAS starts a thread per core at import: the CLI would no longer be single-threaded
 # and convert's pool would use forkserver instead of fork (slower to start, and a worker still starting when a run is
@@ -33,20 +37,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Stopped(SystemExit):
+    """SIGTERM, raised where the main thread is: the run unwinds (temps removed, workers stopped) and exits 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 def _stop(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    raise Stopped(signum)
+
+
+def _redeliver(unraisable: sys.UnraisableHookArgs, fallback: Callable = sys.__unraisablehook__) -> None:
+    """An interrupt raised where Python ignores exceptions (an at-fork callback such as logging's lock release, a
+    ``__del__``) would print "Exception ignored" with a traceback and be lost: the run went on. Send the signal
+    again from another thread instead, so the main thread takes it once this hook has returned (a raw thread: a
+    ``Thread.start`` waits, and the signal would land in the hook), at its next step, where it can unwind; where
+    that step is ignored too, this runs again."""
+    exc = unraisable.exc_value
+    signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
+    if signum is None:
+        fallback(unraisable)
+        return
+    _thread.start_new_thread(_send_later, (os.getpid(), signum))
+
+
+def _send_later(pid: int, signum: int) -> None:
+    time.sleep(0.05)
+    os.kill(pid, signum)
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, and neither is lost in a place where Python ignores exceptions. Main thread only
+    (a caller's own thread keeps its process's handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous, hook = signal.signal(signal.SIGTERM, _stop), sys.unraisablehook
+    sys.unraisablehook = partial(_redeliver, fallback=hook)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None  # unwind: temps removed, workers stopped
     shown = warnings.showwarning
     one_line_warnings(f"qwenvl-prep {args.command}")
     try:
-        return func(args)
+        with stop_signals():
+            return func(args)
     except (OSError, ValueError, RuntimeError) as exc:  # OSError: a folder not writable, a disk full, ...
         print(f"qwenvl-prep {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -55,8 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         warnings.showwarning = shown
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

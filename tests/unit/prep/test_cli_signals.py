@@ -1,0 +1,65 @@
+"""qwenvl-prep's SIGTERM and Ctrl-C are never lost: an interrupt that lands where Python ignores exceptions (an
+at-fork callback such as logging's lock release, which a pool's fork runs; a ``__del__``) printed "Exception
+ignored" with a traceback and the run went on (seen once in tests/cli/test_hostile_convert_signals.py under load)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import os, signal, sys, time
+from qwenvl_prep.cli import stop_signals
+
+signum = signal.{signal}
+
+
+class Finaliser:
+    def __del__(self):
+        os.kill(os.getpid(), signum)
+
+
+def interrupt_in_an_ignored_place():
+    if "{where}" == "fork":
+        os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signum))
+        if os.fork() == 0:
+            os._exit(0)
+    else:
+        Finaliser()
+
+
+try:
+    with stop_signals():
+        interrupt_in_an_ignored_place()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("went on")
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("where", ["fork", "del"])
+@pytest.mark.parametrize("name, code", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 130)])
+def test_an_interrupt_where_exceptions_are_ignored_still_stops_the_run(where, name, code):
+    """The handler's exception is swallowed there; the signal comes again and the main thread unwinds at its next
+    step: the exit code of the signal, nothing printed, the loop after it never finishes."""
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(signal=name, where=where)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert done.returncode == code, done.stderr[-2000:]
+    assert "went on" not in done.stdout
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_other_ignored_exceptions_are_still_reported():
+    """Only the interrupts are taken over: any other exception in a ``__del__`` prints as Python prints it."""
+    script = ("from qwenvl_prep.cli import stop_signals\n"
+              "class Broken:\n    def __del__(self):\n        raise ValueError('from __del__')\n"
+              "with stop_signals():\n    Broken()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Exception ignored" in done.stderr and "from __del__" in done.stderr
