@@ -16,6 +16,7 @@ import os, signal, sys, time
 from qwenvl_prep.cli import stop_signals
 
 signum = signal.{signal}
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a shell; a test runner's worker may ignore SIGINT
 
 
 class Finaliser:
