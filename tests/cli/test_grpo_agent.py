@@ -1,7 +1,8 @@
-"""``llamafactory-cli train`` with ``stage: grpo`` and ``grpo_agent_env``: multi-turn rollouts from a stock YAML on
-tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5, against the shipped simulator (screens that change size every turn) and an
-environment written outside the project; the trajectories logged with every turn's sizes and mapped action; an
-environment that fails every trajectory stops the run naming it; keys refused before the model loads."""
+"""``llamafactory-cli train`` with ``stage: grpo`` and ``grpo_agent_env``: multi-turn rollouts from a stock YAML (HF
+generation on a tiny Qwen2.5-VL, vLLM on small Qwen2.5-VL, Qwen3-VL and Qwen3.5), against the shipped simulator
+(screens that change size every turn) and an environment written outside the project; the trajectories logged with
+every turn's sizes and mapped action; an environment that fails every trajectory stops the run naming it; keys
+refused before the model loads."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from helpers import read_log, run_cli, train_config, write_sharegpt
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
-FAMILIES = {"qwen2_5_vl": ("tiny_model", "qwen2_vl", 28), "qwen3_vl": ("tiny_model_qwen3", "qwen3_vl_nothink", 32),
-            "qwen3_5": ("tiny_model_qwen3_5", "qwen3_5_nothink", 32)}
 OUTSIDE_ENV = '''
 from PIL import Image
 
@@ -70,21 +69,11 @@ def agent_config(model_dir, data, out, template, **overrides):
     return train_config(model_dir, data, out, **{**settings, **overrides})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
-    """Two steps of G 4 over two tasks, three turns at most: the run ends with an adapter; the log carries the agent
-    metrics; every logged turn's model frame is the policy's frame of that turn's screenshot, the screenshots of a
-    trajectory change size, and every action is either mapped into that screenshot's pixels or invalid with a
-    reason. Qwen2.5-VL also evaluates one greedy trajectory per task."""
-    fixture, template, factor = FAMILIES[family]
-    root, data = tasks
-    out = tmp_path / "out"
-    extra = dict(do_eval=True, eval_dataset="tasks", per_device_eval_batch_size=2) if family == "qwen2_5_vl" else {}
-    result = run_cli(["llamafactory-cli", "train"],
-                     agent_config(request.getfixturevalue(fixture), data, out, template, **extra), tmp_path,
-                     timeout=1800)
-    assert result.returncode == 0, result.stderr[-4000:]
+def check_run(out, factor: int) -> list[dict]:
+    """What every agent run here must show (its trainer log rows returned): an adapter at the end; two logged steps
+    with the agent metrics; a task per step (batch 1), G 4 trajectories each; every logged turn's model frame the
+    policy's frame of that turn's screenshot, the screenshots of a trajectory changing size, and every action either
+    mapped into that screenshot's pixels or invalid with a reason."""
     assert (out / "adapter_model.safetensors").is_file()
     logged = [row for row in read_log(out) if "loss" in row]
     assert len(logged) == 2
@@ -93,7 +82,7 @@ def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
         assert "rewards/env/mean" in row and "rewards/action_format/mean" in row and "agent/trie_saving" in row
     policy = ResizePolicy(MIN, MAX, factor)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 4  # a task per step (batch 1), G trajectories each
+    assert len(rows) == 2 * 4
     sizes = set()
     for row in rows:
         turns = row["trajectory"]["turns"]
@@ -109,9 +98,25 @@ def test_an_agent_trains_from_a_stock_yaml(request, tasks, tmp_path, family):
             elif "x" in action:
                 assert 0 <= action["x"] <= orig_hw[1] and 0 <= action["y"] <= orig_hw[0]
     assert len(sizes) >= 2  # the simulator changes size mid-episode
-    if extra:
-        metrics = json.loads((out / "eval_results.json").read_text())
-        assert {"eval_reward", "eval_agent/done_rate", "eval_agent/turns", "eval_rewards/env"} <= set(metrics)
+    assert max(len(row["trajectory"]["turns"]) for row in rows) >= 2  # later turns were sampled too
+    return logged
+
+
+@pytest.mark.slow
+def test_an_agent_trains_from_a_stock_yaml(tiny_model, tasks, tmp_path):
+    """Two steps of G 4 over two tasks, three turns at most, rolled out by HF generation (``check_run``), then one
+    greedy trajectory per task evaluated. Qwen3-VL and Qwen3.5 train from the same YAML on vLLM rollouts below; their
+    HF generation over turns (explicit positions after turn 1) is checked in process by tests/unit/grpo/
+    test_agent_rollout.py and test_agent_turns.py."""
+    _, data = tasks
+    out = tmp_path / "out"
+    result = run_cli(["llamafactory-cli", "train"],
+                     agent_config(tiny_model, data, out, "qwen2_vl", do_eval=True, eval_dataset="tasks",
+                                  per_device_eval_batch_size=2), tmp_path, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_run(out, 28)
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert {"eval_reward", "eval_agent/done_rate", "eval_agent/turns", "eval_rewards/env"} <= set(metrics)
 
 
 @pytest.mark.slow
@@ -225,23 +230,17 @@ def test_an_agent_rolls_out_on_vllm(request, tasks, tmp_path, fixture, template,
     """``grpo_rollout_backend: vllm`` (``--size small`` models: vLLM's CPU attention needs their heads): every turn
     is one request per live trajectory with all its screenshots (the frame guard checks every one), and vLLM samples
     the training model's distribution on the action tokens of three-turn trajectories, packed behind each task's
-    root for the loss (log-prob gap ~0, importance weights ~1); the trajectories keep each turn's frame."""
+    root for the loss (log-prob gap ~0, importance weights ~1); the run shows what every agent run must
+    (``check_run``: each turn's frame, actions in each screenshot's pixels), from the same stock YAML as the HF run."""
     pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
     _, data = tasks
     out = tmp_path / "out"
     config = agent_config(request.getfixturevalue(fixture), data, out, template, grpo_rollout_backend="vllm", seed=3)
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=2400)
     assert result.returncode == 0, result.stderr[-4000:]
-    logged = [row for row in read_log(out) if "loss" in row]
-    assert len(logged) == 2
-    for row in logged:
+    for row in check_run(out, factor):
         # Qwen3.5: vLLM's CPU linear-attention layers drift over three-screenshot prompts (mean 1.2e-3, max 4e-3,
         # the same with and without the shared prefix: the gap is vLLM's, not the packing's)
         assert row["vllm/logp_diff/mean"] < (5e-3 if fixture == "small_model_qwen3_5" else 1e-3)
         assert abs(row["vllm/mismatch/kl"]) < 1e-3
-        assert 0.5 < row["vllm/is_weight/mean"] <= 3.0 and row["agent/turns/mean"] >= 1
-    policy = ResizePolicy(MIN, MAX, factor)
-    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert max(len(row["trajectory"]["turns"]) for row in rows) >= 2  # later turns went through the engine
-    assert all(tuple(t["model_hw"]) == policy.model_size(*t["orig_hw"]) for row in rows
-               for t in row["trajectory"]["turns"])
+        assert 0.5 < row["vllm/is_weight/mean"] <= 3.0

