@@ -233,11 +233,12 @@ def policy_grids(factor: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old_transformers, tmp_path, capsys):
-    """The export of the main tested set (transformers 5.x) needs no repair: transformers 4.49 and 5.x both load
-    config, tokenizer, processor and chat template from it, tokenize exactly as training did (non-NFC text and
-    special tokens included), and resize every image size to the policy's grid. (Qwen3-VL, which has no
-    transformers before 4.57: the 4.57 test below.)"""
+def test_pinned_export_reads_the_same_in_transformers_4_49_4_57_and_5(tiny_model, old_transformers, transformers_457,
+                                                                      tmp_path, capsys):
+    """The export of the main tested set (transformers 5.x) needs no repair: transformers 4.49, 4.57 (the second
+    tested set's environment, ``.venv-tf457``) and 5.x all load config, tokenizer, processor and chat template from
+    it, tokenize exactly as training did (non-NFC text and special tokens included), and resize every image size to
+    the policy's grid. (Qwen3-VL, which has no transformers before 4.57: the 4.57 test below.)"""
     pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
     folder = export(tiny_model, tmp_path, "qwen2_vl")
     code, report, _ = fix_config(capsys, folder)
@@ -246,7 +247,7 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
     assert truth["grids"] != policy_grids(28)  # the source's own bounds are not the run's
     truth["grids"] = policy_grids(28)
     assert new == truth
-    assert read_with(old_transformers, folder) == [truth]
+    assert read_with(old_transformers, folder) == read_with(transformers_457, folder) == [truth]
     import numpy as np
     import torch
     from transformers import AutoModelForImageTextToText, AutoVideoProcessor
@@ -267,11 +268,12 @@ def test_pinned_export_reads_the_same_in_transformers_4_49_and_5(tiny_model, old
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, template", [("qwen2_5_vl", "qwen2_vl"), ("qwen3_vl", "qwen3_vl_nothink")])
+@pytest.mark.parametrize("family, template", [("qwen3_vl", "qwen3_vl_nothink")])
 def test_pinned_export_reads_the_same_in_transformers_4_57(tmp_path, transformers_457, capsys, family, template):
     """transformers 4.57.6, the last 4.x (the second tested set's environment, ``.venv-tf457``), loads the pinned
-    export of each family as 5.x does: config (rope, weight tying, architectures), tokenizer, processor, chat
-    template, and the policy's grid for every image size. (The vLLM set that read exports with 4.57 is retired.)"""
+    export of Qwen3-VL as 5.x does: config (rope, weight tying, architectures), tokenizer, processor, chat template,
+    and the policy's grid for every image size (Qwen2.5-VL's: the test above). (The vLLM set that read exports with
+    4.57 is retired.)"""
     pytest.importorskip("transformers", minversion="5.0", reason="the main tested set writes the export")
     from qwenvl_prep.demos.tiny_model import build_tiny_model
 
