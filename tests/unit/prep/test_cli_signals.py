@@ -64,3 +64,42 @@ def test_other_ignored_exceptions_are_still_reported():
               "with stop_signals():\n    Broken()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Exception ignored" in done.stderr and "from __del__" in done.stderr
+
+
+THREAD_SCRIPT = """
+import os, signal, sys, threading, time
+from qwenvl_prep.cli import stop_signals
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def fail(text):
+    raise RuntimeError(text)
+
+
+try:
+    with stop_signals():
+        thread = threading.Thread(target=fail, args=("before the stop",))
+        thread.start()
+        thread.join()
+        try:
+            os.kill(os.getpid(), signal.{signal})
+            time.sleep(5)
+        finally:  # what a pool's result thread does when the interrupt left its lock released
+            thread = threading.Thread(target=fail, args=("after the stop",))
+            thread.start()
+            thread.join()
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("name, code", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 130)])
+def test_a_thread_broken_by_the_stop_prints_nothing(name, code):
+    """A thread failing once an interrupt unwinds the run (a pool's result thread finding its lock released: "release
+    unlocked lock") is part of the stop: no traceback. The same failure before any stop prints as Python prints it."""
+    done = subprocess.run([sys.executable, "-c", THREAD_SCRIPT.format(signal=name)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert "before the stop" in done.stderr and "after the stop" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("Traceback") == 1
