@@ -94,6 +94,7 @@ def stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _STOPPING.clear()  # a run caught its last stop and goes on: its threads' errors print again
     previous, hook, thread_hook = signal.signal(signal.SIGTERM, _stop), sys.unraisablehook, threading.excepthook
     ctrl_c = signal.getsignal(signal.SIGINT)
     if ctrl_c is signal.default_int_handler:  # left alone where SIGINT is ignored or the caller handles it

@@ -103,3 +103,15 @@ def test_a_thread_broken_by_the_stop_prints_nothing(name, code):
     assert done.returncode == code, done.stderr[-2000:]
     assert "before the stop" in done.stderr and "after the stop" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.count("Traceback") == 1
+
+
+def test_a_stop_caught_in_process_does_not_quiet_the_next_run():
+    """A caller that catches a run's stop and runs again (main() called twice in one process) gets its threads'
+    errors printed again."""
+    script = ("import os, signal, threading, time\nfrom qwenvl_prep.cli import Stopped, stop_signals\n"
+              "try:\n    with stop_signals():\n        os.kill(os.getpid(), signal.SIGTERM)\n        time.sleep(5)\n"
+              "except Stopped:\n    pass\n"
+              "def fail():\n    raise RuntimeError('in the next run')\n"
+              "with stop_signals():\n    thread = threading.Thread(target=fail)\n    thread.start()\n    thread.join()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "in the next run" in done.stderr, done.stderr[-2000:]
