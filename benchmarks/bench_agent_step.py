@@ -52,15 +52,17 @@ def _renderer(model_dir: Path):
     from llamafactory.extras.constants import IMAGE_PLACEHOLDER
     from transformers import AutoProcessor
 
+    from llamafactory_qwenvl_patch.frame.families import resolve_family
     from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
     from llamafactory_qwenvl_patch.frame.video import VideoPolicy
     from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
     from llamafactory_qwenvl_patch.integration.plugin import pinned_plugin
 
-    policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, 28)
-    template = copy.copy(TEMPLATES["qwen2_vl"])
-    template.mm_plugin = pinned_plugin(template.mm_plugin, policy, VideoPolicy(2048, 12288, 28, 2.0, 16, "seconds"),
-                                       2.0)
+    family = resolve_family(model_dir)
+    policy = ResizePolicy(MIN_PIXELS, MAX_PIXELS, family.factor)
+    template = copy.copy(TEMPLATES[family.default_template])
+    video = VideoPolicy(2048, 12288, family.factor, 2.0, 16, family.video_clock)
+    template.mm_plugin = pinned_plugin(template.mm_plugin, policy, video, 2.0)
     processor = AutoProcessor.from_pretrained(model_dir)
     return TurnRenderer(template, processor.tokenizer, processor, policy, IMAGE_PLACEHOLDER)
 

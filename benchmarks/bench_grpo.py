@@ -169,7 +169,7 @@ def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generat
              family: str) -> dict[str, float]:
     from llamafactory.train.tuner import run_exp
 
-    from llamafactory_qwenvl_patch.frame.families import FAMILIES
+    from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS
 
     spec = SHAPES[shape]
     timer = StepTimer()
@@ -181,7 +181,8 @@ def run_ours(model: Path, data: Path, out: Path, shape: str, steps: int, generat
         "cutoff_len": 4096, "output_dir": str(out), "per_device_train_batch_size": 1, "max_steps": steps, "logging_steps": 1,
         "save_strategy": "no", "learning_rate": 1e-4, "report_to": "none", "use_cpu": True,
         "reward_funcs": "format" if shape == "video" else "iou,format", "grpo_num_generations": generations,
-        "grpo_beta": 0.04, "temperature": 1.0, "video_max_pixels": spec.get("video_max_pixels", 256 * 256),
+        "grpo_beta": 0.04, "temperature": 1.0,
+        "video_max_pixels": spec.get("video_max_pixels", LF_VIDEO_DEFAULTS["video_max_pixels"]),
         "max_new_tokens": spec["new_tokens"], "overwrite_cache": True, "dataloader_num_workers": 0,
         "grpo_shared_prefix": shared,
     }, callbacks=[timer])

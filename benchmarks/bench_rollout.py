@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 from qwenvl_prep.demos.tiny_model import build_tiny_model
 
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.generation.hf import sample_shared_prefix
 from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
@@ -43,7 +44,7 @@ def prompts(tokenizer, count: int, policy: ResizePolicy, side: int | None, shade
     for i in range(count):
         w, h = (side, side) if side else SIZES[i % len(SIZES)]
         image = model_input_image(Image.new("RGB", (w, h), (40 * i % 255, shade, 160)), policy)
-        pads = image.width * image.height // 28 // 28
+        pads = image.width * image.height // policy.factor // policy.factor
         ids = tokenizer.encode("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * pads
                                + f"<|vision_end|>Locate object {i}.<|im_end|>\n<|im_start|>assistant\n")
         out.append((ids, image))
@@ -109,7 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    policy = ResizePolicy(64 * 28 * 28, (1024 if args.side else 256) * 28 * 28, 28)
+    f = DEFAULT_FACTOR
+    policy = ResizePolicy(64 * f * f, (1024 if args.side else 256) * f * f, f)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "tiny")
         tokenizer = AutoTokenizer.from_pretrained(path)

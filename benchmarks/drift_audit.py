@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR, LF_IMAGE_DEFAULTS
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.lf.drift import stock_llamafactory_size
 
@@ -38,8 +39,10 @@ def main() -> None:
     groups = dict(GROUPS, random=[(rng.randint(28, 5000), rng.randint(28, 5000)) for _ in range(2000)])
     groups["random"] = [(w, h) for w, h in groups["random"] if max(w, h) / min(w, h) <= 150]
     result = {}
-    for name, bounds in {"lf_defaults (32*32, 768*768)": (32 * 32, 768 * 768),
-                         "image_max_pixels=1024*28*28": (32 * 32, 1024 * 28 * 28)}.items():
+    lf_min, lf_max = LF_IMAGE_DEFAULTS["image_min_pixels"], LF_IMAGE_DEFAULTS["image_max_pixels"]
+    f = DEFAULT_FACTOR
+    for name, bounds in {f"lf_defaults ({lf_min}, {lf_max})": (lf_min, lf_max),
+                         f"image_max_pixels=1024*{f}*{f}": (lf_min, 1024 * f * f)}.items():
         result[name] = {group: audit(sizes, *bounds) for group, sizes in groups.items()}
     print(json.dumps(result, indent=2))
 

@@ -6,7 +6,7 @@ in tests/unit/prep/test_video_drift.py), the policy from ``VideoPolicy``. Clips 
 ``r`` fps is on screen from ``i / r`` to ``(i + 1) / r``. Three ways a clip reaches LF: an mp4 (its header has the
 frame count and duration), a webm or mkv (neither), a frame list taken at 1 fps (the policy told so by
 ``qwenvl_frame_list_fps: 1``; LF assumes ``video_fps``). The HF video processor's bounds are the hub checkpoints'
-(Qwen2.5-VL: 3,136 to 12,845,056 per frame; Qwen3-VL: 4,096 to 25,165,824 over all frames).
+(the registry's ``hub_video_bounds``: per frame for Qwen2.5-VL, over all frames for Qwen3-VL).
 
 Measures, stock LF against the policy:
 
@@ -38,7 +38,7 @@ SIZES = ["1920x1080", "1080x1920", "1280x720", "3840x2160", "2160x3840", "640x48
          "1366x768"]
 LENGTHS = [5, 10, 30, 60, 120, 300, 600]  # seconds
 RATES = [24, 25, 30, 60]
-MAX_PIXELS = [65536, 200704, 602112]  # 65,536 is LF's default video_max_pixels
+MAX_PIXELS = [LF_VIDEO_DEFAULTS["video_max_pixels"], 200704, 602112]  # LF's default first
 FAMILY_NAMES = ["qwen2_5_vl", "qwen3_vl"]
 CONTAINERS = ["mp4", "webm/mkv", "frame list at 1 fps"]
 LIST_FPS = 1.0

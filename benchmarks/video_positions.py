@@ -40,7 +40,7 @@ def row(model, family: str, grid: list[int], seconds: float, rule: str) -> int:
     grids = torch.tensor([grid])
     spg = torch.tensor([seconds])
     if rule == "stock":
-        extra = {"second_per_grid_ts": spg} if family == "qwen2_5_vl" else {}
+        extra = {"second_per_grid_ts": spg} if FAMILIES[family].video_clock == "seconds" else {}
         positions, _ = model.get_rope_index(row_ids, types, video_grid_thw=grids, **extra)
     else:
         tps = getattr(config.vision_config, "tokens_per_second", None)

@@ -81,6 +81,8 @@ DEFAULT_FACTOR = FAMILIES[DEFAULT].factor  # the factor of a policy that names n
 # LLaMA-Factory 0.9.5's defaults for the frame keys a YAML may omit (hparams/model_args.py ~305-336)
 LF_IMAGE_DEFAULTS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768}
 LF_VIDEO_DEFAULTS = {"video_min_pixels": 16 * 16, "video_max_pixels": 256 * 256, "video_fps": 2.0, "video_maxlen": 128}
+# transformers 4.x's slow Qwen2VLImageProcessor class defaults (min_pixels, max_pixels), used when a config has neither
+SLOW_PROCESSOR_DEFAULTS = (56 * 56, 28 * 28 * 1280)
 LF_MIN_SIDE = 28  # Qwen2VLPlugin._preprocess_image widens a shorter side to 28 px, for every family's plugin
 
 # Qwen-VL's own special tokens, the same in every family's tokenizer (tests/unit/prep/test_special_tokens.py derives

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, family_of_model_type
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, SLOW_PROCESSOR_DEFAULTS, family_of_model_type
 from llamafactory_qwenvl_patch.model_files.config_layout import layout, nested_only
 from llamafactory_qwenvl_patch.model_files.folder import (
     CONFIG, IMAGE_PROCESSOR, PROCESSOR, TOKENIZER_CONFIG, VIDEO_PROCESSOR, ModelFolder,
@@ -31,7 +31,6 @@ OLD = "transformers-4.51"
 READER_TRANSFORMERS = {"transformers-4.51": "4.49", "transformers-4.57": "4.57", "vllm-0.11": "4.57",
                        "vllm-0.28": "5.5"}  # the oldest each runs on
 VLLM_ON_TRANSFORMERS_5 = (0, 26)  # the first vLLM that requires transformers 5.x
-SLOW_DEFAULTS = "56*56..28*28*1280"
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -146,8 +145,10 @@ def _processor_files_4x(folder: ModelFolder, reader: str) -> list[str]:
             found.append(f"{IMAGE_PROCESSOR}: max_pixels: missing; vLLM 0.11 reads image_processor.max_pixels "
                          "(None: TypeError in smart_resize at start-up)")
     elif key_bounds(image) is None:
+        low, high = SLOW_PROCESSOR_DEFAULTS
         found.append(f"{IMAGE_PROCESSOR}: min_pixels, max_pixels: missing; the slow Qwen2VLImageProcessor of "
-                     f"transformers 4.x then ignores size and resizes with its defaults ({SLOW_DEFAULTS})")
+                     f"transformers 4.x then ignores size and resizes with its defaults (min_pixels {low}, "
+                     f"max_pixels {high})")
     if reader == OLD:
         found += [f"{PROCESSOR}: {key}: a nested dict (transformers 5.x); 4.49 to 4.51 pass it to the processor "
                   f"('got multiple values for argument {key!r}')"

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
+from llamafactory_qwenvl_patch.frame.policy import MERGE_SIZE
 from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
 
 QWEN_SPECIAL_TOKENS = [
@@ -117,7 +118,7 @@ def _set_rope(text: dict, theta: float, section: list[int], **extra: object) -> 
         text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": section, **extra}
 
 
-def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, moe: bool):
+def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, patch: int, moe: bool):
     """Qwen3.5 or Qwen3.5-MoE: the last layer full attention, the others Gated DeltaNet (the real models: 3 of every
     4), with 2 key and 4 value heads so that the linear layers' head repeat runs; attention heads of 32 (vLLM's CPU
     attention refuses 16), half of each rotated (the real models rotate a quarter of 256)."""
@@ -129,7 +130,7 @@ def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, moe:
     _set_rope(text, ROPE_THETA, [rotated // 8, 3 * rotated // 16, 3 * rotated // 16], mrope_interleaved=True,
               partial_rotary_factor=0.5)
     vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                  out_hidden_size=text["hidden_size"], patch_size=16, num_position_embeddings=2304)
+                  out_hidden_size=text["hidden_size"], patch_size=patch, num_position_embeddings=2304)
     if moe:
         hidden = text.pop("intermediate_size") // 2
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
@@ -146,9 +147,12 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
     family's mixture-of-experts variant."""
     import transformers
 
+    if family not in FAMILIES or not FAMILIES[family].tiny:
+        raise ValueError(f"the tiny builder makes {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, not {family!r}")
     if moe and family != "qwen3_5":
         raise ValueError(f"the tiny builder makes a mixture-of-experts model for qwen3_5 only, not {family!r}")
     dims = SIZES[size]
+    patch = FAMILIES[family].factor // MERGE_SIZE  # the vision patch side
     hidden, vision_hidden = dims["hidden"], dims["vision_hidden"]
     head_dim = hidden // 4
     section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # t/h/w split of head_dim / 2, as Qwen's
@@ -175,7 +179,7 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
     if family == "qwen2_5_vl":
         _set_rope(text, ROPE_THETA, section)
         vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                      out_hidden_size=hidden, fullatt_block_indexes=[1], window_size=112, patch_size=14)
+                      out_hidden_size=hidden, fullatt_block_indexes=[1], window_size=112, patch_size=patch)
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
         image_processor = transformers.Qwen2VLImageProcessor()
@@ -183,7 +187,7 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
         processor_cls = transformers.Qwen2_5_VLProcessor
     elif family == "qwen2_vl":
         _set_rope(text, ROPE_THETA, section)
-        vision = dict(depth=2, embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=2, num_heads=2, patch_size=14)
+        vision = dict(depth=2, embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=2, num_heads=2, patch_size=patch)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **token_ids)
         model = transformers.Qwen2VLForConditionalGeneration(config)
         image_processor = transformers.Qwen2VLImageProcessor()
@@ -195,21 +199,19 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
         text["head_dim"] = head_dim
         _set_rope(text, ROPE_THETA, section, mrope_interleaved=True)
         vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                      out_hidden_size=hidden, patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[1])
+                      out_hidden_size=hidden, patch_size=patch, num_position_embeddings=2304, deepstack_visual_indexes=[1])
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
         model = transformers.Qwen3VLForConditionalGeneration(config)
-        image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
+        image_processor = transformers.Qwen2VLImageProcessor(patch_size=patch)
         video_processor = transformers.Qwen3VLVideoProcessor()
         processor_cls = transformers.Qwen3VLProcessor
     elif family == "qwen3_5":
         if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
             raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3.5; install >= 5.2")
-        model = _qwen3_5(transformers, text, token_ids, vision_hidden, moe)
-        image_processor = transformers.Qwen2VLImageProcessor(patch_size=16)
+        model = _qwen3_5(transformers, text, token_ids, vision_hidden, patch, moe)
+        image_processor = transformers.Qwen2VLImageProcessor(patch_size=patch)
         video_processor = transformers.Qwen3VLVideoProcessor()
         processor_cls = transformers.Qwen3VLProcessor
-    else:
-        raise ValueError(f"the tiny builder makes {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, not {family!r}")
     processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,

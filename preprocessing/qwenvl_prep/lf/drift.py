@@ -135,7 +135,7 @@ def stock_llamafactory_video_indices(frames: int, duration: float | None, video_
     return np.linspace(0, frames - 1, count).astype(np.int32).tolist()
 
 
-def stock_llamafactory_video_frame(height: int, width: int, frames: int, family: str = "qwen2_5_vl",
+def stock_llamafactory_video_frame(height: int, width: int, frames: int, family: str = DEFAULT,
                                    video_min_pixels: int = LF_VIDEO_DEFAULTS["video_min_pixels"],
                                    video_max_pixels: int = LF_VIDEO_DEFAULTS["video_max_pixels"],
                                    processor_bounds: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -155,7 +155,7 @@ def stock_llamafactory_video_frame(height: int, width: int, frames: int, family:
     return tuple(hf_smart_resize(h, w, factor=fam.factor, min_pixels=low, max_pixels=high))
 
 
-def stock_llamafactory_video(clip: VideoHeader | FrameList, family: str = "qwen2_5_vl",
+def stock_llamafactory_video(clip: VideoHeader | FrameList, family: str = DEFAULT,
                              video_min_pixels: int = LF_VIDEO_DEFAULTS["video_min_pixels"],
                              video_max_pixels: int = LF_VIDEO_DEFAULTS["video_max_pixels"],
                              video_fps: float = LF_VIDEO_DEFAULTS["video_fps"],
