@@ -1,18 +1,20 @@
-"""What one rollout produces: each prompt's meta, each sampled micro-batch (``SampledPart``) and each micro-batch
-ready to be optimised (``MicroBatch``).
+"""What one rollout produces: each prompt's meta, each sampled micro-batch (``SampledPart``, or ``AgentPart`` for a
+multi-turn agent run) and each micro-batch ready to be optimised (``MicroBatch``).
 
-A completion is one model segment after its prompt (the sampled answer with its stop token, trained). For the
-multi-turn agents being built (issue 50), ``Segment`` and ``Trajectory`` lay out model segments between environment
-segments (observations rendered by LF's template, never trained), each with its images: ``Trajectory.rows`` gives
-the ids and the loss mask such a trajectory trains with, in the completion rows ``MicroBatch`` already carries.
+A completion is one model segment after its prompt (the sampled answer with its stop token, trained). A multi-turn
+agent's ``Trajectory`` lays out model segments between environment segments (observations rendered by LF's
+template, never trained), each with its images: ``Trajectory.rows`` gives the ids and the loss mask such a trajectory
+trains with, in the completion rows ``MicroBatch`` already carries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
+
+Kept = Callable[[list[list[float]]], torch.Tensor]  # per-token values of each trajectory -> (N, K) at the kept places
 
 
 @dataclass
@@ -52,6 +54,22 @@ class SampledPart:
         """Keep the training inputs and log-probs; the raw prompts are held by ``inputs`` where still needed."""
         self.inputs, self.old_logps, self.ref_logps = inputs, old_logps, ref_logps
         self.features = self.batch = None
+
+
+@dataclass
+class AgentPart:
+    """One micro-batch of an agent run: its tasks' G trajectories each and their training inputs, with the targets and
+    loss mask at the kept positions (the action tokens' predictions)."""
+
+    episodes: list[Any]  # ``generation.agent_episodes.Episode``, G per task, in task order
+    meta: list[SampleMeta]  # one per task
+    inputs: dict[str, Any]  # the training passes' inputs (packed rows or one row per trajectory)
+    targets: torch.Tensor  # (N, K) the action tokens predicted at the kept positions
+    mask: torch.Tensor  # (N, K): 1 on an action token
+    kept: Kept  # maps per-token values of each trajectory to the kept positions
+    old_logps: torch.Tensor | None = None  # off-policy: the log-probs at sampling time
+    ref_logps: torch.Tensor | None = None  # with a KL term: the reference's log-probs
+    sampling_logps: torch.Tensor | None = None  # the sampler's (vLLM's) log-probs, when it is not the model
 
 
 @dataclass

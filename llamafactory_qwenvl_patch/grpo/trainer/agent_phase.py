@@ -15,7 +15,7 @@ import copy
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -48,10 +48,9 @@ from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
 from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
 from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
-from llamafactory_qwenvl_patch.grpo.rollout.types import MicroBatch, SampleMeta
+from llamafactory_qwenvl_patch.grpo.rollout.types import AgentPart, Kept, MicroBatch, SampleMeta
 
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
-Kept = Callable[[list[list[float]]], torch.Tensor]  # per-token values of each trajectory -> (N, K) at the kept places
 SEED_MODULUS = 2**31 - 1
 
 
@@ -116,15 +115,14 @@ class AgentMixin:
 
     def _agent_runners(self, count: int) -> list[EnvRunner]:
         """``count`` environment slots, kept across rollouts (their workers are reused)."""
-        pool = self.__dict__.setdefault("_agent_pool", [])
-        agent = self.agent
+        pool, agent = self.run_state.agent_pool, self.agent
         while len(pool) < count:
             pool.append(EnvRunner(agent.env, agent.env_kwargs, policy=agent.policy, isolation=agent.isolation,
                                   timeout=agent.step_timeout))
         return pool[:count]
 
     def _agent_shutdown(self) -> None:
-        for runner in self.__dict__.get("_agent_pool", []):
+        for runner in self.run_state.agent_pool:
             runner.shutdown()
 
     def _agent_seed(self, index: int, part: int) -> int:
@@ -242,14 +240,14 @@ class AgentMixin:
             with torch.no_grad(), self._shared_attention():
                 old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
                 ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
-            parts.append((episodes, meta, inputs, targets, mask, old, ref, sampling, kept))
-        episodes = [e for part in parts for e in part[0]]
-        meta = [m for part in parts for m in part[1]]
-        device = parts[0][2]["input_ids"].device
+            parts.append(AgentPart(episodes, meta, inputs, targets, mask, kept, old, ref, sampling))
+        episodes = [e for part in parts for e in part.episodes]
+        meta = [m for part in parts for m in part.meta]
+        device = parts[0].inputs["input_ids"].device
         failed = torch.tensor([e.failed for e in episodes], device=device)
         self._check_env_failures(episodes, failed)
         texts = [e.actions_text for e in episodes]
-        lengths = torch.cat([part[4].sum(dim=1) for part in parts]).float()  # action tokens per trajectory
+        lengths = torch.cat([part.mask.sum(dim=1) for part in parts]).float()  # action tokens per trajectory
         columns, shared = reward_inputs(meta, G, self.agent.policy, self.coords, [int(n) for n in lengths.tolist()],
                                         self.loss_config.max_completion_length, None)
         columns["trajectories"] = [e.record() for e in episodes]
@@ -257,7 +255,7 @@ class AgentMixin:
         rewards = self._score(texts, meta, [int(n) for n in lengths.tolist()], results).to(device)
         baseline_rewards, usable = _leave_failures_out(rewards, failed, G)
         adv = self._advantages(baseline_rewards, lengths)
-        bounds = torch.tensor([0] + [len(part[0]) for part in parts]).cumsum(0).tolist()
+        bounds = torch.tensor([0] + [len(part.episodes) for part in parts]).cumsum(0).tolist()
         advantages = [adv[bounds[j]:bounds[j + 1]] for j in range(len(parts))]
         if self.agent.credit == "gigpo":
             advantages = self._step_credit(episodes, adv, usable, parts, bounds)
@@ -271,7 +269,7 @@ class AgentMixin:
             self.run_state.metrics["groups_skipped"].append(float(flat.sum()) / G)
         if self.grpo_args.grpo_mask_truncated:
             keep &= stopped
-        masks = [part[4] * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
+        masks = [part.mask * keep[bounds[j]:bounds[j + 1]].unsqueeze(1).long() for j, part in enumerate(parts)]
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
@@ -281,12 +279,13 @@ class AgentMixin:
         self._warn_if_flat(stats, texts, meta)
         if self.grpo_args.grpo_log_completions:
             self._log_completions(texts, rewards.tolist(), meta, [e.record() for e in episodes])
-        return [MicroBatch(inputs=part[2], completion_ids=part[3], mask=masks[j],
-                           advantages=advantages[j], old_logps=part[5], ref_logps=part[6],
-                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1], sampling_logps=part[7])
+        return [MicroBatch(inputs=part.inputs, completion_ids=part.targets, mask=masks[j],
+                           advantages=advantages[j], old_logps=part.old_logps, ref_logps=part.ref_logps,
+                           token_normalizer=norms[j][0], seq_normalizer=norms[j][1],
+                           sampling_logps=part.sampling_logps)
                 for j, part in enumerate(parts)]
 
-    def _step_credit(self, episodes: list[Episode], adv: torch.Tensor, usable: torch.Tensor, parts: list[tuple],
+    def _step_credit(self, episodes: list[Episode], adv: torch.Tensor, usable: torch.Tensor, parts: list[AgentPart],
                      bounds: list[int]) -> list[torch.Tensor]:
         """GiGPO (``algorithm.step_credit``): each part's (N, K) token advantages, the trajectory's advantage plus
         ``step_weight`` x its step's advantage within the steps of its task's group taken from the same state."""
@@ -295,7 +294,7 @@ class AgentMixin:
         steps = step_advantages(turns, ok, G, agent.gamma, self.grpo_args.grpo_scale_rewards == "group")
         self.run_state.metrics["agent/step_grouped_share"].append(grouped_share(turns, ok, G))
         per_action = [[float(adv[i]) + agent.step_weight * a for a in row] for i, row in enumerate(steps)]
-        return [part[8]([_token_values(e, per_action[bounds[j] + k]) for k, e in enumerate(part[0])])
+        return [part.kept([_token_values(e, per_action[bounds[j] + k]) for k, e in enumerate(part.episodes)])
                 for j, part in enumerate(parts)]
 
     def _check_env_failures(self, episodes: list[Episode], failed: torch.Tensor) -> None:
@@ -305,8 +304,8 @@ class AgentMixin:
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.reduce(counts, reduction="sum")
         first = next((e for e in episodes if e.failed), None)
-        if first is not None and not self.__dict__.get("_agent_failure_logged"):
-            self._agent_failure_logged = True
+        if first is not None and not self.run_state.agent_failure_logged:
+            self.run_state.agent_failure_logged = True
             logger.warning(f"an environment failed ({first.end}; counted in agent/env_errors and agent/env_timeouts, "
                            f"shown once): {first.message}")
         share = float(counts[0] / counts[1]) if counts[1] else 0.0

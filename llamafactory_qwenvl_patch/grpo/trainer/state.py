@@ -32,6 +32,8 @@ class RunState:
     cuda_peak: int = 0  # the CUDA peak before the last weight sync reset it
     gather_checked: bool = False  # HF rollouts under ZeRO-3: the whole-model gather checked against the GPU
     first_pass: bool = True  # the current micro-step is the first pass over its rollout
+    agent_pool: list[Any] = field(default_factory=list)  # an agent run's environment slots (``EnvRunner``), reused
+    agent_failure_logged: bool = False  # an agent run's first environment failure was logged
 
 
 class AcceleratorRanks:
