@@ -34,11 +34,21 @@ MAX_ANSWER_TOKENS = 8192
 MIN_ITEM_TOKENS = 6
 MAX_ANSWER_ITEMS = MAX_ANSWER_TOKENS // MIN_ITEM_TOKENS  # 1,365
 _ITEM_MARKS = ("bbox_2d", "point_2d", "<|box_start|>", '"span"')  # one in every box, point, span or track entry
+_ASCII_ESCAPE = re.compile(r"\\+u00([0-7][0-9a-fA-F])")  # ``\u0062`` in JSON, at any depth of encoding
+
+
+def _as_read(text: str) -> str:
+    r"""``text`` with JSON's escapes of ASCII characters decoded and backslashes dropped, at every depth of encoding
+    the parser reads: ``"\u0062box_2d"`` and a double-encoded ``\"span\"`` are counted as the keys they decode to."""
+    if "\\" not in text:
+        return text
+    return _ASCII_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text).replace("\\", "")
 
 
 def too_many_items(text: str) -> str | None:
-    """Why ``text`` is no model's answer: it has more boxes, points or spans (their keys or tokens counted, so a
-    label that names one counts too) than ``MAX_ANSWER_ITEMS``; None when it has not."""
+    """Why ``text`` is no model's answer: it has more boxes, points or spans (their keys or tokens counted as the
+    parser would read them, so a label that names one counts too) than ``MAX_ANSWER_ITEMS``; None when it has not."""
+    text = _as_read(text)
     count = sum(text.count(mark) for mark in _ITEM_MARKS)
     if count <= MAX_ANSWER_ITEMS:
         return None

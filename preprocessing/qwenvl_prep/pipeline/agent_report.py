@@ -48,8 +48,12 @@ class AgentTally:
 
 def tally(row: dict[str, Any]) -> AgentTally:
     """A trajectory row's tally; ValueError naming what a row that ``agent-eval`` did not write lacks."""
+    if not isinstance(row, dict):
+        raise ValueError(f"not a row of qwenvl-prep agent-eval: a JSON {type(row).__name__}, not an object")
     try:
         turns, end = row["turns"], row["end"]
+        if not isinstance(end, str):
+            raise TypeError(f"'end' ({type(end).__name__}, not a string)")
         failed = end in ENV_FAILURES
         actions = len(turns)
         invalid = sum(turn["action"]["kind"] == "invalid" for turn in turns)
@@ -113,7 +117,7 @@ def agent_report_markdown(result: dict[str, Any], outputs: Sequence[Path]) -> st
     """The report: what ran (each output's model, frame, environment, tasks, prompt, settings and versions, as
     recorded beside it), how trajectories ended, then each metric with its interval and the paired differences."""
     lines = ["# Agent evaluation report", "", f"- trajectories: {result['trajectories']}; ends: "
-             + ", ".join(f"{end} {n}" for end, n in sorted(result["ends"].items()))]
+             + ", ".join(f"{recorded(end)} {n}" for end, n in sorted(result["ends"].items()))]
     for label, path in zip("AB", outputs):
         lines.append(f"- trajectories {label}: {recorded(str(path))}")
         settings = settings_of(path) or {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -182,6 +183,21 @@ def test_the_report_is_the_textbook_bootstrap_of_the_rows():
     assert "| overall | 5 | agent/mean_steps_to_success | 3.0000 |" in text
     with pytest.raises(ValueError, match="not a row of qwenvl-prep agent-eval"):
         agent_result([{"task": {}}])
+
+
+def test_a_rows_recorded_end_is_rendered_as_text():
+    """Issue 51, class 6, in agent-eval's report: a shared output's row whose ``end`` holds a newline, a heading, a
+    table row or a <script> stays text, and a row that is no object or whose end is no string is named."""
+    markdown_it = pytest.importorskip("markdown_it")
+    hostile = "turns\n\n# Forged: model B wins\n| subset | n |\n<script>alert(1)</script>"
+    rows = [{"task": {"id": 0}, "seed": 0, "turns": [], "end": hostile, "return": 0.0, "success": False}]
+    text = agent_report_markdown(agent_result(rows, resamples=10), [])
+    html = markdown_it.MarkdownIt("commonmark").enable("table").render(text)
+    assert "<script" not in html and html.count("<h1>") == 1
+    assert [line for line in text.splitlines() if line.startswith("#")] == ["# Agent evaluation report"]
+    for bad, why in ((5, "a JSON int, not an object"), (dict(rows[0], end=["done"]), "'end' (list, not a string)")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            agent_result([bad])
 
 
 BROKEN_ENV = """

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
 from llamafactory_qwenvl_patch.frame.families import SPECIAL_TOKENS
-from llamafactory_qwenvl_patch.scoring.answers import MAX_ANSWER_ITEMS, MIN_ITEM_TOKENS, try_parse_items
+from llamafactory_qwenvl_patch.scoring import json_text
+from llamafactory_qwenvl_patch.scoring.answers import (
+    MAX_ANSWER_ITEMS,
+    MIN_ITEM_TOKENS,
+    too_many_items,
+    try_parse_items,
+)
 from llamafactory_qwenvl_patch.scoring.temporal import try_parse_spans, try_parse_track
 
 ITEMS = {  # the densest way to write each kind of item the parsers read, as a list of 20
@@ -39,11 +44,29 @@ def test_no_item_takes_fewer_tokens_than_the_bound_assumes(kind):
     assert fewest_tokens(pre_tokenizer, ITEMS[kind]) / 20 >= MIN_ITEM_TOKENS
 
 
-def test_an_answer_over_the_bound_is_a_parse_failure_at_once():
-    at_bound = json.dumps([{"bbox_2d": [k % 900, 1, 950, 960]} for k in range(MAX_ANSWER_ITEMS)])
-    assert len(try_parse_items(at_bound)) == MAX_ANSWER_ITEMS
-    hostile = json.dumps([{"bbox_2d": [1, 2, 3, 4]}] * 100_000)
-    spans = json.dumps([{"span": [0, 1]}] * (MAX_ANSWER_ITEMS + 1))
-    start = time.perf_counter()
+ENCODINGS = {  # every way of writing the keys that the parsers read as those keys
+    "plain": lambda text: text,
+    "keys as unicode escapes": lambda text: text.replace('"bbox_2d"', '"\\u0062box_2d"').replace('"span"',
+                                                                                               '"sp\\u0061n"'),
+    "double-encoded": json.dumps,
+}
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_an_answer_over_the_bound_is_a_parse_failure_found_before_parsing(encoding, monkeypatch):
+    """At the bound every encoding parses in full; past it the linear count refuses it before the parser runs
+    (keys written as ``\\u`` escapes once passed the count and were matched in quadratic time)."""
+    encode = ENCODINGS[encoding]
+    at_bound = encode(json.dumps([{"bbox_2d": [k % 900, 1, 950, 960]} for k in range(MAX_ANSWER_ITEMS)]))
+    assert len(try_parse_items(at_bound)) == MAX_ANSWER_ITEMS and too_many_items(at_bound) is None
+    spans_at_bound = encode(json.dumps([{"span": [0, 1]}] * MAX_ANSWER_ITEMS))
+    assert len(try_parse_spans(spans_at_bound)) == MAX_ANSWER_ITEMS
+    hostile = encode(json.dumps([{"bbox_2d": [1, 2, 3, 4]}] * 100_000))
+    spans = encode(json.dumps([{"span": [0, 1]}] * (MAX_ANSWER_ITEMS + 1)))
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the parser ran on an answer the count refuses")
+
+    monkeypatch.setattr(json_text, "embedded", no_parse)
+    assert "more than a model writes" in too_many_items(hostile)
     assert try_parse_items(hostile) is None and try_parse_track(hostile) is None and try_parse_spans(spans) is None
-    assert time.perf_counter() - start < 1.0
