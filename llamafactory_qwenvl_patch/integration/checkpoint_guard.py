@@ -21,6 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.lf_compat import LFCompatError
+from llamafactory_qwenvl_patch.integration.run_lock import check_output_dir
 
 GUARDED: set[str] = set()  # resolved output_dirs of the runs this process guards (``run_guard``)
 
@@ -70,6 +71,14 @@ class CompleteCheckpoints(TrainerCallback):
         if args.should_save and os.path.isdir(folder):  # rotation at the end of training may have removed it
             resume.mark_complete(folder, int(folder.rsplit("-", 1)[1]))
             resume.rotate(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
+
+
+class OutputDirStillLocked(TrainerCallback):
+    """Every guarded run, every stage: at each step's end, before its log line and checkpoint land in ``output_dir``,
+    the folder is still the one this run locked (``run_lock.check_output_dir``)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        check_output_dir(args.output_dir)
 
 
 def guard_rotation() -> None:

@@ -51,12 +51,15 @@ def _log_callback_class():
 def lf_callbacks(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any,
                  generating_args: Any) -> list[Any]:
     """The callbacks LF's ``_training_function`` adds for every stage, in its order (PiSSA conversion, SwanLab, early
-    stopping, torch and module profilers, the reporter last), with our log callback in place of LF's."""
+    stopping, torch and module profilers, the reporter last), with our log callback in place of LF's, after the
+    check that ``output_dir`` is still the folder this run locked."""
     from transformers import EarlyStoppingCallback
+
+    from llamafactory_qwenvl_patch.integration.checkpoint_guard import OutputDirStillLocked
 
     cb = lf_compat.require_module("llamafactory.train.callbacks", [
         "ReporterCallback", "PissaConvertCallback", "TorchProfilerCallback", "ModuleProfilerCallback"])
-    callbacks: list[Any] = [_log_callback_class()()]
+    callbacks: list[Any] = [OutputDirStillLocked(), _log_callback_class()()]
     if finetuning_args.pissa_convert:
         callbacks.append(cb.PissaConvertCallback())
     if finetuning_args.use_swanlab:

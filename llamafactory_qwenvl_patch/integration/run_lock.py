@@ -12,6 +12,10 @@ releases when the holding process exits, however it dies, so a killed run never 
 
 Taken by one process per run (the caller decides which: global rank 0). Processes it forks (dataloader workers) close
 both descriptors: a fork shares the locks, so workers outliving a killed run kept its folder locked.
+
+A lock is on the folder's inode, not its name: a folder deleted (or moved away and replaced) while the run trains
+lets a second run lock the new folder of that name. The holder checks at every step (``check_output_dir``) that its
+``output_dir`` is still the folder it locked, and stops instead of writing beside the newcomer.
 """
 
 from __future__ import annotations
@@ -64,6 +68,26 @@ def lock_output_dir(output_dir: str | os.PathLike) -> str | None:
         return None
     return (f"cannot lock {path} ({unlockable}): this filesystem has no file locks, so nothing stops a second run "
             "from starting into the same output_dir; start one run per output_dir")
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Raise RunLockedError when the ``output_dir`` this process locked is no longer the folder at that path (deleted,
+    or moved away and replaced); a no-op where this process holds no lock on it."""
+    folder = Path(output_dir).resolve()
+    held = _HELD.get(str(folder))
+    if not held:
+        return
+    locked = os.fstat(held[0])
+    try:
+        now = os.stat(folder)
+        same = (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino)
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise RunLockedError(
+            f"output_dir {output_dir} was deleted or replaced while this run trained into it: its lock went with the "
+            "folder, so another run may be training there now. This run stops rather than write beside it; give it "
+            "its own output_dir and resume from a checkpoint you kept.")
 
 
 def _flock(fd: int, output_dir: str | os.PathLike, path: Path) -> str | None:

@@ -32,7 +32,11 @@ def patch_tuner(tuner: ModuleType) -> None:
     LF's stages the complete-marker (inert unless ``run_guard`` guards the run) and rotation that keeps a complete
     checkpoint, and make a pinned export portable."""
     lf_compat.require(tuner, ["_training_function", "export_model"])
-    from llamafactory_qwenvl_patch.integration.checkpoint_guard import CompleteCheckpoints, guard_rotation
+    from llamafactory_qwenvl_patch.integration.checkpoint_guard import (
+        CompleteCheckpoints,
+        OutputDirStillLocked,
+        guard_rotation,
+    )
     from llamafactory_qwenvl_patch.integration.run_guard import training_run
 
     guard_rotation()
@@ -41,7 +45,8 @@ def patch_tuner(tuner: ModuleType) -> None:
         def wrapper(config: dict[str, Any]) -> None:
             with training_run():
                 if _stage_of(config.get("args")) != "grpo":
-                    config["callbacks"] = [*(config.get("callbacks") or []), CompleteCheckpoints()]
+                    config["callbacks"] = [*(config.get("callbacks") or []), CompleteCheckpoints(),
+                                           OutputDirStillLocked()]
                     return training_function(config)
                 from llamafactory_qwenvl_patch.integration.grpo_workflow import grpo_training_function
 

@@ -106,6 +106,34 @@ def test_deleting_the_lock_file_does_not_free_the_folder(tmp_path):
     lock_output_dir(out)
 
 
+@pytest.mark.parametrize("how", ["deleted", "moved away"])
+def test_a_run_whose_folder_was_replaced_stops_at_its_next_step(tmp_path, how):
+    """Issue 51, class 10: the lock is the folder's inode. A folder deleted (or moved away) under a live run let a
+    second run lock the new folder of that name while the first went on writing into it by path; the first now
+    stops at its next step's end, before its log line or checkpoint lands there."""
+    import shutil
+    from types import SimpleNamespace
+
+    from llamafactory_qwenvl_patch.integration.checkpoint_guard import OutputDirStillLocked
+    from llamafactory_qwenvl_patch.integration.run_lock import RunLockedError, lock_output_dir
+
+    out = tmp_path / "out"
+    lock_output_dir(out)
+    step_end = OutputDirStillLocked().on_step_end
+    step_end(SimpleNamespace(output_dir=str(out)), None, None)  # still its folder: nothing happens
+    if how == "deleted":
+        shutil.rmtree(out)
+    else:
+        out.rename(tmp_path / "kept")
+    newcomer = hold_lock(out)
+    try:
+        with pytest.raises(RunLockedError, match="was deleted or replaced while this run trained into it"):
+            step_end(SimpleNamespace(output_dir=str(out)), None, None)
+    finally:
+        newcomer.send_signal(signal.SIGKILL)
+        newcomer.wait()
+
+
 def test_a_forked_worker_does_not_keep_a_killed_run_s_lock(tmp_path):
     """Issue 51, class 10: a fork shares flock locks, so dataloader workers of a SIGKILLed run held its folder
     until they noticed their parent was gone. The run's forked children close the lock's descriptors."""
