@@ -39,11 +39,24 @@ def _media_urls(request: Any) -> Iterator[tuple[str, str]]:
                 yield kind, url
 
 
-def _data_url_type(url: str) -> tuple[str, bool]:
-    """(media type as written, whether its data is base64 and not empty: LF's pattern wants both) of a data URL."""
+def _data_url_parts(url: str) -> tuple[str, list[str], str]:
+    """(media type as written, its parameters in order, the data) of a data URL (RFC 2397)."""
     header, _, data = url[5:].partition(",")
-    media_type, _, parameters = header.partition(";")
-    return media_type, parameters == "base64" and bool(data)
+    media_type, *parameters = header.split(";")
+    return media_type, [p.strip().lower() for p in parameters], data
+
+
+def _encoding_problem(kind: str, parameters: list[str], data: str) -> str | None:
+    """Why the data of a data URL of a readable type is not read, or None: it must be base64 and not empty. A video
+    may carry other parameters before ``;base64`` (``video/webm;codecs=vp9``: the prefix is replaced before LF
+    reads it); LF's image pattern takes ``;base64`` alone."""
+    if not data:
+        return "empty"
+    if not parameters or parameters[-1] != "base64":
+        return "not base64"
+    if kind == "image_url" and parameters != ["base64"]:
+        return f"parameters {';'.join(parameters[:-1])}: LLaMA-Factory's pattern takes ';base64' alone"
+    return None
 
 
 def unread_data_urls(request: Any) -> list[tuple[str, str]]:
@@ -54,14 +67,15 @@ def unread_data_urls(request: Any) -> list[tuple[str, str]]:
     for kind, url in _media_urls(request):
         if not url.startswith("data:") or kind not in ("image_url", "video_url"):
             continue
-        media_type, encoded = _data_url_type(url)
+        media_type, parameters, data = _data_url_parts(url)
         if kind == "image_url":
             read = media_type.startswith("image/") and media_type[6:] in LF_DATA_URL_TYPES
         else:
             read = media_type.lower() in VIDEO_DATA_URL_TYPES
-        if not (read and encoded):
+        problem = _encoding_problem(kind, parameters, data) if read else None
+        if not read or problem:
             shown = media_type or "typeless"
-            found.append((kind, shown if not read else f"{shown} (not base64, or empty)"))
+            found.append((kind, shown if not read else f"{shown} ({problem})"))
     return found
 
 

