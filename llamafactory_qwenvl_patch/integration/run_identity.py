@@ -96,9 +96,34 @@ def launch_settings(model_args: Any, data_args: Any, training_args: Any) -> dict
 
     values = {"model_name_or_path": model_args.model_name_or_path,
               "adapter_name_or_path": model_args.adapter_name_or_path, "dataset": data_args.dataset,
-              "learning_rate": training_args.learning_rate, "seed": training_args.seed}
+              "template": data_args.template, "cutoff_len": data_args.cutoff_len,
+              "learning_rate": training_args.learning_rate, "seed": training_args.seed,
+              "per_device_train_batch_size": training_args.per_device_train_batch_size,
+              "gradient_accumulation_steps": training_args.gradient_accumulation_steps}
+    config = _config_file()
+    if config is not None:
+        values["config"] = config
     return {**json.loads(json.dumps(values, default=str)), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": socket.gethostname()}
+
+
+def _config_file() -> str | None:
+    """The YAML or JSON file this process was launched with (``llamafactory-cli train FILE``, as LF's ``read_args``
+    takes it), by its path and the first 12 hex digits of its SHA-256: a relaunch of another run's file, or of an
+    edited one, is told apart even where the keys compared above agree. None when launched without one."""
+    import hashlib
+    import sys
+
+    if len(sys.argv) < 2 or not sys.argv[1].endswith((".yaml", ".yml", ".json")):
+        return None
+    path = Path(sys.argv[1]).absolute()
+    if not path.is_file():  # a pipe LF has read already would block a second read
+        return str(path)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return str(path)
+    return f"{path} (sha256 {digest})"
 
 
 def other_launch(checkpoint: str, launch: dict[str, Any]) -> str | None:

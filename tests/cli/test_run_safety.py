@@ -212,7 +212,7 @@ def sft_run(tmp_path_factory, tiny_model) -> dict:
     config = train_config(tiny_model, data_dir, root / "out", save_steps=1, max_steps=2, save_total_limit=1)
     result = run_cli(["llamafactory-cli", "train"], config, root / "first")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return {"out": root / "out", "config": config}
+    return {"out": root / "out", "config": config, "yaml": root / "first" / "run.yaml"}
 
 
 def copy_run(sft_run: dict, tmp_path: Path) -> tuple[Path, dict]:
@@ -252,7 +252,7 @@ def test_sft_checkpoints_are_marked_and_rotated_only_after_the_marker(sft_run):
 
 
 @pytest.mark.slow
-def test_sft_resumes_from_the_last_complete_checkpoint(sft_run, tmp_path):
+def test_sft_resumes_from_the_last_complete_checkpoint(sft_run, tmp_path, monkeypatch):
     """Item 10: LF resumed the highest-numbered checkpoint, cut short or not (`Can't find a valid checkpoint`,
     `FileNotFoundError: trainer_state.json`) on every relaunch."""
     out, config = copy_run(sft_run, tmp_path)
@@ -270,6 +270,16 @@ def test_sft_resumes_from_the_last_complete_checkpoint(sft_run, tmp_path):
     other = [line for line in logged if "launched with other settings" in line]
     assert len(other) == 1 and other[0].startswith(f"resuming {out / 'checkpoint-2'}, which a run"), logged
     assert "learning_rate: 0.0001 there, 0.0003 here; seed: 42 there, 7 here" in other[0], other
+    # the same keys from another run's YAML file: the file itself tells the launches apart
+    relaunched = tmp_path / "another-run.yaml"
+    relaunched.write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "argv", ["llamafactory-cli", str(relaunched)])
+    logged = []
+    train_args(config, logged)
+    other = [line for line in logged if "launched with other settings" in line]
+    assert len(other) == 1 and f"config: {sft_run['yaml']} (sha256 " in other[0], logged
+    assert f"there, {relaunched} (sha256 " in other[0], other
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="resume_from_checkpoint .*checkpoint-3 cannot be resumed from"):
         train_args({**config, "resume_from_checkpoint": str(out / "checkpoint-3")})
     (out / "checkpoint-2" / MARKER).unlink()  # item 2: the only checkpoint left was killed before its marker
