@@ -19,6 +19,7 @@ from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
 from qwenvl_prep.formats.converted import load_jsonl
+from qwenvl_prep.plumbing.outputs import require_new_folder
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -65,8 +66,7 @@ def steps_for(minutes: float, steps_per_minute: float) -> int:
 def new_run_folder(out: Path) -> tuple[Path, Path]:
     """The run's folder, refused when it holds anything (a demo never writes over files), and its ``logs/``."""
     out = out.resolve()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    require_new_folder(out)
     (out / "logs").mkdir(parents=True)
     return out, out / "logs"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import MERGE_SIZE
 from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
+from qwenvl_prep.plumbing.outputs import require_new_folder
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -227,8 +228,7 @@ def build_tiny_model(out_dir: str | os.PathLike, family: str = "qwen2_5_vl", see
     import torch
 
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+    require_new_folder(out)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     if size not in SIZES:

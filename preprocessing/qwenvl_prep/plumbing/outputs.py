@@ -50,6 +50,24 @@ def require_regular_output(path: Path, what: str) -> None:
                            "where it should go)")
 
 
+def _not_a_folder(mode: int) -> str:
+    """What a path that should be a folder is instead (``a file``, ``a FIFO``, ...)."""
+    return "a file" if stat.S_ISREG(mode) else file_kind(mode)
+
+
+def require_new_folder(out: Path) -> None:
+    """Refuse an output folder that holds anything (a command that makes a folder never writes over files) or that
+    is not a folder (a named pipe, a file: ``Not a directory`` named no path and said nothing of what it was)."""
+    try:
+        mode = out.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise UnsafeOutput(f"{out} is {_not_a_folder(mode)}, not a folder; give a new folder")
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
+
+
 class Outputs:
     """What a run must not write onto: its inputs (and anything inside an input folder, such as a model folder) and
     the files of every registry it reads, or writes beside. Build once, then ``check`` each output path."""
@@ -94,6 +112,8 @@ class Outputs:
                 raise UnsafeOutput(f"{what} {path} is the file of dataset {name!r} in {folder / REGISTRY}; choose "
                                    "another path")
         parent = next((p for p in target.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise UnsafeOutput(f"{what} {path}: {parent} is {_not_a_folder(parent.stat().st_mode)}, not a folder")
         if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
             raise UnsafeOutput(f"{what} {path}: the folder {parent} is not writable")
         return path

@@ -49,7 +49,7 @@ def test_predict_refuses_a_pipe_at_any_of_its_output_paths(tmp_path, capsys):
 
 def test_every_command_refuses_outputs_that_are_not_regular_files(tmp_path, capsys):
     """The one output check (``plumbing.outputs``) refuses FIFOs and sockets for every command: convert's -o and
-    its registry, eval's --report and --json-out."""
+    its registry, eval's --report and --json-out; draw's, demo's and tiny-model's folders."""
     save_image(tmp_path / "ok.jpg", 640, 480)
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(RECORD) + "\n")
@@ -78,6 +78,12 @@ def test_every_command_refuses_outputs_that_are_not_regular_files(tmp_path, caps
         finally:
             short.unlink()
     assert Path(tmp_path / "r.md").is_fifo()
+    # commands that write a folder: a FIFO (or a file) where the folder should be is named as what it is
+    os.mkfifo(tmp_path / "drawings")
+    refused(capsys, ["draw", data / "t.json", "-o", tmp_path / "drawings"], "drawings is a FIFO, not a folder")
+    refused(capsys, ["demo", tmp_path / "drawings"], "drawings is a FIFO, not a folder")
+    refused(capsys, ["tiny-model", predictions], "pred.jsonl is a file, not a folder")
+    assert Path(tmp_path / "drawings").is_fifo() and predictions.read_text() == json.dumps({"predict": "[]"}) + "\n"
 
 
 class Killed(BaseException):
