@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import run_cli, save_image
+from helpers import save_image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import write_policy_record
@@ -95,18 +95,30 @@ def test_sampling_repeats_with_its_seed_and_differs_from_greedy(tiny_model, tmp_
     assert len(set(first)) > 1 and set(first) != set(greedy)
 
 
-def test_a_negative_non_finite_or_vanishing_temperature_is_refused(tiny_model, tmp_path):
+def refusal(capsys, args: list[str]) -> str:
+    """``qwenvl-prep ARGS`` in this process, refused as a usage error (exit 2): its stderr."""
+    from qwenvl_prep.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, (code, err)
+    return err
+
+
+def test_a_negative_non_finite_or_vanishing_temperature_is_refused(tiny_model, capsys):
     """1e-300 used to load the model and die in torch's sampling (the scaled logits overflow float32)."""
     for bad in (-0.5, float("nan"), float("inf"), 1e-300, 1e-4):
         with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 0.001"):
             Predictor(tiny_model, temperature=bad)
     for bad in ("-1", "1e-300"):
-        result = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", bad],
-                         None, tmp_path)
-        assert result.returncode == 2 and "--temperature takes a number 0 or >= 0.001" in result.stderr
-    greedy_seed = run_cli(["qwenvl-prep", "predict", str(tiny_model), "--dataset", "x.jsonl", "--seed", "3"], None,
-                          tmp_path)  # a seed that would change nothing is refused, not silently ignored
-    assert greedy_seed.returncode == 2 and "--seed only acts with --temperature > 0" in greedy_seed.stderr
+        assert "--temperature takes a number 0 or >= 0.001" in refusal(
+            capsys, ["predict", str(tiny_model), "--dataset", "x.jsonl", "--temperature", bad])
+    # a seed that would change nothing is refused, not silently ignored
+    assert "--seed only acts with --temperature > 0" in refusal(
+        capsys, ["predict", str(tiny_model), "--dataset", "x.jsonl", "--seed", "3"])
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_qwen3", "tiny_model_qwen2"])
@@ -188,14 +200,14 @@ def test_a_records_system_prompt_is_asked_with_it(tiny_model, tmp_path):
     assert settings["prompt"] == "the dataset's own prompts, under their system prompts"
 
 
-def test_draw_refuses_clips_before_loading(tiny_model, tmp_path):
+def test_draw_refuses_clips_before_loading(tiny_model, tmp_path, capsys):
     """No model is loaded for a request that cannot be answered as asked: --draw of a clip (it draws on images)."""
-    from helpers import run_cli, write_clip
+    from helpers import write_clip
 
     clip = write_clip(tmp_path / "a.mp4", 2, 10, 64, 48)
-    result = run_cli(["qwenvl-prep", "predict", str(tiny_model), str(clip), "--prompt", "When?", "--draw",
-                      str(tmp_path / "drawn")], None, tmp_path)
-    assert result.returncode == 2 and "draw DATA --predictions" in result.stderr and not (tmp_path / "drawn").exists()
+    assert "draw DATA --predictions" in refusal(
+        capsys, ["predict", str(tiny_model), str(clip), "--prompt", "When?", "--draw", str(tmp_path / "drawn")])
+    assert not (tmp_path / "drawn").exists()
 
 
 def test_a_dataset_whose_video_frame_differs_is_refused(tiny_model, tmp_path):
