@@ -9,7 +9,7 @@ import pytest
 
 TESTS = Path(__file__).parent
 # tests/ (helpers, hostile) and every folder of test files on the path: a test module that imports another one
-# (test_vllm_serve reads test_portable_export's exports) finds it by its basename from any folder, as when they all
+# (test_vllm_serve reads test_export_cli's exports) finds it by its basename from any folder, as when they all
 # sat in tests/. Basenames are unique (pytest's default import mode refuses two alike).
 sys.path[:0] = [str(TESTS), *sorted({str(path.parent) for path in TESTS.rglob("test_*.py")} - {str(TESTS)})]
 import helpers  # noqa: E402  (tests/ is on the path from here on)

@@ -176,6 +176,35 @@ def train_config(model_dir: Path, data_dir: Path, output_dir: Path, **overrides:
     return {key: value for key, value in config.items() if value is not None}
 
 
+CURRICULUM_STAGES = (64 * 28 * 28, 256 * 28 * 28)  # image_max_pixels of the two stages, low to high
+CURRICULUM_BOX = [100, 200, 600, 800]  # original pixels, inside both images
+
+
+def write_curriculum(root: Path, model_dir: Path) -> list[str]:
+    """A two-image raw dataset and a base training YAML under ``root``; the ``qwenvl-prep curriculum`` arguments that
+    write its two stages into ``root/cur``."""
+    save_image(root / "raw" / "wide.jpg", 2000, 1000)
+    save_image(root / "raw" / "tall.jpg", 700, 1500)
+    records = [{"image": name, "question": "Where is the box?",
+                "answer": json.dumps([{"bbox_2d": CURRICULUM_BOX, "label": "box"}])} for name in ("wide.jpg", "tall.jpg")]
+    (root / "raw" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    low, high = CURRICULUM_STAGES
+    base = root / "base.yaml"
+    base.write_text(yaml.safe_dump(train_config(model_dir, root / "unused", root / "saves", max_steps=1,
+                                                image_min_pixels=32 * 28 * 28, image_max_pixels=high)))
+    return ["curriculum", str(root / "raw" / "train.jsonl"), "--from-yaml", str(base), "--stages", f"{low},{high}",
+            "-o", str(root / "cur"), "--input-coords", "abs", "-q", "--workers", "1"]
+
+
+def fix_config(capsys, *args) -> tuple[int, dict | None, str]:
+    """``qwenvl-prep fix-config ARGS`` in this process: (exit code, its JSON report or None, stderr)."""
+    from qwenvl_prep.cli import main
+
+    code = main(["fix-config", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else None, err
+
+
 def lf_sft_dataset(model_dir: Path, data_dir: Path, output_dir: Path, **overrides: Any) -> tuple[dict, Any, Any]:
     """LF's own data pipeline, in-process: get_train_args -> load_tokenizer -> template -> get_dataset (sft).
     Returns (tokenizer module, template, train dataset)."""

@@ -21,7 +21,8 @@ from helpers import (
     BIN, ServerProcess, free_port, grounding_record, read_log, run_cli, save_image, side_env, skip_without,
     train_config, write_sharegpt,
 )
-from test_portable_export import MAX, MIN, SIZES, export, five_x_folder
+from test_export_cli import MAX, MIN, SIZES, export
+from test_portable_export import five_x_folder
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords

@@ -1,5 +1,6 @@
 """``qwenvl-prep curriculum``: per-stage frames, stamps the training guard accepts only in their stage, YAMLs that
-resume the previous stage, and the two stages run through ``llamafactory-cli train``."""
+resume the previous stage (the two stages run through ``llamafactory-cli train`` in
+tests/cli/test_curriculum_cli.py)."""
 
 from __future__ import annotations
 
@@ -9,29 +10,21 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from helpers import read_log, run_cli, save_image, train_config
+from helpers import CURRICULUM_BOX, CURRICULUM_STAGES, write_curriculum
 
 from llamafactory_qwenvl_patch.scoring.answers import parse_items
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from qwenvl_prep.cli import main
 
-LOW, HIGH = 64 * 28 * 28, 256 * 28 * 28
-BOX = [100, 200, 600, 800]  # original pixels, inside both images
+LOW, HIGH = CURRICULUM_STAGES
+BOX = CURRICULUM_BOX
 
 
 @pytest.fixture()
 def curriculum(tmp_path, tiny_model, capsys):
-    save_image(tmp_path / "raw" / "wide.jpg", 2000, 1000)
-    save_image(tmp_path / "raw" / "tall.jpg", 700, 1500)
-    records = [{"image": name, "question": "Where is the box?",
-                "answer": json.dumps([{"bbox_2d": BOX, "label": "box"}])} for name in ("wide.jpg", "tall.jpg")]
-    (tmp_path / "raw" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump(train_config(tiny_model, tmp_path / "unused", tmp_path / "saves", max_steps=1,
-                                                image_min_pixels=32 * 28 * 28, image_max_pixels=HIGH)))
+    args = write_curriculum(tmp_path, tiny_model)
     capsys.readouterr()
-    assert main(["curriculum", str(tmp_path / "raw" / "train.jsonl"), "--from-yaml", str(base), "--stages",
-                 f"{LOW},{HIGH}", "-o", str(tmp_path / "cur"), "--input-coords", "abs", "-q", "--workers", "1"]) == 0
+    assert main(args) == 0
     return tmp_path, json.loads(capsys.readouterr().out)
 
 
@@ -82,18 +75,3 @@ def test_bad_stage_lists_and_existing_yamls_are_refused(curriculum, capsys):
     assert main([*args, "--stages", str(LOW)]) == 2
     assert main([*args, "--stages", f"{LOW},{HIGH}"]) == 2
     assert "--overwrite" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_two_stages_train_in_order_and_the_wrong_data_is_refused(curriculum):
-    root, summary = curriculum
-    for k in (1, 2):
-        result = run_cli(["llamafactory-cli", "train", str(root / "cur" / f"stage{k}.yaml")], None, root / f"run{k}")
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert [row for row in read_log(Path(stage_config(root, k)["output_dir"])) if "loss" in row]
-    second = stage_config(root, 2)
-    assert (Path(second["output_dir"]) / "adapter_model.safetensors").is_file()
-    wrong = {**second, "dataset": "train_stage1", "output_dir": str(root / "wrong")}
-    result = run_cli(["llamafactory-cli", "train"], wrong, root / "run-wrong")
-    assert result.returncode != 0
-    assert "was converted for another frame" in result.stdout + result.stderr
