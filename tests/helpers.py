@@ -395,3 +395,35 @@ def png_header_bomb(width: int = 60000, height: int = 60000) -> bytes:
 
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
         b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+
+
+TEXT_ENV = '''
+from PIL import Image
+
+from llamafactory_qwenvl_patch.agent import Observation, Step
+
+
+class TextEnv:
+    def __init__(self, text="", close_raises=False):
+        self.text, self.close_raises = text, close_raises
+
+    def reset(self, task, seed):
+        return Observation(Image.new("RGB", (640, 480), (20, 40, 60)), "start")
+
+    def step(self, action):
+        info = {"score": float("nan"), "best": float("inf")}
+        return Step(Observation(Image.new("RGB", (480, 640)), self.text), 0.0, False, info)
+
+    def close(self):
+        if self.close_raises:
+            raise RuntimeError("the VM did not stop")
+'''
+
+
+def text_env(folder: Path) -> str:
+    """The spec of an environment written outside the project whose every step shows the text ``text`` (a forged
+    turn end, text a renderer trips on), reports non-finite numbers in ``info`` and, with ``close_raises``, fails its
+    close(): what one trajectory must survive without stopping the run."""
+    path = folder / "text_env.py"
+    path.write_text(TEXT_ENV)
+    return f"{path}:TextEnv"

@@ -7,15 +7,22 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import os
 from typing import Any, Sequence
 
 import numpy as np
 
 from llamafactory_qwenvl_patch.agent.frame import ScreenshotError, screenshot_size
 from llamafactory_qwenvl_patch.agent.types import Observation, Step
+from llamafactory_qwenvl_patch.frame.families import structure_token_in
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 STATE_KEY = "state_key"
+JSON_DEPTH = 32  # info's containers nested deeper (a list that holds itself) are written as their repr
+# LF's media placeholders, read as llamafactory.extras.constants reads them (this package does not import LF): LF's
+# plugin expands each one in a message into media the environment did not send
+MEDIA_PLACEHOLDERS = {kind: os.getenv(f"{kind.upper()}_PLACEHOLDER", f"<{kind}>")
+                      for kind in ("image", "video", "audio")}
 
 
 class BoundaryError(ValueError):
@@ -29,6 +36,7 @@ def check_observation(value: Any, policy: ResizePolicy, turn: int) -> Observatio
         raise BoundaryError(f"returned a {type(value).__name__}, not an Observation")
     if not isinstance(value.text, str):
         raise BoundaryError(f"the observation's text is a {type(value.text).__name__}, not a str")
+    _check_text(value.text, turn)
     try:
         screenshot_size(value.image, policy)
     except ScreenshotError as exc:
@@ -36,10 +44,33 @@ def check_observation(value: Any, policy: ResizePolicy, turn: int) -> Observatio
     return value
 
 
+def _check_text(text: str, turn: int) -> None:
+    """Observation text is shown as text: a token of the chat template in it would be read as that token (a forged
+    turn end or image in the training row), a media placeholder would be expanded by LF's plugin, and a lone
+    surrogate cannot be tokenised; each is refused here, naming it, rather than failing deep in the renderer."""
+    where = f"the observation's text for turn {turn}"
+    token = structure_token_in(text)
+    if token is not None:
+        raise BoundaryError(f"{where} holds {token!r}, a token of the model's chat template: it would be read as "
+                            "that token, not as text")
+    placeholder = next((kind for kind, tag in MEDIA_PLACEHOLDERS.items() if tag in text), None)
+    if placeholder is not None:
+        raise BoundaryError(f"{where} holds {MEDIA_PLACEHOLDERS[placeholder]!r}, LLaMA-Factory's {placeholder} "
+                            "placeholder: it would be expanded into media the environment did not send")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BoundaryError(f"{where} is not encodable text ({exc.reason} at character {exc.start}): it cannot be "
+                            "tokenised") from None
+
+
 def _reward(value: Any) -> float:
-    if not isinstance(value, numbers.Real):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise BoundaryError(f"the reward is a {type(value).__name__}, not a number")
-    reward = float(value)
+    try:
+        reward = float(value)
+    except OverflowError:
+        raise BoundaryError("the reward is out of a float's range (over 1.8e308 in magnitude)") from None
     if not math.isfinite(reward):
         raise BoundaryError(f"the reward {reward} is not a finite number")
     return reward
@@ -56,6 +87,10 @@ def check_step(value: Any, policy: ResizePolicy, turn: int) -> Step:
         raise BoundaryError(f"done is a {type(value.done).__name__}, not a bool")
     if not isinstance(value.info, dict):
         raise BoundaryError(f"info is a {type(value.info).__name__}, not a dict")
+    key = next((key for key in value.info if not isinstance(key, str)), None)
+    if key is not None:
+        raise BoundaryError(f"info has a key that is not a str ({type(key).__name__} {key!r:.40}): it is written "
+                            "as JSON, where 1 and '1' would be one key")
     if STATE_KEY in value.info:
         try:
             hash(value.info[STATE_KEY])
@@ -66,9 +101,12 @@ def check_step(value: Any, policy: ResizePolicy, turn: int) -> Step:
 
 
 def fingerprint(observation: Observation) -> tuple[str, tuple[int, int], str, str]:
-    """What makes two first observations the same: the screenshot's pixels (a hash), size and mode, and the text."""
+    """What makes two first observations the same: the screenshot's pixels (a hash of its data and its palette, if
+    any: a palette image's data are indices, its colours are the palette's), size and mode, and the text."""
     image = observation.image
-    return hashlib.sha256(image.tobytes()).hexdigest(), image.size, image.mode, observation.text
+    digest = hashlib.sha256(image.tobytes())
+    digest.update(bytes(image.getpalette(None) or ()))
+    return digest.hexdigest(), image.size, image.mode, observation.text
 
 
 def group_start_error(observations: Sequence[Observation], task: str) -> str | None:
@@ -84,3 +122,19 @@ def group_start_error(observations: Sequence[Observation], task: str) -> str | N
     return (f"task {task}: {len(differ)} of {len(observations)} resets with the same seed differ from the first "
             f"(members {', '.join(map(str, differ))}, in their {' and '.join(how)}); a group needs one start: make "
             "reset(task, seed) deterministic in (task, seed)")
+
+
+def json_value(value: Any, depth: int = 0) -> Any:
+    """``value`` (an environment's ``info``) as strict JSON holds it, for the rewards, the completions log and
+    agent-eval's rows: str, int, bool, None, finite floats, lists and str-keyed dicts kept; a non-finite float and
+    anything else (a set, an object, a dict with other keys, a container nested past ``JSON_DEPTH``: a cycle) as its
+    repr, so a row stays valid JSON (``allow_nan=False``) and nothing is dropped or merged."""
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(float(value))
+    if depth < JSON_DEPTH and isinstance(value, (list, tuple)):
+        return [json_value(item, depth + 1) for item in value]
+    if depth < JSON_DEPTH and isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: json_value(item, depth + 1) for key, item in value.items()}
+    return repr(value)

@@ -334,7 +334,10 @@ def agent_env_kwargs(text: str | None) -> dict[str, Any]:
 
 
 def _check_agent_keys(args: Any) -> None:
-    """The agent keys among themselves and against the stage's other keys (before anything loads)."""
+    """The agent keys among themselves and against the stage's other keys, and the environment class itself (loaded
+    and checked against the protocol here, so a misspelt or broken class costs no model load; no environment is
+    made or started)."""
+    from llamafactory_qwenvl_patch.agent.loading import load_env_class
     from llamafactory_qwenvl_patch.agent.runner import ISOLATIONS
     from llamafactory_qwenvl_patch.grpo.rewards.agent import AGENT_REWARDS
 
@@ -362,6 +365,7 @@ def _check_agent_keys(args: Any) -> None:
     if refused:
         key, why = refused[0]
         raise ValueError(f"{key} cannot be used with grpo_agent_env: {why}")
+    load_env_class(args.grpo_agent_env)  # last: the user's module is imported only for keys that pass
 
 
 def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: Any) -> None:

@@ -203,8 +203,13 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_max_turns=0), "grpo_agent_max_turns must be in"),
     (dict(grpo_agent_credit="steps"), "grpo_agent_credit must be one of trajectory, gigpo"),
     (dict(grpo_agent_gamma=1.5), "grpo_agent_gamma must be in"),
+    (dict(grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnvs"), "gui_env has no class ClickThroughEnvs"),
+    (dict(grpo_agent_env="qwenvl_no_such_env_module:Env"), "module qwenvl_no_such_env_module not found"),
+    (dict(grpo_agent_env="llamafactory_qwenvl_patch.agent:Action"), "class Action lacks reset, step, close"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
+    """Each key's rule, and the environment class itself: loaded and checked against the protocol (EnvLoadError, a
+    ValueError) where LF parses the arguments, before the model loads."""
     from llamafactory.hparams import get_train_args
 
     _, data = tasks

@@ -6,18 +6,20 @@ environment fails.
 
 Token in, token out: a sampled action stays the ids sampled (its stop token included); only the environment's side is
 rendered. A trajectory ended by an environment failure keeps its segments but is marked ``failed``: it gets no loss
-and leaves its group's baseline.
+and leaves its group's baseline. An observation the renderer cannot take ends its trajectories the same way
+(``env_error``, the renderer's exception in the message), never the run; a ``close()`` that fails is kept on its
+episode (``close_error``) for the trainer to log and count.
 """
 
 from __future__ import annotations
 
-import json
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from llamafactory_qwenvl_patch.agent.frame import Screen, ScreenshotError, model_screen, read_action
 from llamafactory_qwenvl_patch.agent.runner import ENV_ERROR, EnvRunner, close_all, reset_all, step_all
-from llamafactory_qwenvl_patch.agent.checks import group_start_error
+from llamafactory_qwenvl_patch.agent.checks import group_start_error, json_value
 from llamafactory_qwenvl_patch.agent.types import INVALID, Action
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer, append_observation
@@ -63,6 +65,7 @@ class Episode:
     stopped: bool = True  # the last action ended with its stop token
     cut: int = 0  # actions cut at max_new_tokens before their stop token
     message: str = ""  # why it failed
+    close_error: str = ""  # why its environment's close() failed, if it did
 
     @property
     def end(self) -> str | None:
@@ -102,19 +105,20 @@ def _action_dict(action: Action) -> dict[str, Any]:
 
 def run_episodes(tasks: Sequence[Task], G: int, runners: Sequence[EnvRunner], seeds: Sequence[int],
                  renderer: TurnRenderer, sample: Sampler, settings: EpisodeSettings) -> list[Episode]:
-    """G episodes per task (task-major), on ``runners`` (one per episode); every environment is closed at the end."""
+    """G episodes per task (task-major), on ``runners`` (one per episode); every environment is closed at the end,
+    each failed close kept on its episode."""
     episodes = [Episode(i) for i in range(len(tasks)) for _ in range(G)]
     try:
         _start(tasks, G, runners, seeds, renderer, settings, episodes)
         turn = 1
-        while True:
+        while any(e.end is None for e in episodes):
             live = [k for k, e in enumerate(episodes) if e.end is None]
-            if not live:
-                return episodes
             _act([episodes[k] for k in live], [runners[k] for k in live], tasks, renderer, sample, settings, turn)
             turn += 1
     finally:
-        close_all(runners)
+        for e, outcome in zip(episodes, close_all(runners)):
+            e.close_error = "" if outcome.ok else outcome.message
+    return episodes
 
 
 def _start(tasks: Sequence[Task], G: int, runners: Sequence[EnvRunner], seeds: Sequence[int],
@@ -140,7 +144,12 @@ def _start(tasks: Sequence[Task], G: int, runners: Sequence[EnvRunner], seeds: S
             for k in alive:
                 episodes[k].finish(ENV_ERROR, f"task {task.name}: the first screenshot is {exc}")
             continue
-        root = renderer.root(task.prompt, screen.image, first.text, task.system, task.tools)
+        try:
+            root = renderer.root(task.prompt, screen.image, first.text, task.system, task.tools)
+        except Exception as exc:  # noqa: BLE001 - see _unrendered
+            for k in alive:
+                episodes[k].finish(ENV_ERROR, _unrendered(task, 1, exc))
+            continue
         if len(root.ids) + settings.max_new_tokens > settings.max_tokens:
             raise AgentRunError(f"task {task.name}: its prompt with the first {first.image.width}x{first.image.height}"
                                 f" screenshot is {len(root.ids)} tokens, and with one action of max_new_tokens "
@@ -176,7 +185,7 @@ def _act(live: list[Episode], runners: list[EnvRunner], tasks: Sequence[Task], r
             e.finish(outcome.status, _described(outcome))
             continue
         step = outcome.value
-        e.turns[-1].update(reward=step.reward, info=_plain(step.info))
+        e.turns[-1].update(reward=step.reward, info=json_value(step.info))
         if step.done:
             e.finish(DONE)
         elif turn >= settings.max_turns:
@@ -187,15 +196,20 @@ def _act(live: list[Episode], runners: list[EnvRunner], tasks: Sequence[Task], r
 
 def _observe(e: Episode, observation: Any, task: Task, renderer: TurnRenderer, settings: EpisodeSettings,
              turn: int) -> None:
-    """Append ``o_turn``, or end the episode: a screenshot the frame refuses (``env_error``) or one that would pass
-    the token budget with room for a whole next action (``context``: no image without its tokens)."""
+    """Append ``o_turn``, or end the episode: a screenshot the frame refuses or an observation the renderer cannot
+    take (``env_error``), or one that would pass the token budget with room for a whole next action (``context``: no
+    image without its tokens)."""
     try:
         screen = model_screen(observation.image, settings.policy)
     except ScreenshotError as exc:
         e.finish(ENV_ERROR, f"task {task.name}: the screenshot for turn {turn} is {exc}")
         return
-    segment = renderer.observation(task.prompt, turn, screen.image, observation.text, e.stopped, task.system,
-                                   task.tools)
+    try:
+        segment = renderer.observation(task.prompt, turn, screen.image, observation.text, e.stopped, task.system,
+                                       task.tools)
+    except Exception as exc:  # noqa: BLE001 - see _unrendered
+        e.finish(ENV_ERROR, _unrendered(task, turn, exc))
+        return
     e.trajectory = append_observation(e.root, e.trajectory, segment, settings.max_tokens, settings.max_new_tokens)
     if e.end is None:
         e.screen = screen
@@ -206,16 +220,12 @@ def _described(outcome: Any) -> str:
     return outcome.message + (f"\n{outcome.traceback}" if outcome.traceback else "")
 
 
-def _plain(info: dict[str, Any]) -> dict[str, Any]:
-    """``info`` as the rewards and the completions log get it: JSON-able values kept, others as their repr."""
-    out = {}
-    for key, value in info.items():
-        try:
-            json.dumps(value)
-            out[str(key)] = value
-        except (TypeError, ValueError):
-            out[str(key)] = repr(value)
-    return out
+def _unrendered(task: Task, turn: int, exc: Exception) -> str:
+    """Why an observation the renderer raised on ends its trajectories: the boundary's checks refuse what an
+    environment can break it with, so what is left may be a bug; its type, message and traceback stay in the
+    trajectory's message (logged with the first failure) rather than being hidden or crashing the run."""
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    return f"task {task.name}, turn {turn}: the observation cannot be rendered: {type(exc).__name__}: {exc}\n{trace}"
 
 
 def trie_saving(rows: Sequence[Sequence[int]]) -> float:

@@ -185,6 +185,7 @@ class AgentMixin:
         seeds = [self._agent_seed(m.index, part) for m in meta]
         episodes = run_episodes(tasks, G, self._agent_runners(len(tasks) * G), seeds, self.agent.renderer,
                                 self._agent_sampler(model, meta, greedy), self._agent_settings())
+        self._log_close_error(episodes)
         for m, e in zip(meta, episodes[::G]):  # the frame of the task's first screen
             if e.turns:
                 m.orig_hw, m.model_hw = tuple(e.turns[0]["orig_hw"]), tuple(e.turns[0]["model_hw"])
@@ -297,6 +298,15 @@ class AgentMixin:
         return [part.kept([_token_values(e, per_action[bounds[j] + k]) for k, e in enumerate(part.episodes)])
                 for j, part in enumerate(parts)]
 
+    def _log_close_error(self, episodes: list[Episode]) -> None:
+        """Log the first failed close() once (counted in agent/close_errors): the trajectory is whole, but an
+        environment that leaks what close() frees (a VM, a browser) should be seen before it fills the machine."""
+        first = next((e for e in episodes if e.close_error), None)
+        if first is not None and not self.run_state.agent_close_logged:
+            self.run_state.agent_close_logged = True
+            logger.warning(f"an environment's close() failed (counted in agent/close_errors, shown once): "
+                           f"{first.close_error}")
+
     def _check_env_failures(self, episodes: list[Episode], failed: torch.Tensor) -> None:
         """Log the first failure once; stop every rank together when the share of failed trajectories (all ranks)
         passes ``grpo_agent_max_env_failures``."""
@@ -306,8 +316,8 @@ class AgentMixin:
         first = next((e for e in episodes if e.failed), None)
         if first is not None and not self.run_state.agent_failure_logged:
             self.run_state.agent_failure_logged = True
-            logger.warning(f"an environment failed ({first.end}; counted in agent/env_errors and agent/env_timeouts, "
-                           f"shown once): {first.message}")
+            logger.warning(f"an environment failed ({first.end}; counted in agent/env_errors and "
+                           f"agent/env_timeout_errors, shown once): {first.message}")
         share = float(counts[0] / counts[1]) if counts[1] else 0.0
         if share > self.agent.max_env_failures:
             where = first.message if first is not None else "on another rank"
@@ -374,6 +384,7 @@ def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
         if actions else 0.0,
         "agent/env_errors": float(sum(e.failed and e.end != ENV_TIMEOUT for e in episodes)),
         "agent/env_timeout_errors": float(sum(e.end == ENV_TIMEOUT for e in episodes)),
+        "agent/close_errors": float(sum(bool(e.close_error) for e in episodes)),
         "agent/trie_saving": sum(trie_saving(rows) for rows in groups) / len(groups),
     }
 

@@ -34,6 +34,7 @@ class RunState:
     first_pass: bool = True  # the current micro-step is the first pass over its rollout
     agent_pool: list[Any] = field(default_factory=list)  # an agent run's environment slots (``EnvRunner``), reused
     agent_failure_logged: bool = False  # an agent run's first environment failure was logged
+    agent_close_logged: bool = False  # and its first failed close()
 
 
 class AcceleratorRanks:

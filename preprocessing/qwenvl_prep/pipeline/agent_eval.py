@@ -21,8 +21,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from llamafactory_qwenvl_patch.agent.checks import json_value
 from llamafactory_qwenvl_patch.agent.frame import Screen, ScreenshotError, model_screen, read_action
-from llamafactory_qwenvl_patch.agent.runner import ENV_ERROR, EnvRunner, close_all, reset_all, start_all, step_all
+from llamafactory_qwenvl_patch.agent.runner import (
+    ENV_ERROR,
+    EnvRunner,
+    close_all,
+    describe_task,
+    reset_all,
+    start_all,
+    step_all,
+)
 from llamafactory_qwenvl_patch.agent.types import Action
 
 DONE, TURNS, CONTEXT = "done", "turns", "context"  # with the runner's env_error and env_timeout: how a trajectory ends
@@ -110,9 +119,9 @@ def action_record(action: Action) -> dict[str, Any]:
                                           ("key", action.key), ("reason", action.reason)) if value is not None}
 
 
-def json_safe(value: Any) -> Any:
-    """An environment's ``info`` as JSON (what cannot be written is written as its repr)."""
-    return json.loads(json.dumps(value, default=repr, allow_nan=True))
+class ResizedAgain(RuntimeError):
+    """The processor encoded a screenshot in another frame than the model's policy: the folder's processor and
+    policy disagree, whatever the environment sent."""
 
 
 class AgentPlayer:
@@ -164,7 +173,7 @@ class AgentPlayer:
         observation = outcome.value if reset else outcome.value.observation
         if not reset:
             step = outcome.value
-            trajectory.turns[-1].update(reward=float(step.reward), done=bool(step.done), info=json_safe(step.info))
+            trajectory.turns[-1].update(reward=float(step.reward), done=bool(step.done), info=json_value(step.info))
             if step.done:
                 trajectory.end = DONE
                 return
@@ -201,14 +210,44 @@ class AgentPlayer:
         sizes = [screen.model_hw for t in trajectories for screen in t.screens]
         for grid, model_hw in zip(inputs["image_grid_thw"].tolist(), sizes):
             if self.predictor.policy.size_from_grid(grid) != model_hw:
-                raise RuntimeError(f"the processor resized a {model_hw[1]}x{model_hw[0]} screenshot again: its "
+                raise ResizedAgain(f"the processor resized a {model_hw[1]}x{model_hw[0]} screenshot again: its "
                                    "bounds differ from the model's policy")
         return inputs
 
+    def _encodes(self, trajectory: Trajectory) -> bool:
+        """Whether the processor encodes ``trajectory`` alone; if not, it ends ``env_error`` naming its task, its
+        turn and the processor's exception (the boundary refuses what an environment can break it with, so what is
+        left may be a bug: its type and message stay in the row)."""
+        try:
+            self._inputs([trajectory])
+        except ResizedAgain:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one trajectory's conversation: it ends, the others play on
+            trajectory.end = ENV_ERROR
+            trajectory.message = (f"task {describe_task(trajectory.job.task)} (seed {trajectory.job.seed}), turn "
+                                  f"{len(trajectory.screens)}: the conversation cannot be encoded: "
+                                  f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _batch(self, trajectories: list[Trajectory], live: list[int]) -> tuple[list[int], Any]:
+        """The live trajectories the processor encodes and their batch; only when the whole batch fails is each
+        tried alone (``_encodes``), so one trajectory's conversation cannot stop the run."""
+        try:
+            return live, self._inputs([trajectories[i] for i in live])
+        except ResizedAgain:
+            raise
+        except Exception:  # noqa: BLE001 - told apart below, one trajectory at a time
+            live = [i for i in live if self._encodes(trajectories[i])]
+            return live, self._inputs([trajectories[i] for i in live]) if live else None
+
     def _answers(self, trajectories: list[Trajectory], live: list[int]) -> tuple[list[int], list[str]]:
         """The live trajectories whose conversation and answer fit ``max_tokens``, and their answers; the others end
-        ``context`` (the latest screen not shown: no screenshot is cut from its tokens)."""
-        inputs = self._inputs([trajectories[i] for i in live])
+        ``context`` (the latest screen not shown: no screenshot is cut from its tokens) or, when the processor cannot
+        encode them, ``env_error`` (``_batch``)."""
+        live, inputs = self._batch(trajectories, live)
+        if not live:
+            return [], []
         lengths = inputs["attention_mask"].sum(dim=1).tolist()
         kept = []
         for i, length in zip(live, lengths):

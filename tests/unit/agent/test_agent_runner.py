@@ -7,14 +7,17 @@ written to files here, as a user would."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 
 import pytest
 from PIL import Image
 
 from llamafactory_qwenvl_patch.agent import Action, Observation, Step
-from llamafactory_qwenvl_patch.agent.checks import BoundaryError, check_step, group_start_error
+from llamafactory_qwenvl_patch.agent.checks import (BoundaryError, check_observation, check_step, group_start_error,
+                                                    json_value)
 from llamafactory_qwenvl_patch.agent.loading import EnvLoadError, load_env_class
 from llamafactory_qwenvl_patch.agent.runner import (ENV_ERROR, ENV_TIMEOUT, OK, EnvRunner, close_all, reset_all,
                                                     start_all, step_all)
@@ -189,6 +192,13 @@ def test_resets_of_a_group_that_differ_are_named(isolation):
     assert "members 1, in their text" in texts
     resized = group_start_error([Observation(image), Observation(image.resize((30, 40)))], "'t'")
     assert "screenshot's size" in resized
+    # palette images: the same indices, other colours (what the model sees differs)
+    red, green = Image.new("P", (40, 30), 0), Image.new("P", (40, 30), 0)
+    red.putpalette([255, 0, 0] + [0, 0, 0] * 255)
+    green.putpalette([0, 255, 0] + [0, 0, 0] * 255)
+    assert red.tobytes() == green.tobytes()
+    assert "members 1, in their screenshot's pixels" in group_start_error([Observation(red), Observation(green)], "'t'")
+    assert group_start_error([Observation(red), Observation(red.copy())], "'t'") is None
 
 
 def test_values_that_cannot_cross_to_the_trainer_are_named(tmp_path):
@@ -231,13 +241,17 @@ def test_what_a_step_returns_is_checked_by_name():
     normalised = check_step(Step(screen, np.float32(0.5), np.bool_(True)), POLICY, 2)
     assert (type(normalised.reward), type(normalised.done)) == (float, bool)
     cases = [(Step(screen, "1", False), "the reward is a str, not a number"),
+             (Step(screen, True, False), "the reward is a bool, not a number"),
+             (Step(screen, np.bool_(True), False), "the reward is a bool, not a number"),
+             (Step(screen, 10**400, False), "the reward is out of a float's range"),
+             (Step(screen, 0.0, False, {1: "a", "1": "b"}), "info has a key that is not a str (int 1)"),
              (Step(screen, 0.0, "yes"), "done is a str, not a bool"),
              (Step(screen, 0.0, False, None), "info is a NoneType, not a dict"),
              (Step(screen, 0.0, False, {"state_key": ["menu"]}), "info['state_key'] is a list"),
              (Step(Observation(screen.image, None), 0.0, False), "the observation's text is a NoneType"),
              (Step(screen.image, 0.0, False), "returned a Image, not an Observation")]
     for step, message in cases:
-        with pytest.raises(BoundaryError, match=message.replace("[", r"\[")):
+        with pytest.raises(BoundaryError, match=re.escape(message)):
             check_step(step, POLICY, 3)
 
 
@@ -252,3 +266,42 @@ def test_runner_misuse_is_a_clear_error():
     with pytest.raises(RuntimeError, match="still in flight"):
         slot.begin_close()
     assert slot.result().value.done and slot.close().ok
+
+
+FORGED_TEXTS = {  # observation text -> what the refusal names
+    "Screen 2<|im_end|>\n": "holds '<|im_end|>', a token of the model's chat template",
+    "look <|vision_start|>": "holds '<|vision_start|>', a token of the model's chat template",
+    "pads <|image_pad|>": "holds '<|image_pad|>', a token of the model's chat template",
+    "an <image> tag": "holds '<image>', LLaMA-Factory's image placeholder",
+    "a <video>": "holds '<video>', LLaMA-Factory's video placeholder",
+    "an <audio>": "holds '<audio>', LLaMA-Factory's audio placeholder",
+    "a\ud800b": "is not encodable text (surrogates not allowed at character 1)",
+}
+
+
+def test_observation_text_the_renderer_cannot_take_is_refused_by_name():
+    """Text is shown as text: a chat-template token would forge a turn or an image in the training row, a media
+    placeholder would be expanded by LF's plugin, a lone surrogate cannot be tokenised. Each is an env_error at the
+    boundary naming what it holds and the turn, whether reset or step returned it."""
+    image = Image.new("RGB", (1280, 800))
+    assert check_observation(Observation(image, "Press <Save> (2 of 3) \u00e9\U0001f600"), POLICY, 1).text
+    for text, message in FORGED_TEXTS.items():
+        with pytest.raises(BoundaryError) as caught:
+            check_step(Step(Observation(image, text), 0.0, False), POLICY, 3)
+        assert str(caught.value).startswith("the observation's text for turn 3 ") and message in str(caught.value)
+        with pytest.raises(BoundaryError, match="text for turn 1"):
+            check_observation(Observation(image, text), POLICY, 1)
+
+
+def test_info_is_written_as_strict_json():
+    """NaN and infinities as strings, values JSON cannot hold (a set, an object, a dict keyed by ints, a list that
+    holds itself) as their repr, nested values kept in place: every row is valid JSON and nothing is dropped."""
+    cycle = [1]
+    cycle.append(cycle)
+    info = {"score": math.nan, "best": [math.inf, -math.inf, 0.5], "seen": {1, 2}, "by_id": {1: "a", "1": "b"},
+            "deep": {"ok": True, "n": 10**30, "none": None, "tuple": (1, "x")}, "cycle": cycle}
+    value = json_value(info)
+    assert json.loads(json.dumps(value, allow_nan=False)) == value
+    assert value["score"] == "nan" and value["best"] == ["inf", "-inf", 0.5] and value["seen"] == "{1, 2}"
+    assert value["by_id"] == "{1: 'a', '1': 'b'}"
+    assert value["deep"] == {"ok": True, "n": 10**30, "none": None, "tuple": [1, "x"]}

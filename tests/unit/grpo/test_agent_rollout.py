@@ -7,11 +7,13 @@ their group's baseline; the agent rewards, the trie number and the YAML keys' ru
 
 from __future__ import annotations
 
+import json
 import math
 import types
 
 import pytest
 import torch
+from helpers import text_env
 from test_agent_turns import ACTIONS, FIXTURES, PROMPT, SCREENS, play, renderer, screenshot
 
 from llamafactory_qwenvl_patch.agent.frame import answer_text
@@ -36,7 +38,9 @@ from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
     suffix_values,
     trajectory_inputs,
 )
-from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import _leave_failures_out
+from llamafactory_qwenvl_patch.grpo.trainer import agent_phase
+from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentMixin, _agent_metrics, _leave_failures_out
+from llamafactory_qwenvl_patch.grpo.trainer.state import RunState
 from llamafactory_qwenvl_patch.grpo.trainer.step import StepMixin
 from qwenvl_prep.demos.gui_env import ClickThroughEnv, draw_task_screen
 
@@ -282,3 +286,58 @@ def test_a_simulator_instance_plays_one_task(tiny_model):
     x1, y1, x2, y2 = screen.box
     step = env.step(Action("click", (x1 + x2) / 2, (y1 + y2) / 2))
     assert step.info["passed"] and step.info["state_key"] == 1 and not step.done
+
+
+class BuggyRenderer:
+    """The run's renderer with a bug: it raises on the prompt ``broken`` and on the observation text ``boom``."""
+
+    def __init__(self, renderer):
+        self.renderer = renderer
+
+    def root(self, prompt, *args):
+        if prompt[-1]["content"] == "broken":
+            raise IndexError("list index out of range")
+        return self.renderer.root(prompt, *args)
+
+    def observation(self, prompt, turn, screenshot, text, *args):
+        if text == "boom":
+            raise TypeError("TextEncodeInput must be Union[...]")
+        return self.renderer.observation(prompt, turn, screenshot, text, *args)
+
+
+def test_bad_observations_and_closes_end_one_trajectory_by_name(tiny_model, tmp_path, monkeypatch):
+    """A forged turn end in an observation's text is refused at the boundary; a render that raises ends the
+    trajectories it renders for (the root: the whole group; an observation: its own), naming the task, the turn and
+    the exception; the others play on. A failed close() is kept on its episode, counted and logged once; a NaN in
+    ``info`` reaches the rewards as a string, so every record is strict JSON."""
+    r = renderer(tiny_model)
+    spec = text_env(tmp_path)
+    kwargs = [{"text": "<|im_end|>"}, {"text": "boom"}, {"text": "fine", "close_raises": True}, {}, {}, {}]
+    runners = [EnvRunner(spec, k, policy=r.policy, isolation="inline", timeout=30) for k in kwargs]
+    text = '{"action": "click", "point_2d": [10, 10]}'
+    ids = r.tokenizer.encode(text, add_special_tokens=False) + [r.stop_id]
+
+    def sample(rows, images, tasks):
+        return [ids] * len(rows), [True] * len(rows), [text] * len(rows), None
+
+    tasks = [Task({"id": "a"}, PROMPT, None, None, "'a'"), Task({"id": "b"}, [{"role": "user", "content": "broken"}],
+                                                                 None, None, "'b'")]
+    episodes = run_episodes(tasks, 3, runners, [1, 2], BuggyRenderer(r), sample,
+                            EpisodeSettings(r.policy, "model", 2, 8192, 16))
+    assert [e.end for e in episodes] == ["env_error", "env_error", TURNS] + ["env_error"] * 3
+    assert "step 1: the observation's text for turn 2 holds '<|im_end|>'" in episodes[0].message
+    assert episodes[1].message.startswith("task 'a', turn 2: the observation cannot be rendered: TypeError: "
+                                          "TextEncodeInput") and "Traceback" in episodes[1].message
+    assert all(e.message.startswith("task 'b', turn 1: the observation cannot be rendered: IndexError")
+               for e in episodes[3:])
+    assert [t["info"] for t in episodes[2].turns] == [{"score": "nan", "best": "inf"}] * 2
+    assert json.loads(json.dumps(episodes[2].record(), allow_nan=False)) == episodes[2].record()
+    assert [bool(e.close_error) for e in episodes] == [False, False, True, False, False, False]
+    assert "close: raised RuntimeError: the VM did not stop" in episodes[2].close_error
+    assert _agent_metrics(episodes, 3)["agent/close_errors"] == 1.0
+    warnings = []
+    monkeypatch.setattr(agent_phase.logger, "warning", warnings.append)
+    trainer = types.SimpleNamespace(run_state=RunState())
+    for _ in range(2):
+        AgentMixin._log_close_error(trainer, episodes)
+    assert len(warnings) == 1 and "close() failed" in warnings[0] and "the VM did not stop" in warnings[0]
