@@ -101,42 +101,71 @@ def _video_stream(container: Any, name: str) -> Any:
     if stream is None:
         kinds = ", ".join(sorted({str(s.type) for s in container.streams}))
         raise VideoFileError(f"video {name}: has no video stream (only {kinds})")
+    if stream.codec_context is None:  # decoding it would crash the process (PyAV 16)
+        raise VideoFileError(f"video {name}: is truncated or corrupt: its video stream names no codec ffmpeg can "
+                             "decode (its description is cut short, or the codec is unknown)")
     return stream
 
 
-def _probe_file(video: Any) -> Clip:
+@dataclass(frozen=True)
+class _Packets:
+    """What a video stream's packets say, read without decoding."""
+
+    pts: tuple[int, ...]  # the shown frames' timestamps (empty packets and edit-list cuts left out)
+    end: int | None  # the latest timestamp plus its packet's duration
+    count: int  # every packet the demuxer gave, as a header's frame count lists them
+    short: int | None  # the first packet the demuxer flags corrupt (a short read: the file ends inside it)
+
+
+def _read_packets(container: Any, stream: Any, name: str) -> _Packets:
     import av
 
+    pts: list[int] = []
+    end, count, short = None, 0, None
+    try:
+        for packet in container.demux(stream):
+            if packet.pts is None and not packet.size:  # the demuxer's closing empty packet
+                continue
+            if packet.is_corrupt and short is None:
+                short = count
+            count += 1
+            if packet.pts is not None and packet.size and not packet.is_discard:  # edit-list cuts: not shown
+                pts.append(packet.pts)
+                stop = packet.pts + (packet.duration or 0)
+                end = stop if end is None else max(end, stop)
+    except (av.FFmpegError, OSError) as exc:
+        raise VideoFileError(f"video {name}: cannot read its packets ({exc}); the file is truncated or "
+                             "corrupt") from None
+    return _Packets(tuple(pts), end, count, short)
+
+
+def _probe_file(video: Any) -> Clip:
     name = describe(video)
     container = _open_container(video, name)
     try:
         stream = _video_stream(container, name)
-        pts, end = [], None
-        try:
-            for packet in container.demux(stream):
-                if packet.pts is not None and packet.size and not packet.is_discard:  # edit-list cuts: not shown
-                    pts.append(packet.pts)
-                    stop = packet.pts + (packet.duration or 0)
-                    end = stop if end is None else max(end, stop)
-        except (av.FFmpegError, OSError) as exc:
-            raise VideoFileError(f"video {name}: cannot read its packets ({exc}); the file is truncated or "
-                                 "corrupt") from None
+        packets = _read_packets(container, stream, name)
         width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
         base = float(stream.time_base) if stream.time_base else 0.0
         start = stream.start_time
         stated = stated_length(container, stream)
     finally:
         container.close()
-    if not pts or base <= 0:
+    pts = sorted(packets.pts)
+    if not pts:
         raise VideoFileError(f"video {name}: {truncation(stated, 0, 0.0, 0.0) or 'its video stream has no frames'}")
-    pts.sort()
+    if base <= 0:
+        raise VideoFileError(f"video {name}: its stream states no time base; the file is corrupt")
     times = tuple((p - pts[0]) * base for p in pts)
     duration = clip_duration(times)
     start = pts[0] if start is None else start
-    cut = truncation(stated, len(pts), max((pts[0] - start) * base + duration, (end - start) * base),
+    cut = truncation(stated, packets.count, max((pts[0] - start) * base + duration, (packets.end - start) * base),
                      duration - times[-1])
     if cut:
         raise VideoFileError(f"video {name}: {cut}")
+    if packets.short is not None:
+        raise VideoFileError(f"video {name}: is truncated or corrupt: its packet {packets.short + 1} of "
+                             f"{packets.count} is cut short (an interrupted copy or download?)")
     if width <= 0 or height <= 0:
         raise VideoFileError(f"video {name}: its stream has no frame size ({width}x{height})")
     check_pixels(width, height, name, "video")
@@ -169,8 +198,15 @@ def display_rotation(video: Any) -> int:
     return round(-frame.rotation) % 360
 
 
+def clip_name(video: Any) -> str:
+    """A short human name for a clip: a file's ``describe``, or a frame list's length and first frame."""
+    if not is_frame_list(video):
+        return describe(video)
+    return f"frame list ({len(video)} frames, first {describe(video[0]) if video else 'none'})"
+
+
 def _probe_frame_list(frames: Sequence[Any], fps: float) -> Clip:
-    name = f"frame list ({len(frames)} frames, first {describe(frames[0]) if frames else 'none'})"
+    name = clip_name(frames)
     if not frames:
         raise VideoFileError("video frame list is empty")
     sizes = []

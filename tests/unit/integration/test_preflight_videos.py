@@ -104,6 +104,35 @@ def test_a_clip_missing_in_both_places_names_both(media):
         check_dataset_media(dataset, POLICY, str(media), VIDEOS)
 
 
+
+def test_a_clip_cut_in_its_index_and_an_unexpected_error_keep_the_list(media, monkeypatch):
+    """An mp4 cut inside its index (moov at the end) is named truncated; today it raised AttributeError out of the
+    pre-flight and the list of the other bad samples was lost. An error the plugin does not expect (a bug, here a
+    probe made to raise for the good clip) is listed as that clip's problem, with its type and place."""
+    import datasets
+
+    from llamafactory_qwenvl_patch.integration import preflight_videos
+
+    cut_file(write_clip(media / "whole.mp4", 2, 10, 96, 64), media / "index.mp4", 0.8)
+    real_probe = preflight_videos.probe
+
+    def probe(video, fps):
+        if str(video).endswith("good.mp4"):
+            raise AttributeError("'NoneType' object has no attribute 'width'")
+        return real_probe(video, fps)
+
+    monkeypatch.setattr(preflight_videos, "probe", probe)
+    dataset = datasets.Dataset.from_dict(lf_rows(media, [*CLIPS, "index.mp4"]))
+    with pytest.raises(DatasetMediaError) as caught:
+        check_dataset_media(dataset, POLICY, str(media), VIDEOS)
+    message = str(caught.value)
+    assert message.startswith("5 video problem(s)"), message
+    assert (f"sample 0 ('<video>Clip 0?'): video {media / 'good.mp4'}: reading it raised AttributeError: 'NoneType' "
+            "object has no attribute 'width' (at test_preflight_videos.py:") in message
+    assert f"sample 6 ('<video>Clip 6?'): video {media / 'index.mp4'}: is truncated or corrupt" in message
+    for sample, clip in ((1, "empty.mp4"), (2, "cut.webm"), (4, "fifo.mp4")):
+        assert f"sample {sample} ('<video>Clip {sample}?'): video {media / clip}: " in message, message
+
 @pytest.mark.slow
 def test_lfs_pipeline_refuses_bad_clips_before_the_model_loads(tiny_model, media, tmp_path):
     """Through LF's own loader (its converter resolves the paths against media_dir), with the flag as a YAML key;

@@ -62,13 +62,15 @@ def test_a_cut_clip_is_an_error_row_and_a_problem_in_check(tmp_path, capsys):
     webm = write_clip(media / "whole.webm", 2, 10, 96, 64, "libvpx")
     cut_file(whole, media / "cut.mp4")
     cut_file(webm, media / "cut.webm")
+    cut_file(write_clip(media / "late_index.mp4", 2, 10, 96, 64), media / "cut_index.mp4", 0.8)  # today a traceback
     span = '{"span": [0.5, 1.5]}'
-    src = write_input(media, [sharegpt("whole.mp4", span), sharegpt("cut.mp4", span), sharegpt("cut.webm", span)])
+    src = write_input(media, [sharegpt(clip, span) for clip in ("whole.mp4", "cut.mp4", "cut.webm", "cut_index.mp4")])
     data = tmp_path / "data"
     code, _, errors = convert(capsys, src, data / "clips.json")
-    assert code == 1 and sorted(errors) == [1, 2], errors
+    assert code == 1 and sorted(errors) == [1, 2, 3], errors
     assert "cut.mp4: is truncated or corrupt: its header states 20 frames over 2 s" in errors[1]["error"]
     assert "cut.webm: is truncated or corrupt: its header states 2 s" in errors[2]["error"]
+    assert "cut_index.mp4: is truncated or corrupt: its video stream names no codec" in errors[3]["error"]
 
     # a dataset converted on the whole clip, whose file is then cut (a partial sync): check names it
     code, summary, _ = convert(capsys, write_input(media, [sharegpt("whole.mp4", span)]), data / "clips.json")

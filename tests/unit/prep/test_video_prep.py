@@ -230,8 +230,7 @@ def test_check_audits_videos(tmp_path, media, capsys):
     assert "span [1, 4] lies outside the clip" in problems[4]
     assert "lies outside the model frame 56x28" in problems[5]
     assert "track time -1 s lies outside the clip" in problems[6]
-    assert "cut.avi: is truncated or corrupt: its header states 40 frames over 4 s, but its packets stop after 20 " \
-        "frames (2 s)" in problems[7]
+    assert "cut.avi: is truncated or corrupt: its index lists 40 frames, 20 are there (2 s)" in problems[7]
     assert report["token_overflows"] >= 1
 
 
