@@ -145,8 +145,9 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
     to_decode: list[tuple[int, str]] = []
     videos = VideoChecker(spec.stamp, data_stamp, full_decode, count_text)
 
-    def problem(sample: int, image: str | None, message: str) -> None:
-        report.problems.append({"sample": sample, "image": image, "error": message})
+    def problem(sample: int, image: str | None, message: str, key: str = "image") -> None:
+        """One problem row, naming the image or clip (``key`` ``video``) it is about."""
+        report.problems.append({"sample": sample, key: image, "error": message})
 
     for sample in iter_samples(ref):
         report.samples += 1
@@ -158,7 +159,7 @@ def check_dataset(ref: DatasetRef, spec: RunSpec, model: str | None = None, full
             video_tokens, video_problems = videos.scan(sample)
             tokens += video_tokens
             for video, message in video_problems:
-                problem(sample.index, video, message)
+                problem(sample.index, video, message, "video")
         sizes: dict[int, tuple[tuple[int, int], tuple[int, int], tuple[int, int]]] = {}
         for shown, image in enumerate(sample.images):
             report.images += 1

@@ -185,9 +185,11 @@ def _labelled_size(job: Job, images: list[str], shown: int, info: ImageInfo, res
 
 
 def convert_record(index: int, raw: Any, job: Job) -> Result:
-    """Convert one raw input record; every failure becomes an error row naming record, file and image."""
+    """Convert one raw input record; every failure becomes an error row naming record, file and the image or video
+    (under that key) it was at."""
     result = Result(index)
     image = origin = None
+    media_key = "image"
     try:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
@@ -198,6 +200,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         images = [_resolve(p, job.image_root) for p in record["images"]]
         videos = convert_video.resolve_videos(record.get("videos") or [], lambda p: _resolve(p, job.video_root))
         image = images[0] if images else (convert_video.name(videos[0]) if videos else None)
+        media_key = "image" if images or not videos else "video"
         result.videos, result.media = len(videos), image
         result.video_kind = convert_video.kind(videos[0]) if videos else None
         turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
@@ -206,12 +209,12 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         infos = [_info(p) for p in images]
         clips = []
         for i, video in enumerate(videos):
-            image = convert_video.name(video)
+            image, media_key = convert_video.name(video), "video"
             clip = convert_video.probe_clip(video, job.target)
             videos[i], upright = convert_video.upright(video, clip, job.video_rotation, job.out_dir, job.target)
             result.videos_baked += upright is not clip
             clips.append(upright)
-        image = result.media
+        image, media_key = result.media, "image" if images or not videos else "video"
         if clips:
             result.spans, result.timed_boxes = convert_video.check_times([m["content"] for m in turns], clips,
                                                                          record.get("declared_duration"))
@@ -247,7 +250,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
                 if not answer.items:
                     continue
                 if shown not in sizes:
-                    image = images[shown]
+                    image, media_key = images[shown], "image"
                     sizes[shown] = _labelled_size(job, images, shown, infos[shown], result)
                     if declared:
                         _check_declared_size("COCO" if record.get("coco_size") else "the annotation", declared,
@@ -269,7 +272,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
     except (RecordError, AnswerError, PolicyError, ImageError, ConvertError, KeyError, TypeError) as exc:
         message = str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"malformed record ({exc!r})"
         message = f"{origin}: {message}" if isinstance(origin, str) else message
-        result.error = {"record": index, "file": job.source_file, "image": image, "error": message}
+        result.error = {"record": index, "file": job.source_file, media_key: image, "error": message}
     return result
 
 

@@ -78,7 +78,8 @@ def test_a_cut_clip_is_an_error_row_and_a_problem_in_check(tmp_path, capsys):
     whole.write_bytes((media / "cut.mp4").read_bytes())
     code, report = check(capsys, tmp_path, data, "clips")
     assert code == 1 and not report["ok"]
-    assert any("whole.mp4: is truncated or corrupt" in row["error"] for row in report["problems"]), report
+    [row] = [row for row in report["problems"] if "whole.mp4: is truncated or corrupt" in row["error"]]
+    assert row["video"].endswith("whole.mp4") and "image" not in row, row  # named a video, under its own key
     assert not report.get("video_notes"), report
 
 

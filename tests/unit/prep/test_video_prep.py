@@ -142,7 +142,7 @@ def test_temporal_span_format(tmp_path, media, capsys):
     assert json.loads(written[0]["meta"]) == {"id": "a1", "duration": 2.0, "query": "the bar grows"}
     assert json.loads(written[2]["meta"])["sentence_index"] == 1
     assert "span [0.5, 9] lies outside the clip (0 to 2 s" in errors[3]["error"]
-    assert errors[3]["image"].endswith("clip.mp4")
+    assert errors[3]["video"].endswith("clip.mp4") and "image" not in errors[3]  # a clip's row names it a video
     assert "entry 4" in errors[4]["error"] and "'backwards'" in errors[4]["error"]
     assert "declares a duration of 30 s, the clip runs 2 s" in errors[5]["error"]
     assert "missing.mp4" in errors[6]["error"] and "not found" in errors[6]["error"]
