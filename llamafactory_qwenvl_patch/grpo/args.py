@@ -358,7 +358,6 @@ def _check_agent_keys(args: Any) -> None:
     refused = [(key, why) for key, on, why in (
         ("grpo_blank_image_ratio", args.grpo_blank_image_ratio > 0, "the blank-image control blanks a prompt's own "
          "images; an agent's screenshots come from the environment"),
-        ("grpo_dynamic_sampling", args.grpo_dynamic_sampling, "refilling groups of trajectories is not built"),
     ) if on]
     refused += [(f"reward_funcs: {name}", "it counts one completion's tokens; a trajectory has many actions")
                 for name in names if name in AGENT_REFUSED_REWARDS]

@@ -160,12 +160,14 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
 def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path):
     """``path/to/env.py:Class`` with its keyword arguments: the class is loaded in the worker processes, its
     screenshots are whatever size it draws, and its rewards are the env reward. With ``grpo_agent_credit: gigpo``
-    (its ``state_key`` is the screens passed) the steps taken from one state are grouped and the run trains."""
+    (its ``state_key`` is the screens passed) the steps taken from one state are grouped and the run trains. With
+    dynamic sampling a flat group of trajectories is swapped for a fresh task's (or the budget says it stayed)."""
     root, data = tasks
     out = tmp_path / "out"
     config = agent_config(tiny_model, data, out, "qwen2_vl", max_steps=1, save_steps=1,
                           grpo_agent_env=f"{root / 'envs' / 'colour_env.py'}:ColourScreens",
-                          grpo_agent_env_kwargs='{"screens": 2}', grpo_agent_credit="gigpo", grpo_agent_gamma=0.9)
+                          grpo_agent_env_kwargs='{"screens": 2}', grpo_agent_credit="gigpo", grpo_agent_gamma=0.9,
+                          grpo_dynamic_sampling=True, grpo_max_resample=2)
     result = run_cli(["llamafactory-cli", "train"], config, tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -176,6 +178,9 @@ def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path)
         assert row["reward"] == pytest.approx(1.0 if passed >= 2 else 0.0)  # action_format: 0, no JSON action
     [logged] = [row for row in read_log(out) if "loss" in row]
     assert 0 < logged["agent/step_grouped_share"] <= 1 and (out / "adapter_model.safetensors").is_file()
+    rewards = {row["reward"] for row in rows}  # the trained group: not flat, unless the budget ran out
+    assert logged["dynamic/replaced_groups"] + logged["dynamic/short_groups"] <= 1
+    assert len(rewards) > 1 or logged["dynamic/short_groups"] == 1, (rewards, logged)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from llamafactory_qwenvl_patch.agent.runner import ENV_TIMEOUT, EnvRunner, describe_task
 from llamafactory_qwenvl_patch.frame.mrope import token_types
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.grpo.algorithm.dynamic_sampling import flat_groups, fresh_indices
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import micro_batch_counts, step_normalizers
 from llamafactory_qwenvl_patch.grpo.algorithm.step_credit import grouped_share, step_advantages
 from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
@@ -36,7 +37,7 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     trie_saving,
 )
 from llamafactory_qwenvl_patch.grpo.rewards.monitors import rollout_metrics
-from llamafactory_qwenvl_patch.grpo.rewards.registry import reward_inputs, score
+from llamafactory_qwenvl_patch.grpo.rewards.registry import Scored, pick_scored, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
 from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
     ACTION_INDEX,
@@ -233,15 +234,16 @@ class AgentMixin:
         G, spg = self.num_generations, self.steps_per_generation
         per_micro = len(features) // spg
         model.train()
-        parts = []
+        dynamic = self.grpo_args.grpo_dynamic_sampling
+        sampled, parts = [], []
         for j in range(spg):
-            episodes, meta = self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G)
-            inputs, targets, mask, kept = self._agent_inputs(episodes)
-            sampling = kept([_sampled_values(e) for e in episodes]) if self.vllm is not None else None
-            with torch.no_grad(), self._shared_attention():
-                old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
-                ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
-            parts.append(AgentPart(episodes, meta, inputs, targets, mask, kept, old, ref, sampling))
+            sampled.append(self._agent_episodes(model, features[j * per_micro:(j + 1) * per_micro], j, G))
+            if not dynamic:  # each part's inputs right after its episodes, as a run without refills always did
+                parts.append(self._agent_part(model, *sampled[-1]))
+        picked = None
+        if dynamic:
+            sampled, picked = self._agent_refill(model, sampled, per_micro)
+            parts = [self._agent_part(model, episodes, meta) for episodes, meta in sampled]
         episodes = [e for part in parts for e in part.episodes]
         meta = [m for part in parts for m in part.meta]
         device = parts[0].inputs["input_ids"].device
@@ -249,10 +251,7 @@ class AgentMixin:
         self._check_env_failures(episodes, failed)
         texts = [e.actions_text for e in episodes]
         lengths = torch.cat([part.mask.sum(dim=1) for part in parts]).float()  # action tokens per trajectory
-        columns, shared = reward_inputs(meta, G, self.agent.policy, self.coords, [int(n) for n in lengths.tolist()],
-                                        self.loss_config.max_completion_length, None)
-        columns["trajectories"] = [e.record() for e in episodes]
-        results = [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+        results = picked if picked is not None else self._agent_scores(episodes, meta, lengths.tolist())
         rewards = self._score(texts, meta, [int(n) for n in lengths.tolist()], results).to(device)
         baseline_rewards, usable = _leave_failures_out(rewards, failed, G)
         adv = self._advantages(baseline_rewards, lengths)
@@ -285,6 +284,73 @@ class AgentMixin:
                            token_normalizer=norms[j][0], seq_normalizer=norms[j][1],
                            sampling_logps=part.sampling_logps)
                 for j, part in enumerate(parts)]
+
+    def _agent_part(self, model: Any, episodes: list[Episode], meta: list[SampleMeta]) -> AgentPart:
+        """One micro-batch's trajectories as training inputs, with the old and reference log-probs where needed."""
+        inputs, targets, mask, kept = self._agent_inputs(episodes)
+        sampling = kept([_sampled_values(e) for e in episodes]) if self.vllm is not None else None
+        with torch.no_grad(), self._shared_attention():
+            old = self._token_logps(model, inputs, targets)[0] if self.off_policy else None
+            ref = self._reference_logps(model, inputs, targets) if self.grpo_args.grpo_beta != 0 else None
+        return AgentPart(episodes, meta, inputs, targets, mask, kept, old, ref, sampling)
+
+    def _agent_scores(self, episodes: list[Episode], meta: list[SampleMeta], lengths: list[float]) -> list[Scored]:
+        """Each reward's values over ``episodes`` (G per task of ``meta``; ``lengths``: their action tokens)."""
+        texts = [e.actions_text for e in episodes]
+        columns, shared = reward_inputs(meta, self.num_generations, self.agent.policy, self.coords,
+                                        [int(n) for n in lengths], self.loss_config.max_completion_length, None)
+        columns["trajectories"] = [e.record() for e in episodes]
+        return [score(reward, texts, columns, shared) for reward in self.reward_funcs]
+
+    def _agent_flat(self, episodes: list[Episode], results: list[Scored]) -> list[bool]:
+        """Per task: its group teaches nothing: every usable trajectory got one total reward (a failed one stands at
+        its group's mean), or fewer than two are usable."""
+        G = self.num_generations
+        if not episodes:
+            return []
+        failed = torch.tensor([e.failed for e in episodes])
+        baseline, usable = _leave_failures_out(self._weighted_total(results, len(episodes)), failed, G)
+        unusable = ~usable.view(-1, G).any(dim=1)
+        return [flat or none for flat, none in zip(flat_groups(baseline, G), unusable.tolist())]
+
+    def _agent_refill(self, model: Any, sampled: list[tuple[list[Episode], list[SampleMeta]]], per_micro: int
+                      ) -> tuple[list[tuple[list[Episode], list[SampleMeta]]], list[Scored]]:
+        """DAPO's dynamic sampling over tasks (``dynamic_sampling``'s rules): each flat group of trajectories is
+        swapped for the G trajectories of a freshly drawn task whose group is not flat, at most
+        ``grpo_max_resample`` extra micro-batches of tasks; returns the parts and each reward's values over their
+        final trajectories in order."""
+        G = self.num_generations
+        sources = []
+        for episodes, meta in sampled:
+            results = self._agent_scores(episodes, meta, [_action_tokens(e) for e in episodes])
+            sources.append((episodes, meta, results, self._agent_flat(episodes, results)))
+        slots = [(j, k) for j, source in enumerate(sources) for k, flat in enumerate(source[3]) if flat]
+        candidates: list[tuple[int, int]] = []
+        attempts = 0
+        while attempts < self.grpo_args.grpo_max_resample and self._any_rank(len(slots) > len(candidates)):
+            indices = fresh_indices(len(self.train_dataset), per_micro, self.args.seed, self.args.process_index,
+                                    self.run_state.micro_step, attempts)
+            episodes, meta = self._agent_episodes(model, [self.train_dataset[i] for i in indices],
+                                                  self.steps_per_generation + attempts, G)
+            attempts += 1
+            results = self._agent_scores(episodes, meta, [_action_tokens(e) for e in episodes])
+            sources.append((episodes, meta, results, self._agent_flat(episodes, results)))
+            candidates += [(len(sources) - 1, k) for k, flat in enumerate(sources[-1][3]) if not flat]
+        swaps = dict(zip(slots, candidates))
+        parts, rows = [], []
+        for j, (episodes, meta, _, _) in enumerate(sources[:len(sampled)]):
+            picked_episodes, picked_meta = [], []
+            for k in range(len(meta)):
+                source, kk = swaps.get((j, k), (j, k))
+                donor_episodes, donor_meta = sources[source][0], sources[source][1]
+                picked_meta.append(donor_meta[kk])
+                picked_episodes += donor_episodes[kk * G:(kk + 1) * G]
+                rows += [(source, kk * G + g) for g in range(G)]
+            parts.append((picked_episodes, picked_meta))
+        self.run_state.metrics["dynamic/replaced_groups"].append(float(len(swaps)))
+        self.run_state.metrics["dynamic/short_groups"].append(float(len(slots) - len(swaps)))
+        self.run_state.metrics["dynamic/resampled_batches"].append(float(attempts))
+        return parts, pick_scored([source[2] for source in sources], rows)
 
     def _step_credit(self, episodes: list[Episode], adv: torch.Tensor, usable: torch.Tensor, parts: list[AgentPart],
                      bounds: list[int]) -> list[torch.Tensor]:
@@ -399,6 +465,11 @@ def _row(episode: Episode) -> tuple[list[int], list[int], list[Any]]:
     ids, mask = episode.trajectory.rows()
     root = episode.root
     return list(root.ids) + ids, [0] * len(root.ids) + mask, [*root.images, *episode.trajectory.images]
+
+
+def _action_tokens(episode: Episode) -> int:
+    """The tokens of ``episode``'s actions (its trajectory's loss mask), what its training row trains."""
+    return sum(episode.trajectory.rows()[1]) if episode.root is not None else 0
 
 
 def _sampled_values(episode: Episode) -> list[float]:

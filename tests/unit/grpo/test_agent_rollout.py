@@ -24,6 +24,7 @@ from llamafactory_qwenvl_patch.frame.mrope import pin_pretrained_positions
 from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     DONE,
     TURNS,
+    Episode,
     EpisodeSettings,
     Task,
     run_episodes,
@@ -262,6 +263,80 @@ def test_a_failed_trajectory_leaves_its_groups_baseline():
     first = baseline[:4]
     assert first[2] == pytest.approx((1.0 + 0.0 + 0.5) / 3) and first.mean() == pytest.approx(0.5)
     assert usable.tolist() == [True, True, False, True, False, False, False, False]  # group 2: one usable member
+
+
+class ScriptedRefill:
+    """The trainer's agent refill (``AgentMixin._agent_refill`` with its flat rule and ``RefillMixin``'s rank vote)
+    over scripted rollouts: each dataset task's G trajectories get the rewards and failures of ``TABLE[task]``
+    (sampling and scoring are the table; the swaps, the draws and the bookkeeping are the trainer's)."""
+
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentMixin
+    from llamafactory_qwenvl_patch.grpo.trainer.refill import RefillMixin
+    from llamafactory_qwenvl_patch.grpo.trainer.rollout_phase import RolloutMixin
+
+    _agent_refill, _agent_flat = AgentMixin._agent_refill, AgentMixin._agent_flat
+    _any_rank, _weighted_total = RefillMixin._any_rank, RolloutMixin._weighted_total
+
+    def __init__(self, table: dict[int, list[float | None]], max_resample: int):
+        from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
+        from llamafactory_qwenvl_patch.grpo.trainer.state import RunState
+
+        self.table, self.num_generations, self.steps_per_generation = table, 2, 2
+        self.train_dataset = [{"grpo_index": index} for index in sorted(table)]
+        self.grpo_args = types.SimpleNamespace(grpo_max_resample=max_resample)
+        self.args = types.SimpleNamespace(seed=3, process_index=0)
+        self.accelerator = types.SimpleNamespace(num_processes=1)
+        self.reward_funcs, self.run_state, self.sampled_parts = [Reward("r", None, 1.0)], RunState(), []
+
+    def _agent_episodes(self, model, features, part, G):
+        from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta, Segment, Trajectory
+
+        self.sampled_parts.append(part)
+        meta, episodes = [], []
+        for k, feature in enumerate(features):
+            index = feature["grpo_index"]
+            meta.append(SampleMeta(index, f"task {index}", "", None))
+            for g, reward in enumerate(self.table[index]):
+                trajectory = Trajectory((Segment("model", (5, 6)),), end="env_error" if reward is None else DONE)
+                episodes.append(Episode(k, Segment("env", (1,)), trajectory, [{"text": f"{index}-{g}"}]))
+        return episodes, meta
+
+    def _agent_scores(self, episodes, meta, lengths):
+        from llamafactory_qwenvl_patch.grpo.rewards.registry import Scored
+
+        values = [self.table[m.index][g] or 0.0 for m in meta for g in range(self.num_generations)]
+        return [Scored(values, [False] * len(values), None)]
+
+
+def test_dynamic_sampling_swaps_a_flat_group_of_trajectories_for_a_fresh_tasks():
+    """Issue 50, item 4: DAPO's refill over tasks. A group is flat when its usable trajectories all scored alike or
+    fewer than two are usable (a failed one stands at its group's mean); each is swapped, in order, for a fresh
+    task's non-flat group with its G trajectories, meta and rewards; fresh tasks are sampled as parts of their own
+    (other seeds); a budget spent leaves the rest flat and says so."""
+    table = {0: [1.0, 0.0], 1: [0.5, 0.5], 2: [None, 1.0], 3: [0.0, 1.0], 4: [0.2, 0.2], 5: [1.0, 0.0], 6: [0.0, 0.3]}
+    trainer = ScriptedRefill(table, max_resample=6)
+    sampled = [trainer._agent_episodes(None, [{"grpo_index": i} for i in pair], j, 2)
+               for j, pair in enumerate([(0, 1), (2, 3)])]
+    parts, picked = trainer._agent_refill(None, sampled, per_micro=2)
+    kept = [[m.index for m in meta] for _, meta in parts]
+    assert kept[0][0] == 0 and kept[1][1] == 3  # the non-flat groups stay where they were
+    fresh = [kept[0][1], kept[1][0]]
+    assert all(index not in (1, 2, 4) for index in fresh), kept  # flat groups, sampled or drawn, never come back
+    for (episodes, meta) in parts:
+        assert [e.actions_text.split("-")[0] for e in episodes] == [str(m.index) for m in meta for _ in range(2)]
+    assert picked[0].values == [table[i][g] or 0.0 for pair in kept for i in pair for g in range(2)]
+    metrics = trainer.run_state.metrics
+    assert metrics["dynamic/replaced_groups"] == [2.0] and metrics["dynamic/short_groups"] == [0.0]
+    attempts = int(metrics["dynamic/resampled_batches"][0])
+    assert 1 <= attempts <= 6 and trainer.sampled_parts[2:] == [2 + a for a in range(attempts)]
+
+    flat = ScriptedRefill({0: [0.5, 0.5], 1: [None, 0.2]}, max_resample=2)  # nothing to swap in
+    sampled = [flat._agent_episodes(None, [{"grpo_index": i}], j, 2) for j, i in enumerate((0, 1))]
+    parts, picked = flat._agent_refill(None, sampled, per_micro=1)
+    assert [[m.index for m in meta] for _, meta in parts] == [[0], [1]] and picked[0].values == [0.5, 0.5, 0.0, 0.2]
+    assert {key: flat.run_state.metrics[f"dynamic/{key}"] for key in ("replaced_groups", "short_groups",
+                                                                       "resampled_batches")} == {
+        "replaced_groups": [0.0], "short_groups": [2.0], "resampled_batches": [2.0]}
 
 
 def test_agent_rewards_and_the_trie_number():
