@@ -216,6 +216,49 @@ def test_a_packed_group_equals_one_row_per_trajectory(request, family):
     assert_close_grads(packed_grads, plain_grads)
 
 
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_hf_generation_of_left_padded_turns_equals_each_row_alone(request, family):
+    """The HF sampler of an agent run (``AgentMixin._agent_sampler``) generates on whole rows, left-padded to one
+    width with every row's screenshots, and lets the model number the positions (every row starts at its task's
+    root): a turn-1 row and a turn-3 row (screens of three sizes) batched give each the greedy tokens and logits it
+    gets alone."""
+    from transformers import AutoModelForImageTextToText
+
+    from llamafactory_qwenvl_patch.agent.frame import model_screen
+
+    model_dir = request.getfixturevalue(FIXTURES[family])
+    r = renderer(model_dir)
+    tok, pad = r.tokenizer, r.tokenizer.pad_token_id
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    if FAMILIES[family].video_clock != "stamps":
+        pin_pretrained_positions(model)  # as the plugin loads Qwen2/2.5-VL
+    action = tuple(tok.encode('{"action": "done"}', add_special_tokens=False) + [r.stop_id])
+    shots = [model_screen(s, r.policy).image for s in (screenshot(640, 480, 1), screenshot(300, 900, 2),
+                                                          screenshot(1000, 400, 3))]
+    rows, images = [], []
+    for turns in (1, 3):
+        root, trajectory = play(r, [action] * turns, shots[:turns])
+        rows.append(list(root.ids) + trajectory.rows()[0][:-len(action)])  # the prompt of action ``turns``
+        images.append([*root.images, *trajectory.images][:turns])
+
+    def generate(batch_rows, batch_images):
+        width = max(len(row) for row in batch_rows)
+        batch = {"input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in batch_rows]),
+                 "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in batch_rows])}
+        visual = r.processor.image_processor(images=[i for row in batch_images for i in row], return_tensors="pt")
+        batch.update(pixel_values=visual["pixel_values"], image_grid_thw=visual["image_grid_thw"])
+        with torch.no_grad():
+            return model.generate(**batch, max_new_tokens=6, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+
+    both, width = generate(rows, images), max(len(row) for row in rows)
+    for k in range(2):
+        alone = generate([rows[k]], [images[k]])
+        new = len(alone.scores)  # a row that stops early is padded in the batch after its stop token
+        assert both.sequences[k, width:width + new].tolist() == alone.sequences[0, len(rows[k]):].tolist()
+        assert max((both.scores[t][k] - alone.scores[t][0]).abs().max() for t in range(new)) < 1e-4
+
+
 def test_step_values_land_on_their_own_actions_tokens(tiny_model):
     """GiGPO's per-step advantages reach the loss as per-token values: each action's value on exactly that action's
     tokens, in the packed layout and in one row per trajectory (a trajectory failed at reset has none)."""
