@@ -9,6 +9,7 @@ Errors name the clip and say what is wrong.
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -281,3 +282,11 @@ def _decode(video: Any, clip: Clip, wanted: set[int], each: Callable[[int, Image
         raise VideoFileError(f"video {clip.name}: its packets list {len(clip.times)} frames but frame {missing[0]} "
                              "does not decode; the file is truncated or corrupt")
     return found
+
+
+def unexpected_read_problem(name: str, exc: Exception) -> str:
+    """A problem naming an error the plugin does not expect from reading a clip (a bug in it or in PyAV): listed with
+    the clip's name, its type and where it was raised, so the run still stops and the report can be filed."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return (f"video {name}: reading it raised {type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:"
+            f"{where.lineno}); a bug in the plugin or PyAV, please report it with the clip")

@@ -14,15 +14,20 @@ the list of the others is not lost.
 
 from __future__ import annotations
 
-import os
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from llamafactory_qwenvl_patch.frame.policy import PolicyError
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError, describe
-from llamafactory_qwenvl_patch.image_io.video import clip_name, display_rotation, is_frame_list, probe, read_clip
+from llamafactory_qwenvl_patch.image_io.video import (
+    clip_name,
+    display_rotation,
+    is_frame_list,
+    probe,
+    read_clip,
+    unexpected_read_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,8 @@ def check_clip(video: Any, check: VideoCheck, located: Callable[[Any], str | Non
     except (ImageError, PolicyError) as exc:
         return ClipResult(str(exc))
     except Exception as exc:  # noqa: BLE001 - one clip's unforeseen error must not lose the other samples' list
-        return ClipResult(_unexpected(clip_name(video), exc))
+        return ClipResult(unexpected_read_problem(clip_name(video), exc))
     return ClipResult(None, rotation)
-
-
-def _unexpected(name: str, exc: Exception) -> str:
-    """A problem naming an error the plugin does not expect from reading a clip (a bug in it or in PyAV): listed with
-    the clip's name, its type and where it was raised, so the run still stops and the report can be filed."""
-    where = traceback.extract_tb(exc.__traceback__)[-1]
-    return (f"video {name}: reading it raised {type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:"
-            f"{where.lineno}); a bug in the plugin or PyAV, please report it with the clip")
 
 
 def clip_key(video: Any) -> Any:

@@ -14,7 +14,14 @@ from llamafactory_qwenvl_patch.frame.policy import PolicyError, check_box, check
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError
-from llamafactory_qwenvl_patch.image_io.video import Clip, display_rotation, probe, read_clip
+from llamafactory_qwenvl_patch.image_io.video import (
+    Clip,
+    clip_name,
+    display_rotation,
+    probe,
+    read_clip,
+    unexpected_read_problem,
+)
 from llamafactory_qwenvl_patch.image_io.video_header import stated_length
 from qwenvl_prep.formats.converted import Sample
 from qwenvl_prep.formats.video_labels import LabelError, clip_problems, frame_interval, video_labels
@@ -73,6 +80,8 @@ class VideoChecker:
                 read_clip(video, self.policy, self.list_fps, clip=found)
         except (ImageError, PolicyError) as exc:
             found = str(exc)
+        except Exception as exc:  # noqa: BLE001 - one clip's unforeseen error must not lose the report
+            found = unexpected_read_problem(clip_name(video), exc)
         else:
             if isinstance(video, str):
                 self._header_note(video, found, sample)

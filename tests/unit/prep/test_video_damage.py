@@ -54,7 +54,7 @@ def write_input(folder: Path, records: list[dict]) -> Path:
     return path
 
 
-def test_a_cut_clip_is_an_error_row_and_a_problem_in_check(tmp_path, capsys):
+def test_a_cut_clip_is_an_error_row_and_a_problem_in_check(tmp_path, capsys, monkeypatch):
     """Today convert wrote the cut clip's packets as its duration (0.3 s of a 2-s clip) and check printed a note."""
     media = tmp_path / "media"
     media.mkdir()
@@ -80,6 +80,18 @@ def test_a_cut_clip_is_an_error_row_and_a_problem_in_check(tmp_path, capsys):
     assert code == 1 and not report["ok"]
     [row] = [row for row in report["problems"] if "whole.mp4: is truncated or corrupt" in row["error"]]
     assert row["video"].endswith("whole.mp4") and "image" not in row, row  # named a video, under its own key
+
+    # an error the plugin does not expect from a clip (a bug, here a probe made to raise) is that clip's problem
+    from qwenvl_prep.pipeline import check_video
+
+    def broken_probe(video, fps):
+        raise AttributeError("'NoneType' object has no attribute 'width'")
+
+    monkeypatch.setattr(check_video, "probe", broken_probe)
+    code, report = check(capsys, tmp_path, data, "clips")
+    assert code == 1 and not report["ok"]
+    [row] = report["problems"]
+    assert "reading it raised AttributeError: 'NoneType' object has no attribute 'width'" in row["error"], row
     assert not report.get("video_notes"), report
 
 
