@@ -298,9 +298,11 @@ def extend_finetuning_arguments(base: type) -> type:
             if self.grpo_delta is not None and self.grpo_delta <= 1 + self.grpo_epsilon_high:
                 raise ValueError(f"grpo_delta ({self.grpo_delta}) must be above 1 + grpo_epsilon_high "
                                  f"({1 + self.grpo_epsilon_high}): below it, it clips inside the trust region")
-            if self.grpo_delta is not None and self.grpo_loss_type == "cispo":
-                raise ValueError("grpo_delta bounds the clipped surrogate's ratio; cispo bounds its weight with "
-                                 "grpo_cispo_cap")
+            surrogate = LOSS_TYPES[self.grpo_loss_type][0]
+            if self.grpo_delta is not None and surrogate != "clipped":
+                raise ValueError(f"grpo_delta bounds the clipped surrogate's ratio; grpo_loss_type "
+                                 f"{self.grpo_loss_type} is the {surrogate} surrogate, which it does not bound "
+                                 "(cispo bounds its weight with grpo_cispo_cap)")
             if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
                 raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                                  f"got {self.grpo_rollout_backend!r}")
