@@ -45,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The subcommand's arguments, with ``run`` as its handler."""
     demo = sub.add_parser(
         "demo",
-        help="the whole pipeline on 2 CPU cores in a few minutes (grounding about 4, gui 5, fields 7), ending with a "
-        "model that learned the task",
+        help="the whole pipeline on 2 CPU cores, ending with a model that learned the task (minutes on idle cores: "
+        "grounding about 4, gui 5, fields 7; video and agent about 8 of SFT each, more in all)",
         description="Synthesise a dataset (grounding: coloured rectangles on photos of mixed sizes; gui: screenshots "
         "at real screen sizes as a ScreenSpot file; fields: rendered invoices), build a small random-weight model, "
         "and run convert, check, llamafactory-cli train (SFT from scratch, then GRPO), export, predict, eval and "
