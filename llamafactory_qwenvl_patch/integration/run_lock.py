@@ -30,6 +30,7 @@ from pathlib import Path
 
 LOCK_FILE = ".qwenvl_run.lock"
 _HELD: dict[str, tuple[int, ...]] = {}  # resolved output_dir -> the descriptors holding its locks, open until exit
+_LOCKED: dict[str, tuple[int, int]] = {}  # resolved output_dir -> (st_dev, st_ino) of the folder this process locked
 # filesystems without locks (some FUSE mounts; EBADF: a network filesystem refusing a lock on a read-only
 # descriptor, as a directory's is): that lock is skipped
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
@@ -40,16 +41,22 @@ class RunLockedError(RuntimeError):
 
 
 def lock_output_dir(output_dir: str | os.PathLike) -> str | None:
-    """Take ``output_dir``'s run lock for the rest of this process (again in the same process: a no-op). Raises
-    RunLockedError naming the holder; returns a warning when the filesystem has no locks (None when held)."""
+    """Take ``output_dir``'s run lock for the rest of this process (again in the same process: a no-op, unless the
+    folder it locked was since deleted or replaced: then the new folder is locked). Raises RunLockedError naming the
+    holder; returns a warning when the filesystem has no locks (None when held)."""
     folder = Path(output_dir).resolve()
     if str(folder) in _HELD:
-        return None
+        if _is_locked_folder(folder):
+            return None
+        for descriptor in _HELD.pop(str(folder)):  # a folder gone since: its locks guard nothing
+            os.close(descriptor)
+        _LOCKED.pop(str(folder), None)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     held: list[int] = []
     try:
         folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        identity = os.fstat(folder_fd)
         if _flock(folder_fd, output_dir, path) is None:  # first: a refused run must not recreate a deleted file
             held.append(folder_fd)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -65,6 +72,7 @@ def lock_output_dir(output_dir: str | os.PathLike) -> str | None:
         held.append(fd)
     if held:
         _HELD[str(folder)] = tuple(held)
+        _LOCKED[str(folder)] = (identity.st_dev, identity.st_ino)
         return None
     return (f"cannot lock {path} ({unlockable}): this filesystem has no file locks, so nothing stops a second run "
             "from starting into the same output_dir; start one run per output_dir")
@@ -74,20 +82,20 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
     """Raise RunLockedError when the ``output_dir`` this process locked is no longer the folder at that path (deleted,
     or moved away and replaced); a no-op where this process holds no lock on it."""
     folder = Path(output_dir).resolve()
-    held = _HELD.get(str(folder))
-    if not held:
-        return
-    locked = os.fstat(held[0])
-    try:
-        now = os.stat(folder)
-        same = (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino)
-    except FileNotFoundError:
-        same = False
-    if not same:
+    if str(folder) in _LOCKED and not _is_locked_folder(folder):
         raise RunLockedError(
             f"output_dir {output_dir} was deleted or replaced while this run trained into it: its lock went with the "
             "folder, so another run may be training there now. This run stops rather than write beside it; give it "
             "its own output_dir and resume from a checkpoint you kept.")
+
+
+def _is_locked_folder(folder: Path) -> bool:
+    """Whether ``folder`` (resolved, locked by this process) is still the folder that was locked."""
+    try:
+        now = os.stat(folder)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == _LOCKED[str(folder)]
 
 
 def _flock(fd: int, output_dir: str | os.PathLike, path: Path) -> str | None:
@@ -127,6 +135,7 @@ def _close_in_child() -> None:
         for descriptor in descriptors:
             os.close(descriptor)
     _HELD.clear()
+    _LOCKED.clear()
 
 
 os.register_at_fork(after_in_child=_close_in_child)

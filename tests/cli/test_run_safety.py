@@ -129,9 +129,13 @@ def test_a_run_whose_folder_was_replaced_stops_at_its_next_step(tmp_path, how):
     try:
         with pytest.raises(RunLockedError, match="was deleted or replaced while this run trained into it"):
             step_end(SimpleNamespace(output_dir=str(out)), None, None)
+        with pytest.raises(RunLockedError, match="is in use by another run"):
+            lock_output_dir(out)  # this process again (a notebook's next run): the new folder is the newcomer's
     finally:
         newcomer.send_signal(signal.SIGKILL)
         newcomer.wait()
+    lock_output_dir(out)  # once free, this process locks the new folder, and its steps go on
+    step_end(SimpleNamespace(output_dir=str(out)), None, None)
 
 
 def test_a_forked_worker_does_not_keep_a_killed_run_s_lock(tmp_path):
