@@ -40,22 +40,29 @@ def _media_urls(request: Any) -> Iterator[tuple[str, str]]:
 
 
 def _data_url_parts(url: str) -> tuple[str, list[str], str]:
-    """(media type as written, its parameters in order, the data) of a data URL (RFC 2397)."""
-    header, _, data = url[5:].partition(",")
+    """(media type as written, its parameters in order as written, the data) of a data URL (RFC 2397). The header
+    ends at ``;base64,`` where there is one (a parameter may hold a comma: ``codecs=vp8,opus``), else at the first
+    comma."""
+    body = url[5:]
+    header, marker, data = body.partition(";base64,")
+    if marker:
+        header += ";base64"
+    else:
+        header, _, data = body.partition(",")
     media_type, *parameters = header.split(";")
-    return media_type, [p.strip().lower() for p in parameters], data
+    return media_type, parameters, data
 
 
 def _encoding_problem(kind: str, parameters: list[str], data: str) -> str | None:
     """Why the data of a data URL of a readable type is not read, or None: it must be base64 and not empty. A video
     may carry other parameters before ``;base64`` (``video/webm;codecs=vp9``: the prefix is replaced before LF
-    reads it); LF's image pattern takes ``;base64`` alone."""
+    reads it); LF's image pattern takes ``;base64`` alone, exactly so written."""
     if not data:
         return "empty"
-    if not parameters or parameters[-1] != "base64":
+    if not parameters or parameters[-1].strip().lower() != "base64":
         return "not base64"
     if kind == "image_url" and parameters != ["base64"]:
-        return f"parameters {';'.join(parameters[:-1])}: LLaMA-Factory's pattern takes ';base64' alone"
+        return f"parameters {';'.join(parameters)}: LLaMA-Factory's pattern takes ';base64' alone"
     return None
 
 
@@ -99,7 +106,7 @@ def relabel_video_data_urls(request: Any) -> None:
         media = getattr(item, "video_url", None) if getattr(item, "type", None) == "video_url" else None
         url = getattr(media, "url", None)
         if isinstance(url, str) and url.startswith("data:") and not url.startswith(LF_VIDEO_DATA_URL):
-            media.url = LF_VIDEO_DATA_URL + url.split(",", 1)[1]
+            media.url = LF_VIDEO_DATA_URL + _data_url_parts(url)[2]
 
 
 def inside(path: str, root: str) -> bool:

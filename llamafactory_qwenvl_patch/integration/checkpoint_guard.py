@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.lf_compat import LFCompatError
-from llamafactory_qwenvl_patch.integration.run_lock import check_output_dir
+from llamafactory_qwenvl_patch.integration.run_lock import RunLockedError, check_output_dir
 
 GUARDED: set[str] = set()  # resolved output_dirs of the runs this process guards (``run_guard``)
 
@@ -75,10 +75,24 @@ class CompleteCheckpoints(TrainerCallback):
 
 class OutputDirStillLocked(TrainerCallback):
     """Every guarded run, every stage: at each step's end, before its log line and checkpoint land in ``output_dir``,
-    the folder is still the one this run locked (``run_lock.check_output_dir``)."""
+    the folder is still the one this run locked (``run_lock.check_output_dir``, on global rank 0, which holds the
+    lock); every rank hears rank 0's answer and stops with it, so no rank writes its shards or RNG state into a
+    folder another run may hold."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        check_output_dir(args.output_dir)
+        import torch.distributed as dist
+
+        try:
+            check_output_dir(args.output_dir)
+            error = None
+        except RunLockedError as exc:
+            error = str(exc)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise RunLockedError(error)
 
 
 def guard_rotation() -> None:

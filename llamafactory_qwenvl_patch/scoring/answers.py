@@ -34,12 +34,14 @@ MAX_ANSWER_TOKENS = 8192
 MIN_ITEM_TOKENS = 6
 MAX_ANSWER_ITEMS = MAX_ANSWER_TOKENS // MIN_ITEM_TOKENS  # 1,365
 _ITEM_MARKS = ("bbox_2d", "point_2d", "<|box_start|>", '"span"')  # one in every box, point, span or track entry
-_ASCII_ESCAPE = re.compile(r"\\+u00([0-7][0-9a-fA-F])")  # ``\u0062`` in JSON, at any depth of encoding
+_ASCII_ESCAPE = re.compile(r"\\u00([0-7][0-9a-fA-F])")  # ``\u0062`` in JSON (deeper encodings add backslashes)
 
 
 def _as_read(text: str) -> str:
     r"""``text`` with JSON's escapes of ASCII characters decoded and backslashes dropped, at every depth of encoding
-    the parser reads: ``"\u0062box_2d"`` and a double-encoded ``\"span\"`` are counted as the keys they decode to."""
+    the parser reads: ``"\u0062box_2d"`` and a double-encoded ``\"span\"`` are counted as the keys they decode to.
+    Linear in the text (no backtracking over runs of backslashes). A label whose own text spells a key so escaped
+    counts too, as a label naming a key does."""
     if "\\" not in text:
         return text
     return _ASCII_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text).replace("\\", "")

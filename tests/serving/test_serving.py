@@ -238,10 +238,13 @@ def test_unread_data_urls_are_named_by_their_type():
                                     "data:image/png;base64,", "data:image/png;charset=x;base64,AA")) == [
         ("image_url", "image/webp"), ("image_url", "typeless"), ("image_url", "image/png (not base64)"),
         ("image_url", "image/png (empty)"),
-        ("image_url", "image/png (parameters charset=x: LLaMA-Factory's pattern takes ';base64' alone)")]
+        ("image_url", "image/png (parameters charset=x;base64: LLaMA-Factory's pattern takes ';base64' alone)")]
+    assert unread_data_urls(request("data:image/png;BASE64,AA", "data:image/png; base64,AA")) == [  # LF: a web address
+        ("image_url", "image/png (parameters BASE64: LLaMA-Factory's pattern takes ';base64' alone)"),
+        ("image_url", "image/png (parameters  base64: LLaMA-Factory's pattern takes ';base64' alone)")]
     videos = request(*(f"data:video/{name};base64,AA" for name in (
         "webm", "x-matroska", "quicktime", "x-msvideo", "mp4", "mkv", "mov", "avi", "WebM", "webm;codecs=vp9",
-        'mp4; codecs="avc1.42E01E"')), kind="video_url")
+        'mp4; codecs="avc1.42E01E"', "webm;codecs=vp8,opus")), kind="video_url")
     assert unread_data_urls(videos) == []
     relabel_video_data_urls(videos)
     assert {item.video_url.url for item in videos.messages[0].content[:-1]} == {"data:video/mp4;base64,AA"}

@@ -288,7 +288,7 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
             kind, first_index = kinds.setdefault("first", (result.video_kind, result.index))
             if kind != result.video_kind:
                 result = Result(result.index, error={
-                    "record": result.index, "file": job.source_file, "video": result.media,
+                    "record": result.index, "file": job.source_file, "video": result.video,
                     "error": f"the record's videos are {_KIND_NAMES[result.video_kind]}, record {first_index}'s are "
                              f"{_KIND_NAMES[kind]}; LLaMA-Factory reads one kind per dataset: convert them into two "
                              "datasets"})

@@ -72,6 +72,7 @@ class Result:
     videos: int = 0
     video_kind: str | None = None  # ``file`` or ``frames``: the writer keeps one kind per dataset, as LF reads
     media: str | None = None  # the record's first image or video, for an error row the writer adds
+    video: str | None = None  # its first video, for an error row about its videos
     spans: int = 0
     timed_boxes: int = 0
 
@@ -202,6 +203,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
         image = images[0] if images else (convert_video.name(videos[0]) if videos else None)
         media_key = "image" if images or not videos else "video"
         result.videos, result.media = len(videos), image
+        result.video = convert_video.name(videos[0]) if videos else None
         result.video_kind = convert_video.kind(videos[0]) if videos else None
         turns = record["messages"]  # every turn: boxes in prompts, system prompts and tool results too
         parsed = [parse_answer(m["content"]) for m in turns]
@@ -214,13 +216,14 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
             videos[i], upright = convert_video.upright(video, clip, job.video_rotation, job.out_dir, job.target)
             result.videos_baked += upright is not clip
             clips.append(upright)
-        image, media_key = result.media, "image" if images or not videos else "video"
+        image, media_key = (result.video, "video") if clips else (result.media, "image")  # the clips' times next
         if clips:
             result.spans, result.timed_boxes = convert_video.check_times([m["content"] for m in turns], clips,
                                                                          record.get("declared_duration"))
         if not items:
             result.passthrough = 1
-            for info in infos:
+            for path, info in zip(images, infos):
+                image, media_key = path, "image"
                 job.target.policy.model_size(*info.hw)
         elif clips:
             if job.source.coords is None:

@@ -313,11 +313,16 @@ def test_mixing_files_and_frame_lists_is_refused_by_record(tmp_path, media, caps
     src = write_input(media, "mixed-kinds.jsonl", [
         sharegpt("clip.mp4", '{"span": [0, 1]}'), sharegpt(frame_list(), '{"span": [0, 1]}'),
         {"messages": [{"role": "user", "content": "<video><video>Both?"}, {"role": "assistant", "content": "no"}],
-         "videos": ["clip.mp4", frame_list()]}])
+         "videos": ["clip.mp4", frame_list()]},
+        {"messages": [{"role": "user", "content": "<image><video>Same?"}, {"role": "assistant", "content": "no"}],
+         "images": ["frames/f0.jpg"], "videos": [frame_list()]}])
     code, _, errors = convert(capsys, src, tmp_path / "data" / "m.json", "--skip-bad")
-    assert code == 0 and sorted(errors) == [1, 2]
+    assert code == 0 and sorted(errors) == [1, 2, 3]
     assert "frame lists, record 0's are video files" in errors[1]["error"]
     assert "mixes video files and frame lists" in errors[2]["error"]
+    # a record with an image and a video of the other kind: its row names the video, not the image
+    assert "frame lists, record 0's are video files" in errors[3]["error"] and "image" not in errors[3], errors[3]
+    assert errors[3]["video"] == errors[1]["video"] and "f0.jpg" in errors[3]["video"], errors[3]
 
 
 def test_a_clip_of_100k_frames_is_probed_in_bounded_memory(tmp_path, capsys):
