@@ -389,6 +389,14 @@ def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: 
     if finetuning_args.grpo_agent_env and not model_args.qwenvl_patch:
         raise ValueError("grpo_agent_env needs `qwenvl_patch: true` (with image_min_pixels / image_max_pixels): "
                          "every screenshot is put in the pinned frame and every action mapped back through it")
+    deepspeed = getattr(training_args, "hf_deepspeed_config", None)
+    zero3 = deepspeed is not None and deepspeed.is_zero3()
+    if finetuning_args.grpo_agent_env and (zero3 or (finetuning_args.grpo_rollout_backend == "vllm"
+                                                     and finetuning_args.grpo_vllm_tensor_parallel_size > 1)):
+        raise ValueError("grpo_agent_env runs on one process or DDP, with vLLM engines of "
+                         "grpo_vllm_tensor_parallel_size: 1: each rank plays its own trajectories for as many turns as "
+                         "they last, while under ZeRO-3 (sampling and weight syncs gather the shards) or a "
+                         "tensor-parallel engine every sampling call is a collective all ranks must join")
     if finetuning_args.grpo_rollout_backend != "vllm":
         return
     if not model_args.qwenvl_patch:

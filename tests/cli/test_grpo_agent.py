@@ -211,6 +211,7 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnvs"), "gui_env has no class ClickThroughEnvs"),
     (dict(grpo_agent_env="qwenvl_no_such_env_module:Env"), "module qwenvl_no_such_env_module not found"),
     (dict(grpo_agent_env="llamafactory_qwenvl_patch.agent:Action"), "class Action lacks reset, step, close"),
+    (dict(grpo_rollout_backend="vllm", grpo_vllm_tensor_parallel_size=2), "grpo_agent_env runs on one process or DDP"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
     """Each key's rule, and the environment class itself: loaded and checked against the protocol (EnvLoadError, a

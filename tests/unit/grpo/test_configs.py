@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -183,3 +184,25 @@ def test_grpo_keys_that_contradict_other_classes_keys_stop_the_parse(tmp_path, v
         return
     with pytest.raises(ValueError, match=message):
         get_train_args(args)
+
+
+def test_an_agent_run_under_zero3_is_refused():
+    """Each rank plays its trajectories for as many turns as they last; under ZeRO-3 every sampling call and weight
+    sync gathers the shards, a collective all ranks must join (LF itself needs torchrun for DeepSpeed, so the rule
+    is called with a parsed ZeRO-3 configuration as transformers holds it)."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    from llamafactory_qwenvl_patch.grpo.args import check_with_other_keys
+
+    finetuning = SimpleNamespace(grpo_steps_per_generation=None, grpo_shared_prefix="auto", grpo_rollout_backend="hf",
+                                 grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnv",
+                                 grpo_vllm_tensor_parallel_size=1)
+    model = SimpleNamespace(flash_attn="auto", qwenvl_patch=True)
+    for stage, refused in ((3, True), (2, False)):
+        training = SimpleNamespace(gradient_accumulation_steps=1, load_best_model_at_end=False, world_size=2,
+                                   hf_deepspeed_config=HfDeepSpeedConfig({"zero_optimization": {"stage": stage}}))
+        if refused:
+            with pytest.raises(ValueError, match="grpo_agent_env runs on one process or DDP"):
+                check_with_other_keys(finetuning, model, training)
+        else:
+            check_with_other_keys(finetuning, model, training)
