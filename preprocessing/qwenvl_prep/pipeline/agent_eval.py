@@ -237,9 +237,14 @@ class AgentPlayer:
             return live, self._inputs([trajectories[i] for i in live])
         except ResizedAgain:
             raise
-        except Exception:  # noqa: BLE001 - told apart below, one trajectory at a time
+        except Exception as batch_error:  # noqa: BLE001 - told apart below, one trajectory at a time
             live = [i for i in live if self._encodes(trajectories[i])]
-            return live, self._inputs([trajectories[i] for i in live]) if live else None
+            try:
+                return live, self._inputs([trajectories[i] for i in live]) if live else None
+            except Exception as exc:  # noqa: BLE001 - each encodes alone, together they do not: no trajectory's fault
+                raise RuntimeError(f"the processor encodes each of {len(live)} trajectories alone but not together "
+                                   f"({type(exc).__name__}: {exc}; first {type(batch_error).__name__}: {batch_error}); "
+                                   "please report this with the environment") from exc
 
     def _answers(self, trajectories: list[Trajectory], live: list[int]) -> tuple[list[int], list[str]]:
         """The live trajectories whose conversation and answer fit ``max_tokens``, and their answers; the others end

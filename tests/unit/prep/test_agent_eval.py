@@ -296,3 +296,15 @@ def test_a_bad_observation_ends_its_trajectory_and_rows_are_strict_json(model, t
                                   "index out of range")
     assert [turn["info"] for turn in rows[2]["turns"]] == [{"score": "nan", "best": "inf"}] * 2
     assert json.loads(json.dumps(rows, allow_nan=False)) == rows
+
+    class BatchOnlyBug(BuggyProcessor):  # encodes any one conversation, never two together
+        def __call__(self, text, **kwargs):
+            if len(text) > 1:
+                raise ValueError("batched")
+            return self.processor(text=text, **kwargs)
+
+    folder.processor = BatchOnlyBug(folder.processor.processor)
+    runners = [EnvRunner(spec, {"text": "fine"}, policy=POLICY, isolation="inline") for _ in range(2)]
+    with pytest.raises(RuntimeError, match="encodes each of 2 trajectories alone but not together"):
+        ClickPlayer(folder, runners, max_turns=1, max_tokens=10_000, success_reward=1.0).play(
+            [AgentTask({"id": k}, k, "Go.") for k in range(2)])
