@@ -21,7 +21,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.lf_compat import LFCompatError
-from llamafactory_qwenvl_patch.integration.run_lock import RunLockedError, check_output_dir
+from llamafactory_qwenvl_patch.integration.rank_zero import on_rank_zero
+from llamafactory_qwenvl_patch.integration.run_lock import check_output_dir
 
 GUARDED: set[str] = set()  # resolved output_dirs of the runs this process guards (``run_guard``)
 
@@ -80,19 +81,7 @@ class OutputDirStillLocked(TrainerCallback):
     folder another run may hold."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        import torch.distributed as dist
-
-        try:
-            check_output_dir(args.output_dir)
-            error = None
-        except RunLockedError as exc:
-            error = str(exc)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0)
-            error = shared[0]
-        if error is not None:
-            raise RunLockedError(error)
+        on_rank_zero(lambda: check_output_dir(args.output_dir))
 
 
 def guard_rotation() -> None:

@@ -10,16 +10,15 @@ the same way, by its workflow (which logs the checkpoints skipped and verifies t
 from __future__ import annotations
 
 import json
-import pickle
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 from llamafactory_qwenvl_patch.grpo.trainer import resume
 from llamafactory_qwenvl_patch.integration.checkpoint_guard import GUARDED
+from llamafactory_qwenvl_patch.integration.rank_zero import on_rank_zero
 
-T = TypeVar("T")
 _TRAINING: ContextVar[bool] = ContextVar("qwenvl_training_run", default=False)
 
 
@@ -46,7 +45,7 @@ def guard_run(explicit: set[str], model_args: Any, data_args: Any, training_args
     from llamafactory_qwenvl_patch.integration.shared_storage import check_shared_output_dir
 
     check_shared_output_dir(training_args.output_dir)
-    chosen = _on_rank_zero(lambda: _settle("resume_from_checkpoint" in explicit, model_args, data_args,
+    chosen = on_rank_zero(lambda: _settle("resume_from_checkpoint" in explicit, model_args, data_args,
                                            training_args, finetuning_args))
     if finetuning_args.stage != "grpo":
         training_args.resume_from_checkpoint = chosen
@@ -93,30 +92,3 @@ def _resume_point(explicit: bool, training_args: Any, finetuning_args: Any, logg
         return grpo_resume_point(training_args, explicit, logger)
     chosen = training_args.resume_from_checkpoint
     return resume.last_complete(training_args.output_dir)[0] if isinstance(chosen, str) else None
-
-
-def _on_rank_zero(work: Callable[[], T]) -> T:
-    """``work()`` on global rank 0, its result (or its exception) on every rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return work()
-    outcome: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            outcome = [(work(), None)]
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
-            outcome = [(None, exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}"))]
-    dist.broadcast_object_list(outcome, src=0)
-    result, error = outcome[0]
-    if error is not None:
-        raise error
-    return result
-
-
-def _picklable(exc: BaseException) -> bool:
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - whatever pickle cannot carry is sent as text
-        return False
-    return True
