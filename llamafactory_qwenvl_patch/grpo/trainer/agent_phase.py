@@ -15,7 +15,7 @@ import copy
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import TrainerCallback
@@ -74,6 +74,16 @@ class AgentRun:
     @property
     def policy(self) -> ResizePolicy:
         return self.renderer.policy
+
+
+class ScoredTasks(NamedTuple):
+    """One micro-batch of tasks for dynamic sampling: their G trajectories each, their meta, each reward's values
+    over the trajectories and which tasks' groups are flat."""
+
+    episodes: list[Episode]
+    meta: list[SampleMeta]
+    results: list[Scored]
+    flat: list[bool]
 
 
 class AgentShutdown(TrainerCallback):
@@ -320,37 +330,36 @@ class AgentMixin:
         ``grpo_max_resample`` extra micro-batches of tasks; returns the parts and each reward's values over their
         final trajectories in order."""
         G = self.num_generations
-        sources = []
-        for episodes, meta in sampled:
-            results = self._agent_scores(episodes, meta, [_action_tokens(e) for e in episodes])
-            sources.append((episodes, meta, results, self._agent_flat(episodes, results)))
-        slots = [(j, k) for j, source in enumerate(sources) for k, flat in enumerate(source[3]) if flat]
+        sources = [self._scored_tasks(episodes, meta) for episodes, meta in sampled]
+        slots = [(j, k) for j, source in enumerate(sources) for k, flat in enumerate(source.flat) if flat]
         candidates: list[tuple[int, int]] = []
         attempts = 0
         while attempts < self.grpo_args.grpo_max_resample and self._any_rank(len(slots) > len(candidates)):
             indices = fresh_indices(len(self.train_dataset), per_micro, self.args.seed, self.args.process_index,
                                     self.run_state.micro_step, attempts)
-            episodes, meta = self._agent_episodes(model, [self.train_dataset[i] for i in indices],
-                                                  self.steps_per_generation + attempts, G)
+            sources.append(self._scored_tasks(*self._agent_episodes(
+                model, [self.train_dataset[i] for i in indices], self.steps_per_generation + attempts, G)))
             attempts += 1
-            results = self._agent_scores(episodes, meta, [_action_tokens(e) for e in episodes])
-            sources.append((episodes, meta, results, self._agent_flat(episodes, results)))
-            candidates += [(len(sources) - 1, k) for k, flat in enumerate(sources[-1][3]) if not flat]
+            candidates += [(len(sources) - 1, k) for k, flat in enumerate(sources[-1].flat) if not flat]
         swaps = dict(zip(slots, candidates))
         parts, rows = [], []
-        for j, (episodes, meta, _, _) in enumerate(sources[:len(sampled)]):
+        for j, own in enumerate(sources[:len(sampled)]):
             picked_episodes, picked_meta = [], []
-            for k in range(len(meta)):
+            for k in range(len(own.meta)):
                 source, kk = swaps.get((j, k), (j, k))
-                donor_episodes, donor_meta = sources[source][0], sources[source][1]
-                picked_meta.append(donor_meta[kk])
-                picked_episodes += donor_episodes[kk * G:(kk + 1) * G]
+                picked_meta.append(sources[source].meta[kk])
+                picked_episodes += sources[source].episodes[kk * G:(kk + 1) * G]
                 rows += [(source, kk * G + g) for g in range(G)]
             parts.append((picked_episodes, picked_meta))
         self.run_state.metrics["dynamic/replaced_groups"].append(float(len(swaps)))
         self.run_state.metrics["dynamic/short_groups"].append(float(len(slots) - len(swaps)))
         self.run_state.metrics["dynamic/resampled_batches"].append(float(attempts))
-        return parts, pick_scored([source[2] for source in sources], rows)
+        return parts, pick_scored([source.results for source in sources], rows)
+
+    def _scored_tasks(self, episodes: list[Episode], meta: list[SampleMeta]) -> ScoredTasks:
+        """A micro-batch of tasks' trajectories scored, and which tasks' groups are flat (``_agent_flat``)."""
+        results = self._agent_scores(episodes, meta, [_action_tokens(e) for e in episodes])
+        return ScoredTasks(episodes, meta, results, self._agent_flat(episodes, results))
 
     def _step_credit(self, episodes: list[Episode], adv: torch.Tensor, usable: torch.Tensor, parts: list[AgentPart],
                      bounds: list[int]) -> list[torch.Tensor]:

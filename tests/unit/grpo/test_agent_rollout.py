@@ -317,7 +317,8 @@ class ScriptedRefill:
     from llamafactory_qwenvl_patch.grpo.trainer.refill import RefillMixin
     from llamafactory_qwenvl_patch.grpo.trainer.rollout_phase import RolloutMixin
 
-    _agent_refill, _agent_flat = AgentMixin._agent_refill, AgentMixin._agent_flat
+    _agent_refill, _agent_flat, _scored_tasks = (AgentMixin._agent_refill, AgentMixin._agent_flat,
+                                                 AgentMixin._scored_tasks)
     _any_rank, _weighted_total = RefillMixin._any_rank, RolloutMixin._weighted_total
 
     def __init__(self, table: dict[int, list[float | None]], max_resample: int):
