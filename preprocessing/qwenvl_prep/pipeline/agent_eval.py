@@ -241,6 +241,8 @@ class AgentPlayer:
             live = [i for i in live if self._encodes(trajectories[i])]
             try:
                 return live, self._inputs([trajectories[i] for i in live]) if live else None
+            except ResizedAgain:
+                raise
             except Exception as exc:  # noqa: BLE001 - each encodes alone, together they do not: no trajectory's fault
                 raise RuntimeError(f"the processor encodes each of {len(live)} trajectories alone but not together "
                                    f"({type(exc).__name__}: {exc}; first {type(batch_error).__name__}: {batch_error}); "
