@@ -12,8 +12,11 @@ import pytest
 from helpers import read_log, run_cli, train_config, write_sharegpt
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import POLICY_FILE
+from qwenvl_prep.cli import main
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
+SIM = "qwenvl_prep.demos.gui_env:ClickThroughEnv"
 OUTSIDE_ENV = '''
 from PIL import Image
 
@@ -63,7 +66,7 @@ def agent_config(model_dir, data, out, template, **overrides):
     settings = dict(stage="grpo", dataset="tasks", template=template, image_min_pixels=MIN, image_max_pixels=MAX,
                     max_steps=2, save_steps=2, grpo_num_generations=4, max_new_tokens=8, temperature=1.0,
                     reward_funcs="env,action_format", reward_weights="1.0,0.1",
-                    grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnv",
+                    grpo_agent_env=SIM,
                     grpo_agent_env_kwargs='{"reader": "raw", "change_size": true}', grpo_agent_max_turns=3,
                     grpo_agent_max_tokens=4096)
     return train_config(model_dir, data, out, **{**settings, **overrides})
@@ -103,11 +106,11 @@ def check_run(out, factor: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_an_agent_trains_from_a_stock_yaml(tiny_model, tasks, tmp_path):
+def test_an_agent_trains_from_a_stock_yaml(tiny_model, tasks, tmp_path, capsys):
     """Two steps of G 4 over two tasks, three turns at most, rolled out by HF generation (``check_run``), then one
-    greedy trajectory per task evaluated. Qwen3-VL and Qwen3.5 train from the same YAML on vLLM rollouts below; their
-    HF generation over turns (explicit positions after turn 1) is checked in process by tests/unit/grpo/
-    test_agent_rollout.py and test_agent_turns.py."""
+    greedy trajectory per task evaluated by the trainer, then by ``agent-eval`` on the run's adapter folder. Qwen3-VL
+    and Qwen3.5 train from the same YAML on vLLM rollouts below; their HF generation over turns (explicit positions
+    after turn 1) is checked in process by tests/unit/grpo/test_agent_rollout.py and test_agent_turns.py."""
     _, data = tasks
     out = tmp_path / "out"
     result = run_cli(["llamafactory-cli", "train"],
@@ -117,6 +120,40 @@ def test_an_agent_trains_from_a_stock_yaml(tiny_model, tasks, tmp_path):
     check_run(out, 28)
     metrics = json.loads((out / "eval_results.json").read_text())
     assert {"eval_reward", "eval_agent/done_rate", "eval_agent/turns", "eval_rewards/env"} <= set(metrics)
+    # agent-eval takes the run's LoRA adapter folder as it is (its base loaded, the adapter merged in memory, the
+    # run's frame): every turn in that frame, the same trajectories as the adapter merged and saved as a whole folder
+    merged = tmp_path / "merged"
+    _merge_adapter(tiny_model, out, merged)
+    rows = {}
+    for name, folder in (("adapter", out), ("merged", merged)):
+        result_file = tmp_path / f"{name}.jsonl"
+        code = main(["agent-eval", str(folder), "--env", SIM, "--env-kwargs", '{"reader": "raw", "change_size": true}',
+                     "--tasks", "2", "--max-turns", "3", "--max-new-tokens", "8", "--isolation", "inline",
+                     "--bootstrap", "10", "-o", str(result_file)])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert json.loads(captured.out)["trajectories"] == 2
+        rows[name] = [json.loads(line) for line in result_file.read_text().splitlines()]
+    policy = ResizePolicy(MIN, MAX, 28)
+    assert [row["turns"] for row in rows["adapter"]] == [row["turns"] for row in rows["merged"]]
+    for row in rows["adapter"]:
+        for turn in row["turns"]:
+            w, h = turn["orig_size"]
+            assert turn["model_size"] == list(reversed(policy.model_size(h, w)))
+
+
+def _merge_adapter(base, adapter, merged):
+    """``adapter`` merged into ``base`` by peft and saved with the adapter folder's processor and frame record."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(merged)
+    AutoProcessor.from_pretrained(adapter).save_pretrained(merged)
+    shutil.copy(adapter / POLICY_FILE, merged / POLICY_FILE)
 
 
 @pytest.mark.slow
