@@ -81,13 +81,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="convert grounding data to LF sharegpt in the model's frame, stamped with the policy",
         description="Read LF sharegpt/alpaca JSON or JSONL (with images and/or videos), COCO instances, ScreenSpot / "
         "ScreenSpot-v2 / ScreenSpot-Pro annotation files, lmms-eval RefCOCO parquet, plain {image, question, answer} "
-        "JSONL, or video grounding files (video-span: Charades-STA / ActivityNet-style spans; video-track: per-frame "
-        "box tracks); rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees "
+        "JSONL, video grounding files (video-span: your own span files; video-track: per-frame box tracks), or the "
+        "temporal datasets as distributed (charades-sta txt, activitynet-captions json, qvhighlights jsonl); rewrite every bbox_2d / point_2d / <|box_start|> coordinate into the frame the model sees "
         "under the run's resize policy (a video's boxes into the video policy's frame; times stay in seconds, "
         "checked against the clip); write LF sharegpt and merge a stamped entry into dataset_info.json beside it. "
         "Videos are probed from their packets, never decoded.",
     )
-    conv.add_argument("input", type=Path, help="input file (.json, .jsonl, or a COCO instances .json)")
+    conv.add_argument("input", type=Path, help="input file (.json, .jsonl, .parquet, a COCO instances .json, or Charades-STA's .txt)")
     conv.add_argument("-o", "--output", type=Path, required=True, help="output .json or .jsonl (in the dataset_dir)")
     add_policy_flags(conv)
     conv.add_argument("--input-coords", choices=["abs", "rel1000", "rel1"],

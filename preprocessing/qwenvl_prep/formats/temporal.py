@@ -1,7 +1,7 @@
 """Video grounding layouts -> canonical records with one video each (``--format video-span`` / ``video-track``).
 
-- ``video-span`` (Charades-STA / ActivityNet Captions style, JSON array or JSONL): ``{"video": path, "query" |
-  "sentence": text, "timestamp" | "span" | "timestamps": [start, end] (or [[start, end]]), "duration": seconds}``
+- ``video-span`` (a user's own span files, JSON array or JSONL; the datasets' own files are temporal_datasets'):
+  ``{"video": path, "query" | "sentence": text, "timestamp" | "span" | "timestamps": [start, end] (or [[start, end]]), "duration": seconds}``
   (``duration`` optional). ``"sentences": [...]`` with ``"timestamps": [[s, e], ...]`` gives one record per sentence.
   The answer is ``{"span": [start, end]}`` in seconds.
 - ``video-track`` (per-frame box tracks): ``{"video": path, "query": text, "track": [{"time": seconds, "bbox":

@@ -12,7 +12,10 @@ charades-sta | activitynet-captions | qvhighlights``), each video id found as a 
 
 Times reach the answer as the file writes them (``24.30`` stays ``24.30``). Structure is checked here (two numbers,
 ``0 <= start < end``); whether each span lies in the clip, and a declared ``duration`` is the clip's, convert checks
-once the clip is probed, as for ``video-span``. Each record carries where it comes from (``line 12``, ``entry 3,
+once the clip is probed, as for ``video-span``. These files are known to end spans past their videos (Charades-STA's
+times come from Charades' action annotations, ActivityNet's from annotators' clocks): their records carry
+``CLAMP_KEY``, and convert sets an end past the clip's to the clip's end, as the datasets' maintainers and Lighthouse
+do, and notes it in ``meta``. Each record carries where it comes from (``line 12``, ``entry 3,
 sentence 1``), which its error rows name.
 """
 
@@ -40,6 +43,7 @@ PROMPTS = {
     "qvhighlights": 'When does "{query}" happen in the video? Output every moment it happens, each with its start and '
                     'end in seconds, as a JSON list: [{"span": [start, end]}, ...].',
 }
+CLAMP_KEY = "clamp_span_ends"  # a record key (not written): span ends past the clip are set to its end
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
@@ -127,7 +131,7 @@ def _record(clip: str, prompt: str, query: str, spans: list[list[Number]], meta:
     answer = [{"span": span} for span in spans] if several else {"span": spans[0]}
     record = video_record(clip, prompt, query, json_text.dumps(answer, separators=(", ", ": ")), meta_text(meta),
                           declared)
-    return {**record, ORIGIN_KEY: origin}
+    return {**record, ORIGIN_KEY: origin, CLAMP_KEY: True}
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str | RecordError]]:

@@ -238,7 +238,8 @@ def run_convert(opts: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"the video folder {video_dir} (--video-dir) is not a folder")
     job = Job(opts.target, source, opts.exif, str(image_dir.resolve()), str(video_dir.resolve()),
               str(opts.output.parent.resolve()), str(opts.input),
-              "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *QUERY_FORMATS) else fmt, opts.video_rotation)
+              "canonical" if fmt in (*ORIGINAL_PIXEL_FORMATS, *QUERY_FORMATS) else fmt, opts.video_rotation,
+              "video" if fmt in (*VIDEO_FORMATS, *DATASET_FORMATS) else "image")
     images = _image_store(opts) if fmt == "refcoco-parquet" else None
     stream = _stream(opts, fmt, coco, images, video_dir)
     errors_path = opts.errors or opts.output.with_name(opts.output.name + ".errors.jsonl")
@@ -295,7 +296,7 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
         for key in ("passthrough", "boxes", "points", "exif_baked", "tools"):
             stats[key] += getattr(result, key)
         if result.error is None:
-            for key in ("videos", "spans", "timed_boxes", "videos_baked"):
+            for key in ("videos", "spans", "spans_clamped", "timed_boxes", "videos_baked"):
                 stats[key] += getattr(result, key)
             stats["frame_lists"] += result.videos if result.video_kind == "frames" else 0
         if result.error is not None:
@@ -385,7 +386,8 @@ def _summary(opts: ConvertOptions, stats: Counter, errors_path: Path | None, wri
         "boxes": stats["boxes"],
         "points": stats["points"],
         "exif_baked": stats["exif_baked"],
-        **({key: stats[key] for key in ("videos", "frame_lists", "spans", "timed_boxes", "videos_baked")}
+        **({key: stats[key] for key in ("videos", "frame_lists", "spans", "spans_clamped", "timed_boxes",
+                                        "videos_baked")}
            if stats["videos"] else {}),
         "error_report": str(errors_path) if errors_path else None,
         "stamp": _written_stamp(opts, stats).to_dict(),

@@ -25,6 +25,7 @@ from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, Item, parse_answer
 from qwenvl_prep.formats.records import RecordError, to_record
 from qwenvl_prep.formats.temporal import ORIGIN_KEY
+from qwenvl_prep.formats.temporal_datasets import CLAMP_KEY
 from qwenvl_prep.lf.dataset_rules import images_of_turns, record_problem
 from qwenvl_prep.pipeline import convert_video
 from qwenvl_prep.plumbing.imageinfo import ImageInfo, bake_exif, read_info
@@ -54,6 +55,7 @@ class Job:
     source_file: str
     fmt: str
     video_rotation: str = "error"
+    media: str = "image"  # the key an error row names its file under before the record's media are known
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class Result:
     media: str | None = None  # the record's first image or video, for an error row the writer adds
     video: str | None = None  # its first video, for an error row about its videos
     spans: int = 0
+    spans_clamped: int = 0
     timed_boxes: int = 0
 
 
@@ -190,7 +193,7 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
     (under that key) it was at."""
     result = Result(index)
     image = origin = None
-    media_key = "image"
+    media_key = job.media
     try:
         record = to_record(raw, job.fmt)
         if isinstance(record, RecordError):
@@ -217,6 +220,15 @@ def convert_record(index: int, raw: Any, job: Job) -> Result:
             result.videos_baked += upright is not clip
             clips.append(upright)
         image, media_key = (result.video, "video") if clips else (result.media, "image")  # the clips' times next
+        if clips and record.get(CLAMP_KEY) and len(clips) == 1:
+            ends = []
+            for turn in turns:
+                if turn.get("role") == "assistant":
+                    turn["content"], clamped = convert_video.clamp_span_ends(turn["content"], clips[0].duration)
+                    ends += clamped
+            if ends:
+                result.spans_clamped = len(ends)
+                record["meta"] = convert_video.with_meta(record.get("meta"), "span_ends_clamped_from", ends)
         if clips:
             result.spans, result.timed_boxes = convert_video.check_times([m["content"] for m in turns], clips,
                                                                          record.get("declared_duration"))

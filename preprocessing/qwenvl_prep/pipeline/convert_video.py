@@ -6,6 +6,7 @@ through the video policy's frame (``VideoPolicy.frame_size``); times stay in sec
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable
 
@@ -143,17 +144,38 @@ def check_times(texts: list[str], clips: list[Clip], declared: Any) -> tuple[int
     return spans, boxes
 
 
+def clamp_span_ends(text: str, duration: float) -> tuple[str, list[str]]:
+    """A distributed dataset's answer (``{"span": [s, e]}`` or a list of them, as its reader wrote it) with every end
+    past the clip's ``duration`` set to the clip's end (floored to the millisecond, so it never passes it), and the
+    ends as written that were so set. A span that starts past the end is left for ``check_times`` to refuse: there
+    is nothing of it in the clip."""
+    value = json_text.loads(text)
+    end = f"{math.floor(duration * 1000) / 1000:.3f}".rstrip("0").rstrip(".")
+    clamped = []
+    for item in value if isinstance(value, list) else [value]:
+        span = item["span"]
+        if span[0].value < duration < span[1].value:
+            clamped.append(span[1].text)
+            span[1] = json_text.Number(end)
+    return (json_text.dumps(value, separators=(", ", ": ")) if clamped else text), clamped
+
+
+def with_meta(meta: Any, key: str, value: Any) -> Any:
+    """A record's ``meta`` (JSON text) with ``key`` set to ``value``; a meta that already says ``key``, or is not a
+    JSON object, is left as it is."""
+    if meta is None:
+        return json_text.dumps({key: value}, separators=(", ", ": "))
+    try:
+        loaded = json_text.loads(meta) if isinstance(meta, str) else None
+    except ValueError:
+        return meta
+    if not isinstance(loaded, dict) or key in loaded:
+        return meta
+    return json_text.dumps({**loaded, key: value}, separators=(", ", ": "))
+
+
 def with_duration(meta: Any, clip: Clip) -> Any:
     """A single-video record's ``meta`` (JSON text) with the clip's length from its packets as ``duration`` in seconds,
     which rewards and eval read (``meta.duration``); a meta that already says ``duration``, or is not a JSON object,
     is left as it is."""
-    duration = round(clip.duration, 6)
-    if meta is None:
-        return json_text.dumps({"duration": duration}, separators=(", ", ": "))
-    try:
-        value = json_text.loads(meta) if isinstance(meta, str) else None
-    except ValueError:
-        return meta
-    if not isinstance(value, dict) or "duration" in value:
-        return meta
-    return json_text.dumps({**value, "duration": duration}, separators=(", ", ": "))
+    return with_meta(meta, "duration", round(clip.duration, 6))

@@ -76,9 +76,10 @@ def test_charades_sta_lines(tmp_path, clips, capsys):
                     b"3MSZA 1 3##person opens a door\n"
                     b"MISSING 1.0 2.0##person sits down.\n"
                     b"3MSZA 2.0##person laughs.\n"
-                    b"3MSZA 1.0 9.0##person runs away.\n"
+                    b"3MSZA 4.0 9.0##person runs away.\n"
                     b"3MSZA 1.O 2.0##person eats.\n"
-                    b"3MSZA 2.5 1.5##person drinks.\n")
+                    b"3MSZA 2.5 1.5##person drinks.\n"
+                    b"3MSZA 1.5 3.40##person leaves.\n")
     before = digest(src)
     assert detect_format(src) == "charades-sta"
     out = tmp_path / "data" / "charades.json"
@@ -88,14 +89,21 @@ def test_charades_sta_lines(tmp_path, clips, capsys):
         f"line 4, video MISSING: no clip in {clips} (tried MISSING.mp4); give --video-dir, the folder that holds the "
         "dataset's clips",
         "line 5: expected 'VID START END##sentence', got '3MSZA 2.0##person laughs.'",
-        f"line 6, video 3MSZA: video {clips / '3MSZA.mp4'}: span [1, 9] lies outside the clip (0 to 3 s, one frame of "
-        "0.1 s allowed past its end)",
+        f"line 6, video 3MSZA: video {clips / '3MSZA.mp4'}: span [4, 9] lies outside the clip (0 to 3 s, one frame of "
+        "0.1 s allowed past its end)",  # it starts past the clip's end: nothing of it to keep
         "line 7, video 3MSZA: the start time '1.O' is not a number of seconds as JSON writes one (e.g. 24.3)",
         "line 8, video 3MSZA: the window [2.5, 1.5] lies outside the clip (need 0 <= start < end, in seconds)",
     ]
+    rows = [json.loads(line) for line in Path(summary["error_report"]).read_text().splitlines()]
+    assert all("video" in row and "image" not in row for row in rows)  # a missing clip's row too: a video dataset
     code, summary, _ = convert(capsys, src, out, "--video-dir", clips, "--skip-bad")
-    assert code == 0 and summary["written"] == 2 and summary["spans"] == 2 and summary["dropped"] == 5
-    assert answers(out) == ['{"span": [0.50, 2.0]}', '{"span": [1, 3]}']  # the times as the file writes them
+    assert code == 0 and summary["written"] == 3 and summary["spans"] == 3 and summary["dropped"] == 5
+    # the times as the file writes them; an end past the clip's (Charades-STA's ends come from annotations that run
+    # past their videos) set to the clip's end, counted and noted in meta
+    assert answers(out) == ['{"span": [0.50, 2.0]}', '{"span": [1, 3]}', '{"span": [1.5, 3]}']
+    assert summary["spans_clamped"] == 1
+    assert json.loads(written(out)[2]["meta"])["span_ends_clamped_from"] == ["3.40"]
+    assert "span_ends_clamped_from" not in written(out)[0]["meta"]
     first = written(out)[0]
     assert first["messages"][0]["content"] == "<video>" + SPAN_PROMPT.format("person turn a light on.")
     assert first["videos"] == [str(clips / "3MSZA.mp4")]
@@ -104,7 +112,7 @@ def test_charades_sta_lines(tmp_path, clips, capsys):
     assert json.loads(written(out)[1]["meta"])["line"] == 3
     assert digest(src) == before  # the user's file is read, never written
     code, report = check(capsys, out)
-    assert code == 0 and report["ok"] and report["videos"] == 2, report
+    assert code == 0 and report["ok"] and report["videos"] == 3, report
 
 
 def test_activitynet_captions_object(tmp_path, clips, capsys):
@@ -169,8 +177,8 @@ def test_qvhighlights_keeps_every_window(tmp_path, clips, capsys):
     assert detect_format(src) == "qvhighlights"
     out = tmp_path / "data" / "qvh.json"
     code, summary, errors = convert(capsys, src, out, "--video-dir", clips, "--skip-bad")
-    assert code == 0 and summary["written"] == 1 and summary["spans"] == 2
-    assert answers(out) == ['[{"span": [0, 2]}, {"span": [2.5, 4]}]']
+    assert code == 0 and summary["written"] == 2 and summary["spans"] == 4 and summary["spans_clamped"] == 1
+    assert answers(out) == ['[{"span": [0, 2]}, {"span": [2.5, 4]}]', '[{"span": [0, 1]}, {"span": [3, 4]}]']
     record = written(out)[0]
     assert record["messages"][0]["content"] == "<video>" + PROMPTS["qvhighlights"].replace(
         "{query}", "A man talks to the camera.")
@@ -186,8 +194,6 @@ def test_qvhighlights_keeps_every_window(tmp_path, clips, capsys):
         "(another or a cut video?); its times would not match",
         f"line 3, video {QVH}, qid 8739: has no 'relevant_windows' (QVHighlights' test split does not publish them): "
         "nothing to train or score",
-        f"line 4, video {QVH}, qid 8740: video {video}: span [3, 9] lies outside the clip (0 to 4 s, one frame of "
-        "0.1 s allowed past its end)",
         f"line 5, video {QVH}, qid 8741: window 1: the window [3, 2] lies outside the clip (need 0 <= start < end, "
         "in seconds)",
         f"line 6, video gone_0.0_150.0, qid 8742: no clip in {clips} (tried gone_0.0_150.0.mp4); give --video-dir, "
@@ -262,3 +268,15 @@ def test_object_members_are_streamed_as_written():
                 list(json_array.iter_object_members(io.BytesIO(broken)))
     finally:
         json_array.CHUNK = original
+
+
+def test_span_ends_past_the_clip_are_set_to_its_end_as_written():
+    """The clamp rewrites only the ends past the clip, with the clip's end floored to the millisecond (never past
+    it); every other number stays as written, and a span that starts past the end is left for the check to refuse."""
+    from qwenvl_prep.pipeline.convert_video import clamp_span_ends
+
+    assert clamp_span_ends('{"span": [1.50, 3.40]}', 2.9876) == ('{"span": [1.50, 2.987]}', ["3.40"])
+    assert clamp_span_ends('[{"span": [0, 1.0]}, {"span": [2, 1e1]}]', 4.0) == (
+        '[{"span": [0, 1.0]}, {"span": [2, 4]}]', ["1e1"])
+    assert clamp_span_ends('{"span": [0.0, 2.9876]}', 2.9876) == ('{"span": [0.0, 2.9876]}', [])
+    assert clamp_span_ends('{"span": [5, 9]}', 4.0) == ('{"span": [5, 9]}', [])
