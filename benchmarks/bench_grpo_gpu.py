@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, MERGE_SIZE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SEVEN_B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -37,7 +39,8 @@ SEVEN_B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers
                     rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [16, 24, 24]},
                     tie_word_embeddings=False)
 SEVEN_B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                      fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14)
+                      fullatt_block_indexes=[7, 15, 23, 31], window_size=112,
+                      patch_size=FAMILIES["qwen2_5_vl"].factor // MERGE_SIZE)
 
 
 def build_checkpoint(out: Path) -> Path:

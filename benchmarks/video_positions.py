@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS, MERGE_SIZE, PINNED_ROPE_FAMILIES
 from llamafactory_qwenvl_patch.frame.mrope import pretrained_rope_index
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from qwenvl_prep.lf.drift import VideoHeader, stock_llamafactory_video
 
+TOKEN = MERGE_SIZE ** 2  # patches per video token
 LENGTHS = {"10 s": 10, "1 min": 60, "5 min": 300}
 WIDTH, HEIGHT, RATE = 1280, 720, 30
 TEXT_BEFORE, TEXT_AFTER = 14, 12  # chat template and question tokens around the video
@@ -34,7 +35,7 @@ def row(model, family: str, grid: list[int], seconds: float, rule: str) -> int:
     """The first text token's position after the video, under transformers' own rule or the pretrained one."""
     config = model.config
     t, h, w = grid
-    ids = [1] * TEXT_BEFORE + [config.video_token_id] * (t * h * w // 4) + [1] * TEXT_AFTER
+    ids = [1] * TEXT_BEFORE + [config.video_token_id] * (t * h * w // TOKEN) + [1] * TEXT_AFTER
     row_ids = torch.tensor([ids])
     types = 2 * (row_ids == config.video_token_id).long()
     grids = torch.tensor([grid])
@@ -46,20 +47,21 @@ def row(model, family: str, grid: list[int], seconds: float, rule: str) -> int:
         tps = getattr(config.vision_config, "tokens_per_second", None)
         positions, _ = pretrained_rope_index(row_ids, types, None, grids, spg, None,
                                              config.vision_config.spatial_merge_size, tps)
-    return int(positions[0, 0, TEXT_BEFORE + t * h * w // 4])
+    return int(positions[0, 0, TEXT_BEFORE + t * h * w // TOKEN])
 
 
 def measure() -> list[dict]:
     from qwenvl_prep.demos.tiny_model import build_tiny_model
-    from transformers import AutoConfig, Qwen2_5_VLModel, Qwen2VLModel
+    import transformers
+    from transformers import AutoConfig
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family, cls in (("qwen2_5_vl", Qwen2_5_VLModel), ("qwen2_vl", Qwen2VLModel)):
-            model = cls(AutoConfig.from_pretrained(build_tiny_model(Path(tmp) / family, family)))
+        for family in PINNED_ROPE_FAMILIES:
+            model = getattr(transformers, FAMILIES[family].rope_model)(AutoConfig.from_pretrained(build_tiny_model(Path(tmp) / family, family)))
             f = FAMILIES[family]
             policy = VideoPolicy.from_lf_keys(dict(LF_VIDEO_DEFAULTS), f.factor, f.video_clock)
-            patch = f.factor // 2
+            patch = f.factor // MERGE_SIZE
             for name, seconds in LENGTHS.items():
                 stock = stock_llamafactory_video(VideoHeader(WIDTH, HEIGHT, seconds * RATE, float(seconds), RATE),
                                                  family)

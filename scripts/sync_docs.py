@@ -34,7 +34,6 @@ COMMAND = "python scripts/sync_docs.py"
 REGION = re.compile(r"^(<!-- generated: ([\w-]+)[^\n]*-->\n)(.*?)^(<!-- end generated -->)$", re.DOTALL | re.MULTILINE)
 SHARED = re.compile(r"^<!-- shared: ([\w-]+)[^\n]*-->\n(.*?)^<!-- end shared -->$", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
-SPATIAL_MERGE = 2  # every Qwen-VL merges 2 x 2 patches into one token: factor = patch x 2
 COORDS = {"model": "absolute pixels of the model input", "rel1000": "relative 0-1000"}
 HEADER = ("| family | factor (patch x merge) | answers in | `model_type`s recognised | LF templates | "
           "first transformers | tested readers that serve it | videos in the frame |")
@@ -71,8 +70,7 @@ def families_table() -> str:
             if wrong:
                 raise SystemExit(f"{PROSE.relative_to(ROOT)} [{name}] {key}: {wrong} do not resolve to {name} in the "
                                  "registry")
-        patch = getattr(family, "patch_size", family.factor // SPATIAL_MERGE)
-        merge = getattr(family, "merge_size", SPATIAL_MERGE)
+        patch, merge = family.factor // families.MERGE_SIZE, families.MERGE_SIZE
         model_types = sorted({*family.model_types, *entry.get("also_model_types", [])})
         templates = sorted({*family.templates, *entry.get("also_templates", [])})
         template_cell = _names(templates) if templates else f"(`{family.default_template}`, decided by the checkpoint)"

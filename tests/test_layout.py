@@ -54,7 +54,12 @@ REGISTRY = ROOT / PKG / "frame" / "families.py"
 FAMILY_FACTS = re.compile(r"\b(?:3,?136|12,?845,?056|16,?777,?216|25,?165,?824|589,?824)\b"
                           r"|\b(32|768|16|256|56) ?\* ?\1\b"
                           r"|factor\w*\s*(?::\s*int\s*)?=[^=\n]*\b(?:28|32)\b"
-                          r"|Policy\([^()]*,\s*(?:28|32)\s*[,)]|//\s*(?:28|32)\b")
+                          r"|Policy\([^()]*,\s*(?:28|32)\s*[,)]|//\s*(?:28|32)\b"
+                          # the merge and temporal patch sizes, a patch side, a family's inner model class, LF's
+                          # video defaults
+                          r"|\b\w*(?:merge|MERGE|temporal_patch|TEMPORAL_PATCH)\w*\s*=\s*2\b"
+                          r"|spatial_merge_size[\"']?\s*,\s*2\b|patch_size\s*=\s*1[46]\b|[\"']Qwen\w*Model[\"']"
+                          r"|(?:fps|maxlen)\w*\s*:\s*\w+\s*=\s*(?:2\.0|128)\b")
 
 
 def module_name(path: Path) -> str:
@@ -207,10 +212,14 @@ def test_the_cli_starts_without_torch():
 
 
 def test_family_facts_live_only_in_the_registry():
-    """The factor, the hub processors' bounds and LF's frame-key defaults are written once, in ``frame/families.py``;
-    every other module and benchmark asks it (a copy in ``frame/policy.py`` gave every family Qwen2.5-VL's bounds in ``check``)."""
-    assert FAMILY_FACTS.search(REGISTRY.read_text())  # the pattern finds what the registry writes
-    modules = [*(ROOT / PKG).rglob("*.py"), *PREP_ROOT.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    """The factor, the merge and temporal patch sizes, the hub processors' bounds, the inner models whose positions
+    are pinned and LF's frame-key defaults are written once, in ``frame/families.py``; every other module, benchmark,
+    script and figure asks it (a copy in ``frame/policy.py`` gave every family Qwen2.5-VL's bounds in ``check``)."""
+    registry = REGISTRY.read_text()
+    for fact in ("12845056", "MERGE_SIZE = 2", "TEMPORAL_PATCH = 2", '"Qwen2VLModel"', "768 * 768"):
+        assert FAMILY_FACTS.search(fact) and fact in registry  # the pattern finds what the registry writes
+    modules = [*(ROOT / PKG).rglob("*.py"), *PREP_ROOT.rglob("*.py"),
+               *(path for folder in ("benchmarks", "scripts", "docs/figures") for path in (ROOT / folder).rglob("*.py"))]
     outside = {str(p.relative_to(ROOT)): m.group(0) for p in modules
                if p != REGISTRY and (m := FAMILY_FACTS.search(p.read_text()))}
     assert not outside, f"family facts outside {REGISTRY.relative_to(ROOT)}: {outside}"

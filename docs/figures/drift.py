@@ -1,5 +1,5 @@
 """docs/figures/drift.png: one label (a button) on a 2560x1440 desktop screenshot, converted into the frame users convert labels for
-(``qwen_vl_utils.smart_resize``, LF's default bounds 32*32..768*768) and drawn where stock LLaMA-Factory 0.9.5
+(``qwen_vl_utils.smart_resize``, LF's default bounds) and drawn where stock LLaMA-Factory 0.9.5
 trains the model to put it (its own frame: area truncation, then the processor's rounding). Every size and
 coordinate comes from the project's frame core and drift audit::
 
@@ -8,10 +8,12 @@ coordinate comes from the project's frame core and drift audit::
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from llamafactory_qwenvl_patch.frame.families import LF_IMAGE_DEFAULTS
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy, convert_coords
 from qwenvl_prep.lf.drift import stock_llamafactory_size
 
@@ -22,7 +24,9 @@ OUT = Path(__file__).with_name("drift.png")
 
 
 def main() -> None:
-    policy = ResizePolicy(32 * 32, 768 * 768)
+    policy = ResizePolicy(LF_IMAGE_DEFAULTS["image_min_pixels"], LF_IMAGE_DEFAULTS["image_max_pixels"])
+    bounds = f"{math.isqrt(policy.min_pixels)}*{math.isqrt(policy.min_pixels)}.." \
+             f"{math.isqrt(policy.max_pixels)}*{math.isqrt(policy.max_pixels)}"
     label_hw = policy.model_size(*ORIGINAL)  # the frame labels are converted for
     stock_hw = stock_llamafactory_size(*ORIGINAL, policy.min_pixels, policy.max_pixels)  # what stock LF feeds
     label = convert_coords(BOX, "orig", "model", ORIGINAL, label_hw)  # the label as written in the dataset
@@ -39,7 +43,7 @@ def main() -> None:
     draw.rectangle(scaled(BOX), outline=(40, 190, 70), width=5)
     draw.rectangle(scaled(learned), outline=(220, 40, 40), width=5)
     shift = max(abs(a - b) for a, b in zip(BOX, learned))
-    lines = [f"{ORIGINAL[1]}x{ORIGINAL[0]} screenshot, LF's default bounds (32*32..768*768)",
+    lines = [f"{ORIGINAL[1]}x{ORIGINAL[0]} screenshot, LF's default bounds ({bounds})",
              f"label frame (smart_resize): {label_hw[1]}x{label_hw[0]}; stock LF feeds {stock_hw[1]}x{stock_hw[0]}",
              "green: the button and its label", f"red: where stock LF trains the model to answer (off by up to "
              f"{shift:.0f} original px)", "with qwenvl_patch: true the two frames are the same"]

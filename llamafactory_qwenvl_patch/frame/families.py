@@ -37,6 +37,9 @@ class Family:
     # stock LF's second resize of every image when a check is given no model folder
     hub_video_bounds: tuple[int, int] | None = None  # the same for their video processor (per frame or over the
     # clip, as ``video_bounds_per_frame`` says)
+    rope_model: str | None = None  # transformers' inner model class whose ``get_rope_index`` the plugin pins to the
+    # rule the family was pretrained with (text after a video at the block's largest position + 1; transformers 5.3+
+    # put it elsewhere, and 5.3.0-5.5.4 broke it further: ``integration/transformers_releases.py``); None: not pinned
 
 
 FAMILIES: dict[str, Family] = {}
@@ -60,10 +63,10 @@ _QWEN3_HUB_IMAGE, _QWEN3_HUB_VIDEO = (65536, 16777216), (4096, 25165824)
 
 register(Family("qwen2_5_vl", 28, "model", ("qwen2_5_vl",), ("qwen2_vl",), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
                 video_clock="seconds", video_bounds_per_frame=True, hub_image_bounds=_QWEN2_HUB,
-                hub_video_bounds=_QWEN2_HUB))
+                hub_video_bounds=_QWEN2_HUB, rope_model="Qwen2_5_VLModel"))
 register(Family("qwen2_vl", 28, "rel1000", ("qwen2_vl",), (), "Qwen2VLPlugin", "qwen2_vl", tiny=True,
                 since_transformers="4.45", video_clock="index", video_bounds_per_frame=True,
-                hub_image_bounds=_QWEN2_HUB, hub_video_bounds=_QWEN2_HUB))
+                hub_image_bounds=_QWEN2_HUB, hub_video_bounds=_QWEN2_HUB, rope_model="Qwen2VLModel"))
 # Qwen3-VL (dense and MoE: ``qwen3_vl_moe`` by prefix) configs are nested in every transformers that supports them
 register(Family("qwen3_vl", 32, "rel1000", ("qwen3_vl",), ("qwen3_vl",), "Qwen3VLPlugin", "qwen3_vl_nothink",
                 flat_config=False, tiny=True, since_transformers="4.57", vllm_text_config_build=True,
@@ -77,6 +80,11 @@ register(Family("qwen3_5", 32, "rel1000", ("qwen3_5",), ("qwen3_5", "qwen3_6"), 
                 hub_video_bounds=_QWEN3_HUB_VIDEO))
 
 DEFAULT_FACTOR = FAMILIES[DEFAULT].factor  # the factor of a policy that names no family (Qwen2.5-VL: patch 14 x 2)
+# Shared by every registered family: 2 x 2 patches merge into one token (factor = patch x MERGE_SIZE), and 2 frames
+# into one temporal patch (a frame group)
+MERGE_SIZE = 2
+TEMPORAL_PATCH = 2
+PINNED_ROPE_FAMILIES = tuple(f.name for f in FAMILIES.values() if f.rope_model)
 
 # LLaMA-Factory 0.9.5's defaults for the frame keys a YAML may omit (hparams/model_args.py ~305-336)
 LF_IMAGE_DEFAULTS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768}

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from llamafactory_qwenvl_patch.frame.families import FAMILIES
+
 
 def needs_token_types(model: Any) -> bool:
     """The (unwrapped, possibly PEFT-wrapped) model's forward takes ``mm_token_type_ids``."""
@@ -37,7 +39,7 @@ def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
 
 # --- positions as Qwen2-VL and Qwen2.5-VL were pretrained ---------------------------------------------------------
 
-PRETRAINED_RULE_MODELS = ("Qwen2VLModel", "Qwen2_5_VLModel")  # transformers' inner models whose rule we pin
+PRETRAINED_RULE_MODELS = tuple(f.rope_model for f in FAMILIES.values() if f.rope_model)  # inner models we pin
 
 
 def pretrained_rope_index(input_ids: torch.Tensor, token_types: torch.Tensor, image_grid_thw: Any, video_grid_thw: Any,

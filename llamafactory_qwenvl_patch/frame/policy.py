@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
-from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR, MERGE_SIZE
 
 MAX_ASPECT_RATIO = 200
-MERGE_SIZE = 2
 
 # Coordinate conventions: ``orig`` original-image pixels, ``model`` absolute pixels of the resized model input
 # (Qwen2.5-VL), ``rel1000`` relative 0-1000 (Qwen2-VL, Qwen3-VL), ``rel1`` relative 0-1.

@@ -37,11 +37,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR, LF_VIDEO_DEFAULTS
+from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR, LF_VIDEO_DEFAULTS, TEMPORAL_PATCH
 from llamafactory_qwenvl_patch.frame.keys import frame_key
 from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 
-TEMPORAL_PATCH = 2
 METADATA_FPS = 1.0  # the ``fps`` handed with ``VideoPlan.frames_indices`` (which are then seconds)
 MIN_FPS, MAX_FPS = 1e-3, 1000.0  # sampling and frame-list rates outside are typos (1e-320 overflowed the clock)
 CLOCKS = ("seconds", "stamps", "index")

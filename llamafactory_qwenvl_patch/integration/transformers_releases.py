@@ -18,7 +18,7 @@ import textwrap
 from types import ModuleType
 from typing import Any, Callable
 
-from llamafactory_qwenvl_patch.frame.families import family_for_template, family_of_model
+from llamafactory_qwenvl_patch.frame.families import PINNED_ROPE_FAMILIES, family_for_template, family_of_model
 from llamafactory_qwenvl_patch.integration.patching import _rebind
 
 # (first, last) release with the bug, inclusive, and what it gets wrong
@@ -26,7 +26,6 @@ POSITION_BUGS = (
     ((5, 3, 0), (5, 5, 3), "still images get temporal position 2 x their start (huggingface/transformers#45325)"),
     ((5, 3, 0), (5, 5, 4), "every video frame gets the same temporal position (huggingface/transformers#45381)"),
 )
-POSITION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # the families whose get_rope_index those releases broke
 SINK_BUG_RELEASES = ((5, 6, 0),)
 SINK_BUG = "s_aux=s_aux.to(query.dtype),"  # the line as 5.6.0 has it
 SINK_FIX = "s_aux=s_aux.to(query.dtype) if s_aux is not None else None,"  # 5.6.2's guard, on one line
@@ -56,7 +55,7 @@ def refuse_wrong_positions(model_args: Any, data_args: Any) -> None:
 
     problems = position_problems(transformers.__version__)
     family = family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template)
-    if problems and family in POSITION_FAMILIES:
+    if problems and family in PINNED_ROPE_FAMILIES:  # those releases broke their get_rope_index
         raise TransformersReleaseError(
             f"transformers {transformers.__version__} computes Qwen2-VL and Qwen2.5-VL positions wrong (this run's "
             f"family: {family}): {'; '.join(problems)}. "

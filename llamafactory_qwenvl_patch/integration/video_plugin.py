@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from llamafactory_qwenvl_patch.frame.families import LF_VIDEO_DEFAULTS
 from llamafactory_qwenvl_patch.frame.video import METADATA_FPS, VideoPlan, VideoPolicy
 from llamafactory_qwenvl_patch.image_io.video import probe, read_clip, rewindable
 from llamafactory_qwenvl_patch.integration import lf_compat
@@ -41,10 +42,10 @@ class PinnedVideos:
 
     qwenvl_video_min_pixels: int = 0
     qwenvl_video_max_pixels: int = 0
-    qwenvl_video_fps: float = 2.0
-    qwenvl_video_maxlen: int = 128
+    qwenvl_video_fps: float = LF_VIDEO_DEFAULTS["video_fps"]
+    qwenvl_video_maxlen: int = LF_VIDEO_DEFAULTS["video_maxlen"]
     qwenvl_video_clock: str = "stamps"
-    qwenvl_frame_list_fps: float = 2.0
+    qwenvl_frame_list_fps: float = LF_VIDEO_DEFAULTS["video_fps"]
 
     @property
     def video_policy(self) -> VideoPolicy:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from llamafactory_qwenvl_patch.frame.families import MERGE_SIZE
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import video_processor_kwargs
 from llamafactory_qwenvl_patch.grpo.generation.vllm_video import (
@@ -175,7 +176,7 @@ class VLLMEngine:
         self.video_ids = {"start": getattr(config, "vision_start_token_id", None), "end": getattr(
             config, "vision_end_token_id", None), "pad": getattr(config, "video_token_id", None)}
         vision = getattr(config, "vision_config", None)
-        self.merge = getattr(vision, "spatial_merge_size", 2) ** 2  # patches per placeholder token
+        self.merge = getattr(vision, "spatial_merge_size", MERGE_SIZE) ** 2  # patches per placeholder token
         tokenizer = self.llm.get_tokenizer()
         self.stamp_ids = lru_cache(maxsize=4096)(
             lambda stamp_text: tuple(tokenizer.encode(stamp_text, add_special_tokens=False)))

@@ -11,8 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from llamafactory_qwenvl_patch.frame.policy import MERGE_SIZE
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, MERGE_SIZE
 from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
 from qwenvl_prep.plumbing.outputs import require_new_folder
 

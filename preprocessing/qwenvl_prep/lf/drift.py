@@ -15,10 +15,10 @@ from llamafactory_qwenvl_patch.frame.families import (
     LF_IMAGE_DEFAULTS,
     LF_MIN_SIDE,
     LF_VIDEO_DEFAULTS,
+    TEMPORAL_PATCH,
 )
 from llamafactory_qwenvl_patch.frame.policy import MAX_ASPECT_RATIO, ResizePolicy, map_coords
 from llamafactory_qwenvl_patch.frame.policy_record import read_processor_bounds
-from llamafactory_qwenvl_patch.frame.video import TEMPORAL_PATCH
 
 _DEFAULT_HUB = FAMILIES[DEFAULT].hub_image_bounds
 
