@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llamafactory_qwenvl_patch.grpo.algorithm.advantages import ESTIMATOR_REGISTRY, SCALE_REWARDS
-from llamafactory_qwenvl_patch.grpo.algorithm.losses import IMPORTANCE_LEVELS, LOSS_TYPES
+from llamafactory_qwenvl_patch.grpo.algorithm.losses import IMPORTANCE_LEVELS, LOSS_TYPES, TAKES_DELTA
 from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import IS_MODES
 from llamafactory_qwenvl_patch.grpo.rewards.builtin import BUILTIN as BUILTIN_REWARDS
 from llamafactory_qwenvl_patch.grpo.rollout.shared_prefix import SETTINGS as SHARED_PREFIX_SETTINGS
@@ -299,10 +299,10 @@ def extend_finetuning_arguments(base: type) -> type:
                 raise ValueError(f"grpo_delta ({self.grpo_delta}) must be above 1 + grpo_epsilon_high "
                                  f"({1 + self.grpo_epsilon_high}): below it, it clips inside the trust region")
             surrogate = LOSS_TYPES[self.grpo_loss_type][0]
-            if self.grpo_delta is not None and surrogate != "clipped":
-                raise ValueError(f"grpo_delta bounds the clipped surrogate's ratio; grpo_loss_type "
-                                 f"{self.grpo_loss_type} is the {surrogate} surrogate, which it does not bound "
-                                 "(cispo bounds its weight with grpo_cispo_cap)")
+            if self.grpo_delta is not None and surrogate not in TAKES_DELTA:
+                raise ValueError(f"grpo_delta caps the ratio of the {' and '.join(sorted(TAKES_DELTA))} surrogate; "
+                                 f"grpo_loss_type {self.grpo_loss_type} is the {surrogate} surrogate, which does not "
+                                 "take it (docs/grpo.md, the loss types)")
             if self.grpo_rollout_backend not in ROLLOUT_BACKENDS:
                 raise ValueError(f"grpo_rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                                  f"got {self.grpo_rollout_backend!r}")

@@ -63,16 +63,20 @@ class LossConfig:
 Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "LossConfig"], tuple[torch.Tensor, torch.Tensor]]
 Aggregation = Callable[[torch.Tensor, torch.Tensor, "LossConfig", float | None, float | None], torch.Tensor]
 SURROGATES: dict[str, Surrogate] = {}
+TAKES_DELTA: set[str] = set()  # the surrogates whose ratio ``grpo_delta`` caps
 AGGREGATIONS: dict[str, Aggregation] = {}
 LOSS_TYPES: dict[str, tuple[str, str]] = {}  # grpo_loss_type -> (surrogate, aggregation)
 
 
-def register_surrogate(name: str) -> Callable[[Surrogate], Surrogate]:
-    """Decorator: ``fn(ratio, advantages, logps, config) -> (per-token loss, clipped tokens)``."""
+def register_surrogate(name: str, takes_delta: bool = False) -> Callable[[Surrogate], Surrogate]:
+    """Decorator: ``fn(ratio, advantages, logps, config) -> (per-token loss, clipped tokens)``; ``takes_delta``: it
+    reads ``config.delta`` (``grpo_delta`` is refused at parse time for the others)."""
     def add(fn: Surrogate) -> Surrogate:
         if name in SURROGATES:
             raise ValueError(f"surrogate {name!r} is registered already")
         SURROGATES[name] = fn
+        if takes_delta:
+            TAKES_DELTA.add(name)
         return fn
     return add
 
@@ -98,7 +102,7 @@ def register_loss(loss_type: str, surrogate: str, aggregation: str) -> None:
     LOSS_TYPES[loss_type] = (surrogate, aggregation)
 
 
-@register_surrogate("clipped")
+@register_surrogate("clipped", takes_delta=True)
 def _clipped(ratio: torch.Tensor, a: torch.Tensor, logps: torch.Tensor, config: LossConfig
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, with ``delta`` capping the unclipped ratio (INTELLECT-2; trl applies it after the

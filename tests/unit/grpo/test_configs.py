@@ -147,7 +147,8 @@ def test_inverted_clip_range_and_non_finite_weights_are_refused():
 @pytest.mark.parametrize("values, message", [
     ({"grpo_advantage_estimator": "rloo", "grpo_scale_rewards": "none"}, "rloo has its own scale"),
     ({"grpo_advantage_estimator": "reinforce_plus_plus", "grpo_scale_rewards": "batch"}, "has its own scale"),
-    ({"grpo_loss_type": "cispo", "grpo_delta": 2.0}, "cispo bounds its weight with grpo_cispo_cap"),
+    ({"grpo_loss_type": "cispo", "grpo_delta": 2.0}, "grpo_delta caps the ratio of the clipped surrogate; "
+                                                      "grpo_loss_type cispo is the cispo surrogate"),
 ])
 def test_variant_keys_that_contradict_each_other_are_refused(values, message):
     """Issue 42: a key that would be silently ignored by the chosen variant is named instead."""
