@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from llamafactory_qwenvl_patch.agent.frame import ScreenshotError, screenshot_size
+from llamafactory_qwenvl_patch.agent.frame import ScreenshotError, readable, screenshot_size
 from llamafactory_qwenvl_patch.agent.types import Observation, Step
 from llamafactory_qwenvl_patch.frame.families import structure_token_in
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
@@ -39,6 +39,7 @@ def check_observation(value: Any, policy: ResizePolicy, turn: int) -> Observatio
     _check_text(value.text, turn)
     try:
         screenshot_size(value.image, policy)
+        readable(value.image)
     except ScreenshotError as exc:
         raise BoundaryError(f"the screenshot for turn {turn} is {exc}") from None
     return value
@@ -128,13 +129,28 @@ def json_value(value: Any, depth: int = 0) -> Any:
     """``value`` (an environment's ``info``) as strict JSON holds it, for the rewards, the completions log and
     agent-eval's rows: str, int, bool, None, finite floats, lists and str-keyed dicts kept; a non-finite float and
     anything else (a set, an object, a dict with other keys, a container nested past ``JSON_DEPTH``: a cycle) as its
-    repr, so a row stays valid JSON (``allow_nan=False``) and nothing is dropped or merged."""
-    if value is None or isinstance(value, (str, int)):
+    repr, so a row stays valid JSON (``allow_nan=False``) and nothing is dropped or merged. numpy scalars and arrays
+    are their Python values (``np.False_`` stays false, not the truthy text ``'np.False_'``); a str that is not
+    encodable text (a lone surrogate) is its repr, so the row can be written."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.item() if isinstance(value, np.generic) else value.tolist()
+    if isinstance(value, str):
+        return value if _encodable(value) else repr(value)
+    if value is None or isinstance(value, int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(float(value))
     if depth < JSON_DEPTH and isinstance(value, (list, tuple)):
         return [json_value(item, depth + 1) for item in value]
-    if depth < JSON_DEPTH and isinstance(value, dict) and all(isinstance(key, str) for key in value):
+    if depth < JSON_DEPTH and isinstance(value, dict) and all(isinstance(key, str) and _encodable(key)
+                                                              for key in value):
         return {key: json_value(item, depth + 1) for key, item in value.items()}
     return repr(value)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -48,6 +48,18 @@ def screenshot_size(image: Any, policy: ResizePolicy) -> tuple[Size, Size]:
         raise ScreenshotError(str(exc)) from None
 
 
+def readable(image: Image.Image) -> None:
+    """ScreenshotError unless ``image``'s pixels decode and its mode turns into RGB (PIL cannot convert ``La`` or
+    ``BGR;24``; a file opened lazily may be cut short): checked on one pixel, where the environment runs, so the
+    failure is the environment's, named, instead of the resize's deep in the trainer."""
+    try:
+        image.load()
+        image.crop((0, 0, 1, 1)).convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:  # SyntaxError: PIL's word for some broken files
+        raise ScreenshotError(f"a {image.width}x{image.height} (WxH) image in mode {image.mode} that cannot be read "
+                              f"as RGB ({exc})") from None
+
+
 @dataclass(frozen=True)
 class Screen:
     """One turn's screenshot as the model sees it: the model-input image and the two sizes its actions map
@@ -61,6 +73,7 @@ class Screen:
 def model_screen(screenshot: Image.Image, policy: ResizePolicy) -> Screen:
     """The screenshot in the pinned frame (ScreenshotError for one the frame refuses)."""
     orig_hw, model_hw = screenshot_size(screenshot, policy)
+    readable(screenshot)
     return Screen(model_input_image(screenshot, policy), orig_hw, model_hw)
 
 

@@ -5,6 +5,7 @@ errors (``import_target``, shared with the reward loader in ``grpo.rewards.regis
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import traceback
@@ -44,11 +45,13 @@ def import_target(target: str, what: str, prefix: str) -> ModuleType:
     UserCodeError, prefixed with ``what`` (the spec as the user wrote it), when the file or module does not exist or
     its import raises (its exception and the file and line it raised at; ``sys.exit`` at import included)."""
     try:
-        if target.endswith(".py"):
+        if target.lower().endswith(".py"):
             path = Path(target)
             if not path.is_file():
                 raise UserCodeError(f"{what}: file {path} not found")
-            module_spec = importlib.util.spec_from_file_location(f"{prefix}{path.stem}", path)
+            module_name = f"{prefix}{path.stem}"  # the loader named: importlib picks one by suffix, and knows no .PY
+            module_spec = importlib.util.spec_from_file_location(
+                module_name, path, loader=importlib.machinery.SourceFileLoader(module_name, str(path)))
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
             return module
@@ -84,4 +87,10 @@ def load_env_class(spec: str) -> type:
     if lacking:
         raise EnvLoadError(f"{what}: class {name} lacks {', '.join(lacking)}: an environment has reset(task, seed), "
                            "step(action) and close()")
+    if getattr(found, "_is_protocol", False):
+        raise EnvLoadError(f"{what}: {name} is a Protocol, the interface an environment follows, and cannot be "
+                           "instantiated: name your class that implements it")
+    if inspect.isabstract(found):
+        raise EnvLoadError(f"{what}: class {name} is abstract (it does not implement "
+                           f"{', '.join(sorted(found.__abstractmethods__))}) and cannot be instantiated")
     return found

@@ -33,6 +33,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 OK, ENV_ERROR, ENV_TIMEOUT = "ok", "env_error", "env_timeout"
 ISOLATIONS = ("process", "inline")
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX  # the longest wait a thread join or a pipe poll takes (about 292 years)
 KILL_GRACE_S = 1.0  # a killed or shut-down worker gets this long to exit after SIGTERM before SIGKILL
 TASK_NAME_CHARS = 80
 
@@ -184,8 +185,9 @@ class EnvRunner:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation {isolation!r} is not one of {', '.join(ISOLATIONS)}")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+                raise ValueError(f"{name} must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got "
+                                 f"{value!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"env {spec!r}: its keyword arguments must be a dict, got {type(kwargs).__name__}")
         self.spec, self.kwargs, self.policy = spec, dict(kwargs or {}), policy

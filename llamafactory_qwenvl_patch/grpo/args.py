@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llamafactory_qwenvl_patch.agent.runner import MAX_TIMEOUT_S
 from llamafactory_qwenvl_patch.grpo.algorithm.advantages import ESTIMATOR_REGISTRY, SCALE_REWARDS
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import IMPORTANCE_LEVELS, LOSS_TYPES, TAKES_DELTA
 from llamafactory_qwenvl_patch.grpo.algorithm.sampler_correction import IS_MODES
@@ -19,6 +20,7 @@ ROLLOUT_BACKENDS = ("hf", "vllm")
 
 
 BOOL_AS_TEXT = ("grpo_shared_prefix",)  # string keys whose values include true and false
+JSON_AS_TEXT = ("grpo_agent_env_kwargs",)  # string keys holding a JSON object, which YAML may write as a mapping
 # (low, high, low inclusive, high inclusive) for the numeric keys that have a range; every number must be finite
 RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_num_generations": (2, math.inf, True, False),  # advantages are relative within a group
@@ -43,7 +45,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "grpo_max_resample": (1, math.inf, True, False),
     "grpo_agent_max_turns": (1, math.inf, True, False),
     "grpo_agent_max_tokens": (2, math.inf, True, False),
-    "grpo_agent_step_timeout": (0, math.inf, False, False),
+    "grpo_agent_step_timeout": (0, MAX_TIMEOUT_S, False, True),
     "grpo_agent_max_env_failures": (0, 1, True, True),
     "grpo_agent_step_weight": (0, math.inf, True, False),
     "grpo_agent_gamma": (0, 1, True, True),
@@ -79,6 +81,11 @@ def _typed(name: str, declared: str, value: object) -> object:
             return value
         if isinstance(value, bool) and name in BOOL_AS_TEXT:  # YAML reads `grpo_shared_prefix: true` as a bool
             return str(value).lower()
+        if isinstance(value, dict) and name in JSON_AS_TEXT:  # a YAML mapping where the key takes a JSON object
+            try:
+                return json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}: the mapping {value!r:.200} is not JSON ({exc})") from None
         hint = " (one comma-separated string, e.g. `iou,format`)" if isinstance(value, (list, tuple)) else ""
         raise ValueError(f"{name} must be a string, got {value!r}{hint}")
     else:
@@ -238,7 +245,8 @@ def extend_finetuning_arguments(base: type) -> type:
                       "`path/to/env.py:Class` (docs/agents.md). Each record is a task; its meta reaches reset()."},
         )
         grpo_agent_env_kwargs: str | None = field(
-            default=None, metadata={"help": "The environment class's keyword arguments, a JSON object as text."}
+            default=None, metadata={"help": "The environment class's keyword arguments: a JSON object as text, or a "
+                                    "YAML mapping."}
         )
         grpo_agent_max_turns: int = field(default=8, metadata={"help": "Actions per trajectory at most."})
         grpo_agent_max_tokens: int = field(
@@ -326,13 +334,25 @@ def agent_env_kwargs(text: str | None) -> dict[str, Any]:
     if text is None or not text.strip():
         return {}
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except ValueError as exc:
-        raise ValueError(f"grpo_agent_env_kwargs must be a JSON object as text, e.g. '{{\"screens\": 3}}': {exc}"
-                         ) from None
+        raise ValueError(f"grpo_agent_env_kwargs must be a JSON object as text, e.g. '{{\"screens\": 3}}' (or a YAML "
+                         f"mapping): {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"grpo_agent_env_kwargs must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise ValueError(f"the key {repeated!r} appears twice (a JSON reader keeps one of them)")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _check_agent_keys(args: Any) -> None:
@@ -389,14 +409,12 @@ def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: 
     if finetuning_args.grpo_agent_env and not model_args.qwenvl_patch:
         raise ValueError("grpo_agent_env needs `qwenvl_patch: true` (with image_min_pixels / image_max_pixels): "
                          "every screenshot is put in the pinned frame and every action mapped back through it")
-    deepspeed = getattr(training_args, "hf_deepspeed_config", None)
-    zero3 = deepspeed is not None and deepspeed.is_zero3()
-    if finetuning_args.grpo_agent_env and (zero3 or (finetuning_args.grpo_rollout_backend == "vllm"
-                                                     and finetuning_args.grpo_vllm_tensor_parallel_size > 1)):
-        raise ValueError("grpo_agent_env runs on one process or DDP, with vLLM engines of "
-                         "grpo_vllm_tensor_parallel_size: 1: each rank plays its own trajectories for as many turns as "
-                         "they last, while under ZeRO-3 (sampling and weight syncs gather the shards) or a "
-                         "tensor-parallel engine every sampling call is a collective all ranks must join")
+    if finetuning_args.grpo_agent_env and finetuning_args.grpo_rollout_backend == "vllm" \
+            and finetuning_args.grpo_vllm_tensor_parallel_size > 1:
+        raise ValueError("grpo_agent_env runs vLLM engines of grpo_vllm_tensor_parallel_size: 1 (one per rank): each "
+                         "rank plays its own trajectories for as many turns as they last, while every sampling call "
+                         "of a tensor-parallel engine is a collective all its ranks must join. Under ZeRO-3 an agent "
+                         "run samples on one engine per rank, or on HF generation")
     if finetuning_args.grpo_rollout_backend != "vllm":
         return
     if not model_args.qwenvl_patch:

@@ -138,7 +138,7 @@ def _agent_run(finetuning_args: Any, template: Any, tokenizer: Any, processor: A
     constants = lf_compat.require_module("llamafactory.extras.constants", ["IMAGE_PLACEHOLDER"])
     from llamafactory_qwenvl_patch.grpo.args import agent_env_kwargs
     from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
-    from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentRun
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_play import AgentRun
 
     fa = finetuning_args
     return AgentRun(fa.grpo_agent_env, agent_env_kwargs(fa.grpo_agent_env_kwargs), fa.grpo_agent_max_turns,

@@ -47,6 +47,10 @@ def _word(obj: dict, key: str, kind: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value.strip():
         raise AnswerError(f"a {kind} action needs a non-empty string {key!r}, got {value!r}")
+    try:
+        value.encode("utf-8")  # JSON's "\ud800" escape reads as a lone surrogate: no text an environment can type
+    except UnicodeEncodeError as exc:
+        raise AnswerError(f"a {kind} action's {key!r} is not text ({exc.reason} at character {exc.start})") from None
     return value
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import read_log, run_cli, train_config, write_sharegpt
+from helpers import failure_report, read_log, run_cli, run_ranks, train_config, write_sharegpt
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.policy_record import POLICY_FILE
@@ -194,6 +194,38 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
 
 
 @pytest.mark.slow
+def test_an_agent_trains_under_zero3_on_two_ranks(tiny_model, tmp_path):
+    """ZeRO-3 on 2 ranks, HF rollouts with the shared prefix: each rank plays its own task for as many turns as it
+    lasts (one task a rank a step: a 1-screen task ends after one turn, a 3-screen task after three), on weights
+    gathered once per rollout; no rank waits for the other's turns, and both train in step."""
+    from pathlib import Path
+
+    data = tmp_path / "data"
+    records = [{"messages": [{"role": "user", "content": "Answer anything, one action per turn."},
+                             {"role": "assistant", "content": '{"action": "done"}'}],
+                "meta": {"id": f"task{k}", "screens": screens}} for k, screens in enumerate((1, 3))]
+    write_sharegpt(data, "tasks", records, columns={"messages": "messages"})
+    out = tmp_path / "out"
+    deepspeed = Path(__file__).resolve().parents[2] / "configs" / "ds_z3_cpu_test.json"
+    config = agent_config(tiny_model, data, out, "qwen2_vl", deepspeed=str(deepspeed), ddp_backend="gloo",
+                          use_cpu=None, grpo_agent_env_kwargs='{"reader": "raw", "letter": "", "change_size": true}')
+    result = run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run")
+    assert result.returncode == 0, failure_report(result.stdout + result.stderr)
+    assert (out / "adapter_model.safetensors").is_file()
+    logged = [row for row in read_log(out) if "loss" in row]
+    assert len(logged) == 2
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 4  # two steps, a task on each rank, G 4
+    policy = ResizePolicy(MIN, MAX, 28)
+    for step in {row["step"] for row in rows}:  # the ranks played different numbers of turns in one rollout
+        assert {len(row["trajectory"]["turns"]) for row in rows if row["step"] == step} == {1, 3}
+    for row in rows:
+        assert row["trajectory"]["end"] == "done"
+        for turn in row["trajectory"]["turns"]:
+            assert tuple(turn["model_hw"]) == policy.model_size(*turn["orig_hw"])
+
+
+@pytest.mark.slow
 def test_an_environment_written_outside_the_project(tiny_model, tasks, tmp_path):
     """``path/to/env.py:Class`` with its keyword arguments: the class is loaded in the worker processes, its
     screenshots are whatever size it draws, and its rewards are the env reward. With ``grpo_agent_credit: gigpo``
@@ -248,7 +280,12 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnvs"), "gui_env has no class ClickThroughEnvs"),
     (dict(grpo_agent_env="qwenvl_no_such_env_module:Env"), "module qwenvl_no_such_env_module not found"),
     (dict(grpo_agent_env="llamafactory_qwenvl_patch.agent:Action"), "class Action lacks reset, step, close"),
-    (dict(grpo_rollout_backend="vllm", grpo_vllm_tensor_parallel_size=2), "grpo_agent_env runs on one process or DDP"),
+    (dict(grpo_agent_env="llamafactory_qwenvl_patch.agent:Environment"), "Environment is a Protocol"),
+    (dict(grpo_agent_env_kwargs='{"screens": 2, "screens": 3}'), "the key 'screens' appears twice"),
+    (dict(grpo_agent_env_kwargs='{"screens": NaN}'), "NaN is not a JSON number"),
+    (dict(grpo_agent_step_timeout=1e10), "grpo_agent_step_timeout must be in (0, 9.22337e"),
+    (dict(grpo_rollout_backend="vllm", grpo_vllm_tensor_parallel_size=2),
+     "grpo_agent_env runs vLLM engines of grpo_vllm_tensor_parallel_size: 1"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
     """Each key's rule, and the environment class itself: loaded and checked against the protocol (EnvLoadError, a

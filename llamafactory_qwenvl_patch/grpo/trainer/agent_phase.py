@@ -11,31 +11,17 @@ mean of the group's other members before the estimator runs, and a group with fe
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from transformers import TrainerCallback
 
-from llamafactory_qwenvl_patch.agent.runner import ENV_TIMEOUT, EnvRunner, describe_task
+from llamafactory_qwenvl_patch.agent.runner import ENV_TIMEOUT
 from llamafactory_qwenvl_patch.frame.mrope import token_types
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.algorithm.dynamic_sampling import flat_groups, fresh_indices
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import micro_batch_counts, step_normalizers
 from llamafactory_qwenvl_patch.grpo.algorithm.step_credit import grouped_share, step_advantages
-from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
-    DONE,
-    Episode,
-    EpisodeSettings,
-    Sampled,
-    Sampler,
-    Task,
-    run_episodes,
-    trie_saving,
-)
+from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import DONE, Episode, trie_saving
 from llamafactory_qwenvl_patch.grpo.rewards.monitors import rollout_metrics
 from llamafactory_qwenvl_patch.grpo.rewards.registry import Scored, pick_scored, reward_inputs, score
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
@@ -46,34 +32,10 @@ from llamafactory_qwenvl_patch.grpo.rollout.agent_rows import (
     suffix_values,
     trajectory_inputs,
 )
-from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
-from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
-from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
 from llamafactory_qwenvl_patch.grpo.rollout.types import AgentPart, Kept, MicroBatch, SampleMeta
+from llamafactory_qwenvl_patch.grpo.trainer.agent_play import AgentPlayMixin
 
 logger = logging.getLogger("llamafactory.qwenvl_patch.grpo")
-SEED_MODULUS = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class AgentRun:
-    """An agent run's settings (the ``grpo_agent_*`` keys) and its turn renderer."""
-
-    env: str
-    env_kwargs: dict[str, Any]
-    max_turns: int
-    max_tokens: int
-    step_timeout: float
-    isolation: str
-    max_env_failures: float
-    renderer: TurnRenderer
-    credit: str = "trajectory"  # or "gigpo": a step advantage within anchor-state groups (``step_credit``)
-    step_weight: float = 1.0
-    gamma: float = 0.95
-
-    @property
-    def policy(self) -> ResizePolicy:
-        return self.renderer.policy
 
 
 class ScoredTasks(NamedTuple):
@@ -86,122 +48,7 @@ class ScoredTasks(NamedTuple):
     flat: list[bool]
 
 
-class AgentShutdown(TrainerCallback):
-    """Stop the environments' worker processes when training ends."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._agent_shutdown()
-
-
-class AgentMixin:
-    agent: AgentRun | None = None
-
-    # --- tasks and environments ------------------------------------------------------------------------------------
-
-    def _agent_tasks(self, features: list[dict[str, Any]]) -> tuple[list[Task], list[SampleMeta]]:
-        """Each record as a task (its meta, prompt, system and tools) and its SampleMeta for the rewards."""
-        tasks, meta = [], []
-        for feature in features:
-            index = int(feature["grpo_index"])
-            for media in ("videos", "images", "audios"):
-                if feature.get(media):
-                    raise ValueError(f"dataset record {index} has {media}: in an agent run (grpo_agent_env) a "
-                                     "record is a task, and its screenshots come from the environment")
-            if not feature.get(TASK_COLUMN):
-                raise RuntimeError("the records reached the agent rollout without their prompt messages; please "
-                                   "report this")
-            task = json.loads(feature[TASK_COLUMN])
-            record_meta = decode_meta(feature.get(META_COLUMN))
-            labels = [t for t in feature.get("labels") or [] if t >= 0]
-            name = f"record {index}" + (f" ({describe_task(record_meta)})" if record_meta is not None else "")
-            tasks.append(Task(record_meta if record_meta is not None else {}, task["prompt"], task["system"],
-                              task["tools"], name))
-            meta.append(SampleMeta(index, task["prompt"][-1]["content"],
-                                   decode_kept(self.tokenizer, labels, self.drop_ids).strip(), None,
-                                   meta=record_meta))
-        return tasks, meta
-
-    def _agent_runners(self, count: int) -> list[EnvRunner]:
-        """``count`` environment slots, kept across rollouts (their workers are reused)."""
-        pool, agent = self.run_state.agent_pool, self.agent
-        while len(pool) < count:
-            pool.append(EnvRunner(agent.env, agent.env_kwargs, policy=agent.policy, isolation=agent.isolation,
-                                  timeout=agent.step_timeout))
-        return pool[:count]
-
-    def _agent_shutdown(self) -> None:
-        for runner in self.run_state.agent_pool:
-            runner.shutdown()
-
-    def _agent_seed(self, index: int, part: int) -> int:
-        """One seed per task and rollout, from (run seed, rank, micro-step, part, record): the G members start on one
-        screen, and a relaunch redraws the same tasks."""
-        key = (((self.args.seed * 1_000_003 + self.args.process_index) * 1_000_003 + self.run_state.micro_step)
-               * 97 + part) * 1_000_003 + index
-        return key % SEED_MODULUS
-
-    def _agent_settings(self) -> EpisodeSettings:
-        return EpisodeSettings(self.agent.policy, self.coords, self.agent.max_turns, self.agent.max_tokens,
-                               self.max_new_tokens)
-
-    # --- sampling --------------------------------------------------------------------------------------------------
-
-    def _agent_sampler(self, model: Any, meta: list[SampleMeta], greedy: bool = False) -> Sampler:
-        """One action per row, on whole rows with all their screenshots: HF ``generate`` (rows left-padded; the
-        model computes each row's positions itself, since every row starts at its task's root) or the vLLM engine
-        (its frame guard checks every screenshot of every turn; weights synced once per optimiser step)."""
-        config = copy.deepcopy(self.greedy_config if greedy else self.generation_config)
-        config.num_return_sequences = 1
-        pad = self.tokenizer.pad_token_id
-
-        def sample(rows: list[list[int]], images: list[list[Any]], tasks: list[int]) -> Sampled:
-            if self.vllm is not None:
-                if self.run_state.vllm_step != self.state.global_step:
-                    self._sync_weights(model)
-                    self.run_state.vllm_step = self.state.global_step
-                out = self.vllm.generate(rows, images, [meta[t].index for t in tasks], pad, greedy=greedy, n=1)
-                sampled, logps = out.ids, out.logps.tolist()
-            else:
-                # the first turn's G rows of a task are its root: with the shared prefix it is prefilled once and
-                # sampled G times (sample_shared_prefix), as single answers are
-                group = self.num_generations if self.shared_prefix and _repeated(rows, self.num_generations) else 1
-                unique, unique_images = rows[::group], images[::group]
-                width = max(len(row) for row in unique)
-                batch: dict[str, Any] = {
-                    "input_ids": torch.tensor([[pad] * (width - len(row)) + row for row in unique]),
-                    "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in unique]),
-                }
-                visual = self.agent.renderer.processor.image_processor(
-                    images=[i for row in unique_images for i in row], return_tensors="pt")
-                batch["pixel_values"], batch["image_grid_thw"] = visual["pixel_values"], visual["image_grid_thw"]
-                turn_config = config
-                if group > 1:
-                    turn_config = copy.copy(config)
-                    turn_config.num_return_sequences = group
-                    if not greedy:
-                        self.run_state.metrics["agent/shared_roots"].append(float(len(unique)))
-                sampled, logps = self._generate(model, self._prepare_input(batch), turn_config), None
-            ids, mask, stopped, texts, _ = self._completions(sampled)
-            lengths = mask.sum(dim=1).tolist()
-            return [row[:n] for row, n in zip(ids.tolist(), lengths)], stopped.tolist(), texts, logps
-
-        return sample
-
-    def _agent_episodes(self, model: Any, features: list[dict[str, Any]], part: int, G: int, greedy: bool = False
-                        ) -> tuple[list[Episode], list[SampleMeta]]:
-        tasks, meta = self._agent_tasks(features)
-        seeds = [self._agent_seed(m.index, part) for m in meta]
-        episodes = run_episodes(tasks, G, self._agent_runners(len(tasks) * G), seeds, self.agent.renderer,
-                                self._agent_sampler(model, meta, greedy), self._agent_settings())
-        self._log_close_error(episodes)
-        for m, e in zip(meta, episodes[::G]):  # the frame of the task's first screen
-            if e.turns:
-                m.orig_hw, m.model_hw = tuple(e.turns[0]["orig_hw"]), tuple(e.turns[0]["model_hw"])
-        return episodes, meta
-
+class AgentMixin(AgentPlayMixin):
     def _agent_inputs(self, episodes: list[Episode]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, Kept]:
         """The trajectories' training inputs, and their targets and mask at the kept positions: one packed row per
         task with the shared prefix (its root once), else one row per trajectory. ``kept`` maps per-token values of
@@ -283,7 +130,7 @@ class AgentMixin:
         counts = micro_batch_counts(masks).to(device)
         counts = self.accelerator.reduce(counts, reduction="sum") if self.accelerator.num_processes > 1 else counts
         norms = step_normalizers(counts, self.grad_accum, self.accelerator.num_processes).tolist()
-        stats = rollout_metrics(rewards, lengths, stopped, texts, meta, G)
+        stats = _logged_stats(rewards, baseline_rewards, usable, lengths, stopped, texts, meta, G)
         for key, value in {**stats, **_agent_metrics(episodes, G)}.items():
             self.run_state.metrics[key].append(value)
         self._warn_if_flat(stats, texts, meta)
@@ -408,7 +255,7 @@ class AgentMixin:
         model = self.model_wrapped
         rows = []
         for inputs in self.get_eval_dataloader(dataset):
-            episodes, meta = self._agent_episodes(model, inputs["grpo_features"], 0, 1, greedy=True)
+            episodes, meta = self._agent_episodes(model, inputs["grpo_features"], None, 1, greedy=True)
             rows += [(m.index, e.actions_text, e.record(), m) for m, e in zip(meta, episodes)]
         unique = {row[0]: row for row in gather_object(rows)}  # even_batches padding repeats records
         rows = list(unique.values())
@@ -443,6 +290,20 @@ def _leave_failures_out(rewards: torch.Tensor, failed: torch.Tensor, G: int) -> 
     return rewards.view(-1), usable.view(-1)
 
 
+def _logged_stats(rewards: torch.Tensor, baseline_rewards: torch.Tensor, usable: torch.Tensor, lengths: torch.Tensor,
+                  stopped: torch.Tensor, texts: list[str], meta: list[SampleMeta], G: int) -> dict[str, float]:
+    """The rollout's reward statistics as the loss sees them: over the groups that get a loss, each failed member at
+    its group's mean (so a flaky environment reads as failures, ``agent/env_errors``, not as a worse or more varied
+    policy, and a flat group as flat); when no group gets a loss, over every trajectory as scored."""
+    trained = usable.view(-1, G).any(dim=1)
+    if not bool(trained.any()):
+        return rollout_metrics(rewards, lengths, stopped, texts, meta, G)
+    rows = trained.repeat_interleave(G)
+    return rollout_metrics(baseline_rewards[rows], lengths[rows], stopped[rows],
+                           [text for text, keep in zip(texts, rows.tolist()) if keep],
+                           [m for m, keep in zip(meta, trained.tolist()) if keep], G)
+
+
 def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
     """What the rollout's trajectories did: turns, ends, invalid actions, and the share of tokens a prefix tree over
     each group's trajectories would save (``trie_saving``)."""
@@ -462,11 +323,6 @@ def _agent_metrics(episodes: list[Episode], G: int) -> dict[str, float]:
         "agent/close_errors": float(sum(bool(e.close_error) for e in episodes)),
         "agent/trie_saving": sum(trie_saving(rows) for rows in groups) / len(groups),
     }
-
-
-def _repeated(rows: list[list[int]], group: int) -> bool:
-    """Whether ``rows`` are runs of ``group`` equal rows (a rollout's first turn, every reset alive)."""
-    return group > 1 and len(rows) % group == 0 and all(row == rows[i - i % group] for i, row in enumerate(rows))
 
 
 def _row(episode: Episode) -> tuple[list[int], list[int], list[Any]]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -123,26 +124,41 @@ class RolloutMixin:
             raise RuntimeError(f"stage: grpo: {message}")
         logging.getLogger("llamafactory.qwenvl_patch.grpo").warning(f"stage: grpo: {message}")
 
-    def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+    @contextmanager
+    def _generation_model(self, model: Any) -> Iterator[Any]:
+        """The unwrapped model in eval mode under ``no_grad``; under ZeRO-3 with every parameter gathered on this
+        rank and DeepSpeed's hooks removed, so that sampling in it is no collective (trl's
+        ``unwrap_model_for_generation``). Entering it is one: every rank enters it together."""
         from trl.models import unwrap_model_for_generation
 
         if not self.run_state.gather_checked:
             self._check_gather_budget(model)
-        gen_inputs = dict(batch)
-        if self.pass_token_types:
-            gen_inputs["mm_token_type_ids"] = token_types(batch["input_ids"], self.model.config)
         with torch.no_grad(), unwrap_model_for_generation(
             model, self.accelerator, gather_deepspeed3_params=True
         ) as unwrapped:
             was_training = unwrapped.training
             unwrapped.eval()
             try:
-                with generation_config_of(unwrapped, config):
-                    if self.shared_prefix:
-                        return sample_shared_prefix(unwrapped, gen_inputs, config)
-                    return unwrapped.generate(**gen_inputs, generation_config=config)[:, batch["input_ids"].shape[1]:]
+                yield unwrapped
             finally:
                 unwrapped.train(was_training)
+
+    def _generate_on(self, unwrapped: Any, batch: dict[str, torch.Tensor], config: GenerationConfig,
+                     **options: Any) -> torch.Tensor:
+        """Completion ids of ``batch`` sampled by a model from ``_generation_model`` (``options`` go to
+        ``generate``)."""
+        gen_inputs = dict(batch)
+        if self.pass_token_types:
+            gen_inputs["mm_token_type_ids"] = token_types(batch["input_ids"], self.model.config)
+        with generation_config_of(unwrapped, config):
+            if self.shared_prefix:
+                return sample_shared_prefix(unwrapped, gen_inputs, config)
+            return unwrapped.generate(**gen_inputs, generation_config=config,
+                                      **options)[:, batch["input_ids"].shape[1]:]
+
+    def _generate(self, model: Any, batch: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+        with self._generation_model(model) as unwrapped:
+            return self._generate_on(unwrapped, batch, config)
 
     def _sample(self, model: Any, batch: dict[str, torch.Tensor], meta: list[SampleMeta], greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,7 +25,8 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.grpo.algorithm.losses import LossConfig
 from llamafactory_qwenvl_patch.grpo.rewards.registry import Reward
 from llamafactory_qwenvl_patch.grpo.rollout import shared_prefix
-from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentMixin, AgentRun, AgentShutdown
+from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import AgentMixin
+from llamafactory_qwenvl_patch.grpo.trainer.agent_play import AgentRun, AgentShutdown
 from llamafactory_qwenvl_patch.grpo.trainer.checkpoint import (
     CheckpointMixin,
     _require_trainer_hooks,

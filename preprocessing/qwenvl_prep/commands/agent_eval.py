@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llamafactory_qwenvl_patch.agent.runner import MAX_TIMEOUT_S
 from qwenvl_prep.commands.evaluate import add_bootstrap_flags
 from qwenvl_prep.commands.options import count, finite, seed
 from qwenvl_prep.pipeline.predict import MIN_TEMPERATURE
@@ -160,8 +161,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "conversation so far rendered by its chat template, the answer read as an action and mapped back to that "
         "screenshot's pixels, then sent to the environment (llamafactory_qwenvl_patch.agent; run in worker "
         "processes with a timeout). Writes one JSON row per trajectory (each turn's answer, the action as sent, the "
-        "screen's sizes, the reward; how it ended: done, turns, context, env_error, env_timeout) and prints the "
-        "success rate, steps to success and invalid-action rate. docs/agents.md, 'Evaluating an agent'.",
+        "screen's sizes, the reward; how it ended: done, turns, context, template_token, env_error, env_timeout) "
+        "and prints the success rate, steps to success and invalid-action rate. docs/agents.md, 'Evaluating an agent'.",
     )
     ag.add_argument("model_dir", type=Path, metavar="FOLDER",
                     help="exported model folder, a full checkpoint, or a LoRA adapter folder of llamafactory-cli "
@@ -207,7 +208,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ag.add_argument("--isolation", choices=("process", "inline"), default="process",
                     help="process (default): each environment in a worker process, killed at its timeout; inline: "
                     "in this process, in a thread (pure-Python simulators; a hung call cannot be stopped)")
-    ag.add_argument("--step-timeout", type=finite("--step-timeout", False), default=60.0, metavar="SECONDS",
+    ag.add_argument("--step-timeout", type=finite("--step-timeout", False, most=MAX_TIMEOUT_S), default=60.0, metavar="SECONDS",
                     help="seconds each reset, step and close may take (default 60); past it the trajectory ends "
                     "env_timeout")
     ag.add_argument("--success-reward", type=finite("--success-reward", False), default=1.0, metavar="R",

@@ -48,11 +48,13 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return spec
 
 
-def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) -> Callable[[str], float]:
-    """An argparse type: a finite number > 0 (at least ``least`` when given), or also 0 with ``zero_allowed`` (nan
-    and inf are mistakes, not values)."""
+def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0,
+           most: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (at least ``least`` when given, at most ``most``), or also 0 with
+    ``zero_allowed`` (nan and inf are mistakes, not values)."""
     bound = f">= {least:g}" if least else "> 0"
     bound = f"0 or {bound}" if zero_allowed and least else (">= 0" if zero_allowed else bound)
+    bound += f" and <= {most:g}" if most < math.inf else ""
 
     def parse(text: str) -> float:
         try:
@@ -60,7 +62,7 @@ def finite(flag: str, zero_allowed: bool, note: str = "", least: float = 0.0) ->
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         positive = value >= least if least else value > 0
-        if not (math.isfinite(value) and (positive or (zero_allowed and value == 0))):
+        if not (math.isfinite(value) and value <= most and (positive or (zero_allowed and value == 0))):
             raise argparse.ArgumentTypeError(f"{flag} takes a number {bound}{note}, got {text!r}")
         return value
 

@@ -33,8 +33,10 @@ from llamafactory_qwenvl_patch.agent.runner import (
     step_all,
 )
 from llamafactory_qwenvl_patch.agent.types import Action
+from llamafactory_qwenvl_patch.frame.families import structure_token_in
 
 DONE, TURNS, CONTEXT = "done", "turns", "context"  # with the runner's env_error and env_timeout: how a trajectory ends
+TEMPLATE_TOKEN = "template_token"  # the model wrote a token of the chat template: its history cannot be sent back
 DEFAULT_PROMPT = ('You operate the app on the screen. Answer with one action as JSON: {"action": "click", '
                   '"point_2d": [x, y]}, {"action": "type", "text": "..."}, {"action": "scroll", "point_2d": [x, y], '
                   '"direction": "down"}, {"action": "key", "key": "enter"} or {"action": "done"}.')
@@ -179,6 +181,13 @@ class AgentPlayer:
                 return
             if last:
                 trajectory.end = TURNS
+                return
+            token = structure_token_in(trajectory.answers[-1])
+            if token is not None:  # the model's own doing: a failure of the model, not of the environment
+                trajectory.end = TEMPLATE_TOKEN
+                trajectory.message = (f"turn {len(trajectory.answers)}: the answer holds {token!r}, a token of the "
+                                      "model's chat template: sent back as the conversation's history it would be "
+                                      "read as that token, so the conversation cannot go on")
                 return
         try:
             trajectory.observe(observation.image, observation.text, policy)

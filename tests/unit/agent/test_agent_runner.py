@@ -47,7 +47,12 @@ def write(tmp_path, name: str, text: str) -> str:
 def test_environment_classes_load_by_name_with_named_errors(tmp_path):
     good = write(tmp_path, "good_env.py", "class Env:\n    def reset(self, task, seed): ...\n"
                  "    def step(self, action): ...\n    def close(self): ...\n\ndef make(): ...\n\n"
-                 "class Half:\n    def reset(self, task, seed): ...\n")
+                 "class Half:\n    def reset(self, task, seed): ...\n\n"
+                 "import abc\nclass Abstract(abc.ABC):\n    @abc.abstractmethod\n    def reset(self, task, seed): ...\n"
+                 "    def step(self, action): ...\n    def close(self): ...\n")
+    upper = write(tmp_path, "upper_env.PY", "class Env:\n    def reset(self, task, seed): ...\n"
+                  "    def step(self, action): ...\n    def close(self): ...\n")
+    assert load_env_class(f"{upper}:Env").__name__ == "Env"  # a .PY file is a file, not a module name
     assert load_env_class(f"{good}:Env").__name__ == "Env"
     assert load_env_class(SIM).__name__ == "ClickThroughEnv"
     raising = write(tmp_path, "raising_env.py", "import os\nraise RuntimeError('no display')\n")
@@ -59,6 +64,9 @@ def test_environment_classes_load_by_name_with_named_errors(tmp_path):
         f"{good}:Nope": "good_env.py has no class Nope",
         f"{good}:make": "make is a function, not a class",
         f"{good}:Half": "class Half lacks step, close",
+        f"{good}:Abstract": "class Abstract is abstract (it does not implement reset) and cannot be instantiated",
+        "llamafactory_qwenvl_patch.agent:Environment": "Environment is a Protocol, the interface an environment "
+                                                         "follows, and cannot be instantiated",
         f"{raising}:Env": "raising_env.py cannot be loaded: RuntimeError: no display (" + raising + ", line 2)",
         f"{broken}:Env": "broken_env.py cannot be loaded: SyntaxError",
         "just_a_module": "expected module:Class or path/to/env.py:Class",
@@ -249,13 +257,27 @@ def test_what_a_step_returns_is_checked_by_name():
              (Step(screen, 0.0, False, None), "info is a NoneType, not a dict"),
              (Step(screen, 0.0, False, {"state_key": ["menu"]}), "info['state_key'] is a list"),
              (Step(Observation(screen.image, None), 0.0, False), "the observation's text is a NoneType"),
-             (Step(screen.image, 0.0, False), "returned a Image, not an Observation")]
+             (Step(screen.image, 0.0, False), "returned a Image, not an Observation"),
+             (Step(Observation(Image.new("La", (300, 200))), 0.0, False),
+              "the screenshot for turn 3 is a 300x200 (WxH) image in mode La that cannot be read as RGB"),
+             (Step(Observation(_cut_png()), 0.0, False), "image in mode RGB that cannot be read as RGB")]
     for step, message in cases:
         with pytest.raises(BoundaryError, match=re.escape(message)):
             check_step(step, POLICY, 3)
 
 
+def _cut_png() -> Image.Image:
+    """A PNG opened lazily, as an environment reading a file may return it, whose file is cut short."""
+    import io
+
+    data = io.BytesIO()
+    Image.effect_noise((400, 300), 64).convert("RGB").save(data, "PNG")
+    return Image.open(io.BytesIO(data.getvalue()[:len(data.getvalue()) // 2]))
+
+
 def test_runner_misuse_is_a_clear_error():
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds up to"):
+        EnvRunner(SIM, policy=POLICY, isolation="inline", timeout=1e10)  # past what a join or a poll can wait
     slot = runner("inline")
     with pytest.raises(RuntimeError, match="no trajectory in progress"):
         slot.step(Action("done"))
@@ -305,3 +327,11 @@ def test_info_is_written_as_strict_json():
     assert value["score"] == "nan" and value["best"] == ["inf", "-inf", 0.5] and value["seen"] == "{1, 2}"
     assert value["by_id"] == "{1: 'a', '1': 'b'}"
     assert value["deep"] == {"ok": True, "n": 10**30, "none": None, "tuple": [1, "x"]}
+    # numpy values as their Python values (np.False_ stays false); a lone surrogate, which no file takes, as its repr
+    import numpy as np
+
+    numbers = json_value({"success": np.bool_(False), "steps": np.int64(3), "score": np.float32(0.5),
+                          "grid": np.arange(3), "nan": np.float64("nan"), "name": "a\ud800", "odd": {"\udc00": 1}})
+    assert numbers == {"success": False, "steps": 3, "score": 0.5, "grid": [0, 1, 2], "nan": "nan",
+                       "name": "'a\\ud800'", "odd": "{'\\udc00': 1}"}
+    json.dumps(numbers, ensure_ascii=False).encode("utf-8")

@@ -308,6 +308,40 @@ def test_a_failed_trajectory_leaves_its_groups_baseline():
     assert usable.tolist() == [True, True, False, True, False, False, False, False]  # group 2: one usable member
 
 
+def test_the_logged_reward_statistics_are_the_losss_view():
+    """A group whose usable members agree reads as flat even where its failed members scored otherwise, a group with
+    one usable member (no loss) is left out of the statistics, and a rollout where no group gets a loss logs every
+    trajectory as scored."""
+    from llamafactory_qwenvl_patch.grpo.rollout.types import SampleMeta
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_phase import _logged_stats
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0])
+    failed = torch.tensor([False, False, True, True, False, True, True, True])
+    baseline, usable = _leave_failures_out(rewards, failed, 4)
+    meta = [SampleMeta(k, "task", "", None) for k in range(2)]
+    lengths, stopped = torch.full((8,), 5.0), torch.ones(8, dtype=torch.bool)
+    stats = _logged_stats(rewards, baseline, usable, lengths, stopped, ["x"] * 8, meta, 4)
+    assert (stats["reward"], stats["reward_std"], stats["frac_reward_zero_std"]) == (1.0, 0.0, 1.0)
+    none = torch.zeros(8, dtype=torch.bool)
+    scored = _logged_stats(rewards, baseline, none, lengths, stopped, ["x"] * 8, meta, 4)
+    assert scored["reward"] == pytest.approx(0.5) and scored["frac_reward_zero_std"] == 0.0
+
+
+def test_evaluation_plays_each_task_on_the_same_screens_at_every_evaluation():
+    """Training seeds move with the micro-step (every rollout new screens); an evaluation's come from the run's seed
+    and the record alone, on any rank at any step, so evaluations compare checkpoints on the same tasks."""
+    from types import SimpleNamespace
+
+    from llamafactory_qwenvl_patch.grpo.trainer.agent_play import AgentPlayMixin
+
+    trainer = SimpleNamespace(args=SimpleNamespace(seed=7, process_index=0), run_state=SimpleNamespace(micro_step=0))
+    seed = AgentPlayMixin._agent_seed
+    evaluation, training = [seed(trainer, k, None) for k in range(4)], seed(trainer, 0, 0)
+    trainer.run_state.micro_step, trainer.args.process_index = 5, 1
+    assert [seed(trainer, k, None) for k in range(4)] == evaluation and len(set(evaluation)) == 4
+    assert seed(trainer, 0, 0) != training
+
+
 class ScriptedRefill:
     """The trainer's agent refill (``AgentMixin._agent_refill`` with its flat rule and ``RefillMixin``'s rank vote)
     over scripted rollouts: each dataset task's G trajectories get the rewards and failures of ``TABLE[task]``

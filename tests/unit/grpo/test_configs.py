@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -147,8 +146,8 @@ def test_inverted_clip_range_and_non_finite_weights_are_refused():
 @pytest.mark.parametrize("values, message", [
     ({"grpo_advantage_estimator": "rloo", "grpo_scale_rewards": "none"}, "rloo has its own scale"),
     ({"grpo_advantage_estimator": "reinforce_plus_plus", "grpo_scale_rewards": "batch"}, "has its own scale"),
-    ({"grpo_loss_type": "cispo", "grpo_delta": 2.0}, "grpo_delta caps the ratio of the clipped surrogate; "
-                                                      "grpo_loss_type cispo is the cispo surrogate"),
+    ({"grpo_loss_type": "cispo", "grpo_delta": 2.0},
+     "grpo_delta caps the ratio of the clipped surrogate; grpo_loss_type cispo is the cispo surrogate"),
 ])
 def test_variant_keys_that_contradict_each_other_are_refused(values, message):
     """Issue 42: a key that would be silently ignored by the chosen variant is named instead."""
@@ -185,25 +184,3 @@ def test_grpo_keys_that_contradict_other_classes_keys_stop_the_parse(tmp_path, v
         return
     with pytest.raises(ValueError, match=message):
         get_train_args(args)
-
-
-def test_an_agent_run_under_zero3_is_refused():
-    """Each rank plays its trajectories for as many turns as they last; under ZeRO-3 every sampling call and weight
-    sync gathers the shards, a collective all ranks must join (LF itself needs torchrun for DeepSpeed, so the rule
-    is called with a parsed ZeRO-3 configuration as transformers holds it)."""
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig
-
-    from llamafactory_qwenvl_patch.grpo.args import check_with_other_keys
-
-    finetuning = SimpleNamespace(grpo_steps_per_generation=None, grpo_shared_prefix="auto", grpo_rollout_backend="hf",
-                                 grpo_agent_env="qwenvl_prep.demos.gui_env:ClickThroughEnv",
-                                 grpo_vllm_tensor_parallel_size=1)
-    model = SimpleNamespace(flash_attn="auto", qwenvl_patch=True)
-    for stage, refused in ((3, True), (2, False)):
-        training = SimpleNamespace(gradient_accumulation_steps=1, load_best_model_at_end=False, world_size=2,
-                                   hf_deepspeed_config=HfDeepSpeedConfig({"zero_optimization": {"stage": stage}}))
-        if refused:
-            with pytest.raises(ValueError, match="grpo_agent_env runs on one process or DDP"):
-                check_with_other_keys(finetuning, model, training)
-        else:
-            check_with_other_keys(finetuning, model, training)

@@ -308,3 +308,25 @@ def test_a_bad_observation_ends_its_trajectory_and_rows_are_strict_json(model, t
     with pytest.raises(RuntimeError, match="encodes each of 2 trajectories alone but not together"):
         ClickPlayer(folder, runners, max_turns=1, max_tokens=10_000, success_reward=1.0).play(
             [AgentTask({"id": k}, k, "Go.") for k in range(2)])
+
+
+def test_an_answer_holding_a_template_token_ends_as_the_models_failure(model):
+    """Earlier answers go back as text: one holding ``<|image_pad|>`` would make the processor count an image that
+    is not there. The trajectory ends ``template_token`` (the model's doing, counted in the success rate), not
+    ``env_error`` (which the success rate leaves out); an answer that ends the episode is taken as it is."""
+    class TokenPlayer(AgentPlayer):
+        def answer(self, trajectories, inputs):
+            return ['{"action": "type", "text": "a <|image_pad|>"}'] * len(trajectories)
+
+    folder = FolderModel(model)
+    rows = {}
+    for screens in (2, 1):
+        runner = EnvRunner(SIM, {"reader": "raw", "letter": "a", "screens": screens}, policy=POLICY,
+                           isolation="inline")
+        [rows[screens]] = TokenPlayer(folder, [runner], max_turns=3, max_tokens=10_000, success_reward=1.0).play(
+            [AgentTask({"id": 0}, 0, "Go.")])
+    assert (rows[2]["end"], rows[2]["steps"], rows[2]["success"]) == ("template_token", 1, False)
+    assert rows[2]["message"].startswith("turn 1: the answer holds '<|image_pad|>', a token of the model's chat")
+    assert (rows[1]["end"], rows[1]["success"]) == ("done", True)  # nothing left to send back
+    result = agent_result([rows[2], rows[1]], resamples=10)
+    assert result["ends"] == {"template_token": 1, "done": 1} and result["agent"]["success_rate"] == 0.5
