@@ -409,12 +409,6 @@ def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: 
     if finetuning_args.grpo_agent_env and not model_args.qwenvl_patch:
         raise ValueError("grpo_agent_env needs `qwenvl_patch: true` (with image_min_pixels / image_max_pixels): "
                          "every screenshot is put in the pinned frame and every action mapped back through it")
-    if finetuning_args.grpo_agent_env and finetuning_args.grpo_rollout_backend == "vllm" \
-            and finetuning_args.grpo_vllm_tensor_parallel_size > 1:
-        raise ValueError("grpo_agent_env runs vLLM engines of grpo_vllm_tensor_parallel_size: 1 (one per rank): each "
-                         "rank plays its own trajectories for as many turns as they last, while every sampling call "
-                         "of a tensor-parallel engine is a collective all its ranks must join. Under ZeRO-3 an agent "
-                         "run samples on one engine per rank, or on HF generation")
     if finetuning_args.grpo_rollout_backend != "vllm":
         return
     if not model_args.qwenvl_patch:

@@ -7,6 +7,7 @@ refused before the model loads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import failure_report, read_log, run_cli, run_ranks, train_config, write_sharegpt
@@ -17,6 +18,7 @@ from qwenvl_prep.cli import main
 
 MIN, MAX = 64 * 28 * 28, 256 * 28 * 28
 SIM = "qwenvl_prep.demos.gui_env:ClickThroughEnv"
+ZERO3 = Path(__file__).resolve().parents[2] / "configs" / "ds_z3_cpu_test.json"
 OUTSIDE_ENV = '''
 from PIL import Image
 
@@ -193,36 +195,47 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
     assert moved > 0
 
 
-@pytest.mark.slow
-def test_an_agent_trains_under_zero3_on_two_ranks(tiny_model, tmp_path):
-    """ZeRO-3 on 2 ranks, HF rollouts with the shared prefix: each rank plays its own task for as many turns as it
-    lasts (one task a rank a step: a 1-screen task ends after one turn, a 3-screen task after three), on weights
-    gathered once per rollout; no rank waits for the other's turns, and both train in step."""
-    from pathlib import Path
-
-    data = tmp_path / "data"
+def uneven_tasks(root):
+    """Two tasks whose trajectories last one turn and three (the raw reader with an empty letter passes every answer):
+    with one task a rank a step, the two ranks play different numbers of turns in every rollout."""
+    data = root / "data"
     records = [{"messages": [{"role": "user", "content": "Answer anything, one action per turn."},
                              {"role": "assistant", "content": '{"action": "done"}'}],
                 "meta": {"id": f"task{k}", "screens": screens}} for k, screens in enumerate((1, 3))]
     write_sharegpt(data, "tasks", records, columns={"messages": "messages"})
-    out = tmp_path / "out"
-    deepspeed = Path(__file__).resolve().parents[2] / "configs" / "ds_z3_cpu_test.json"
-    config = agent_config(tiny_model, data, out, "qwen2_vl", deepspeed=str(deepspeed), ddp_backend="gloo",
-                          use_cpu=None, grpo_agent_env_kwargs='{"reader": "raw", "letter": "", "change_size": true}')
-    result = run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run")
+    return data
+
+
+def check_uneven_run(out, result, factor):
+    """Two steps on two ranks, both ranks' trajectories logged: in every rollout one rank's ended after one turn
+    while the other's took three, every turn in its screenshot's frame."""
     assert result.returncode == 0, failure_report(result.stdout + result.stderr)
     assert (out / "adapter_model.safetensors").is_file()
     logged = [row for row in read_log(out) if "loss" in row]
     assert len(logged) == 2
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 * 4  # two steps, a task on each rank, G 4
-    policy = ResizePolicy(MIN, MAX, 28)
-    for step in {row["step"] for row in rows}:  # the ranks played different numbers of turns in one rollout
+    for step in {row["step"] for row in rows}:
         assert {len(row["trajectory"]["turns"]) for row in rows if row["step"] == step} == {1, 3}
+    policy = ResizePolicy(MIN, MAX, factor)
     for row in rows:
         assert row["trajectory"]["end"] == "done"
         for turn in row["trajectory"]["turns"]:
             assert tuple(turn["model_hw"]) == policy.model_size(*turn["orig_hw"])
+    return logged
+
+
+UNEVEN = '{"reader": "raw", "letter": "", "change_size": true}'
+
+
+@pytest.mark.slow
+def test_an_agent_trains_under_zero3_on_two_ranks(tiny_model, tmp_path):
+    """ZeRO-3 on 2 ranks, HF rollouts with the shared prefix: each rank plays its own task for as many turns as it
+    lasts, on weights gathered once per rollout; no rank waits for the other's turns, and both train in step."""
+    out = tmp_path / "out"
+    config = agent_config(tiny_model, uneven_tasks(tmp_path), out, "qwen2_vl", deepspeed=str(ZERO3),
+                          ddp_backend="gloo", use_cpu=None, grpo_agent_env_kwargs=UNEVEN)
+    check_uneven_run(out, run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run"), 28)
 
 
 @pytest.mark.slow
@@ -284,8 +297,6 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env_kwargs='{"screens": 2, "screens": 3}'), "the key 'screens' appears twice"),
     (dict(grpo_agent_env_kwargs='{"screens": NaN}'), "NaN is not a JSON number"),
     (dict(grpo_agent_step_timeout=1e10), "grpo_agent_step_timeout must be in (0, 9.22337e"),
-    (dict(grpo_rollout_backend="vllm", grpo_vllm_tensor_parallel_size=2),
-     "grpo_agent_env runs vLLM engines of grpo_vllm_tensor_parallel_size: 1"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
     """Each key's rule, and the environment class itself: loaded and checked against the protocol (EnvLoadError, a

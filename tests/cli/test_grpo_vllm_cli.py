@@ -105,3 +105,22 @@ def test_two_ranks_share_one_tensor_parallel_engine(small_model, grpo_data):
     assert len(steps) == 3 and all(row["vllm/logp_diff/mean"] < 1e-3 for row in steps)
     assert all(abs(row["vllm/mismatch/kl"]) < 1e-3 for row in steps)
     assert "tensor_parallel_size=2" in (root / "vllm-tp2-run" / "output.log").read_text()  # vLLM's engine config
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_tensor_parallel_engine_over_turns(small_model, tmp_path):
+    """``grpo_vllm_tensor_parallel_size: 2`` on 2 ranks: one engine over both, whose every call both ranks join, so
+    they take each turn together; the rank whose task ended after one turn joins the next two calls with no request,
+    and the engine samples the training model's distribution on both ranks' action tokens. Here, not among the agent
+    runs: the two tensor-parallel runs must not overlap (vLLM's CPU engines under torchrun name their shared memory
+    alike: the second fails with errno 17), and pytest-xdist runs a file's tests on one worker."""
+    from helpers import run_ranks
+    from test_grpo_agent import UNEVEN, agent_config, check_uneven_run, uneven_tasks
+
+    out = tmp_path / "out"
+    config = agent_config(small_model, uneven_tasks(tmp_path), out, "qwen2_vl", grpo_rollout_backend="vllm",
+                          grpo_vllm_tensor_parallel_size=2, grpo_agent_env_kwargs=UNEVEN)
+    result = run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run")
+    for row in check_uneven_run(out, result, 28):
+        assert row["vllm/logp_diff/mean"] < 1e-3 and abs(row["vllm/mismatch/kl"]) < 1e-3
+    assert "tensor_parallel_size=2" in result.stdout + result.stderr  # vLLM's engine config

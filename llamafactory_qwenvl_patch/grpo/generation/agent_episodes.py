@@ -104,16 +104,25 @@ def _action_dict(action: Action) -> dict[str, Any]:
 
 
 def run_episodes(tasks: Sequence[Task], G: int, runners: Sequence[EnvRunner], seeds: Sequence[int],
-                 renderer: TurnRenderer, sample: Sampler, settings: EpisodeSettings) -> list[Episode]:
+                 renderer: TurnRenderer, sample: Sampler, settings: EpisodeSettings,
+                 in_step: Callable[[bool], bool] | None = None) -> list[Episode]:
     """G episodes per task (task-major), on ``runners`` (one per episode); every environment is closed at the end,
-    each failed close kept on its episode."""
+    each failed close kept on its episode. ``in_step`` (a sampler whose calls are collectives, a tensor-parallel
+    engine): told each turn whether this rank has a live episode, it says whether any rank has; the turns go on
+    while one does, a rank with none joining each call with no request."""
     episodes = [Episode(i) for i in range(len(tasks)) for _ in range(G)]
     try:
         _start(tasks, G, runners, seeds, renderer, settings, episodes)
         turn = 1
-        while any(e.end is None for e in episodes):
+        while True:
             live = [k for k, e in enumerate(episodes) if e.end is None]
-            _act([episodes[k] for k in live], [runners[k] for k in live], tasks, renderer, sample, settings, turn)
+            if not (in_step(bool(live)) if in_step is not None else live):
+                break
+            if live:
+                _act([episodes[k] for k in live], [runners[k] for k in live], tasks, renderer, sample, settings,
+                     turn)
+            else:
+                sample([], [], [])
             turn += 1
     finally:
         for e, outcome in zip(episodes, close_all(runners)):

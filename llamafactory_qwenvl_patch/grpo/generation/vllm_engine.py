@@ -233,7 +233,7 @@ class VLLMEngine:
                     values.append(0.0)
                 rows.append(tokens)
                 logps.append(values + [0.0] * (len(tokens) - len(values)))
-        width = max(1, max(map(len, rows)))
+        width = max(1, max(map(len, rows), default=0))  # a tensor-parallel rank may have asked for nothing
         ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
         lp = torch.tensor([v + [0.0] * (width - len(v)) for v in logps], dtype=torch.float32)
         return Rollout(ids, lp)

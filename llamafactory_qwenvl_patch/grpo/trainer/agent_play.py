@@ -2,7 +2,9 @@
 rollouts, one seed per task and rollout, and the sampler every turn's actions come from (HF generation or the vLLM
 engine). A rollout of tasks is entered by every rank together; within it each rank plays its trajectories for as
 many turns as they last, so nothing in it is a collective: under ZeRO-3 the weights are gathered once for all its
-turns, and a vLLM engine's weights are synced before its first turn.
+turns, and a vLLM engine's weights are synced before its first turn. The one exception is a tensor-parallel engine,
+whose every call is a collective of its ranks: there all ranks take each turn together, while any has a live
+trajectory (a rank with none joins the call with no request).
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ class AgentPlayMixin:
         def sample(rows: list[list[int]], images: list[list[Any]], tasks: list[int]) -> Sampled:
             if self.vllm is not None:
                 out = self.vllm.generate(rows, images, [meta[t].index for t in tasks], pad, greedy=greedy, n=1)
+                if not rows:  # this rank's trajectories ended; it joined its tensor-parallel engine's call
+                    return [], [], [], []
                 sampled, logps = out.ids, out.logps.tolist()
             else:
                 # the first turn's G rows of a task are its root: with the shared prefix it is prefilled once and
@@ -181,9 +185,11 @@ class AgentPlayMixin:
                         greedy: bool = False) -> tuple[list[Episode], list[SampleMeta]]:
         tasks, meta = self._agent_tasks(features)
         seeds = [self._agent_seed(m.index, part) for m in meta]
+        # a tensor-parallel engine's calls are collectives: its ranks take the turns together
+        in_step = self._any_rank if self.vllm is not None and self.vllm.tp_group is not None else None
         with self._agent_generation(model) as sampler_model:
             episodes = run_episodes(tasks, G, self._agent_runners(len(tasks) * G), seeds, self.agent.renderer,
-                                    self._agent_sampler(sampler_model, meta, greedy), self._agent_settings())
+                                    self._agent_sampler(sampler_model, meta, greedy), self._agent_settings(), in_step)
         self._log_close_error(episodes)
         for m, e in zip(meta, episodes[::G]):  # the frame of the task's first screen
             if e.turns:

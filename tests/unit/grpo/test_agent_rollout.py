@@ -110,6 +110,31 @@ def test_clicks_in_the_model_frame_reach_every_screen(request, family):
     assert all(t["info"]["passed"] is False for e in wrong for t in e.turns)
 
 
+def test_a_rank_whose_trajectories_ended_joins_each_tensor_parallel_call_empty(tiny_model):
+    """Under a tensor-parallel engine every call is a collective: told that another rank still has a live
+    trajectory, a rank whose own have ended keeps calling the sampler with no request, turn by turn, until no rank
+    has one; its episodes are unchanged by it."""
+    r = renderer(tiny_model)
+    seeds, convention = [11, 12], FAMILIES["qwen2_5_vl"].coords
+    sampler = click_sampler(r, TASKS, seeds, convention)
+    calls, others = [], iter([True, True, True, True, True, False])  # the other rank: live for five turns
+
+    def recorded(rows, images, tasks):
+        calls.append(len(rows))
+        return sampler(rows, images, tasks) if rows else ([], [], [], [])
+
+    def in_step(live):
+        return next(others) or live
+
+    runners = [EnvRunner(ENV, {"change_size": True}, policy=r.policy, isolation="inline", timeout=30)
+               for _ in range(len(TASKS) * G)]
+    named = [Task(t, PROMPT, None, None, t["id"]) for t in TASKS]
+    episodes = run_episodes(named, G, runners, seeds, r, recorded, EpisodeSettings(r.policy, convention, 4, 16384, 48),
+                            in_step)
+    assert calls == [4, 4, 4, 0, 0]  # three turns of its own, then two calls joined empty
+    assert [e.end for e in episodes] == [DONE] * 4 and all(len(e.turns) == 3 for e in episodes)
+
+
 def _action_logps(model, inputs, targets):
     trainer = types.SimpleNamespace(suppressed=[], temperature=1.0)
     return StepMixin._token_logps(trainer, model, inputs, targets)[0]
