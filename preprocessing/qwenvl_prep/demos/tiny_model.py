@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES, MERGE_SIZE
 from llamafactory_qwenvl_patch.model_files.portable import QWEN2_SPLIT
@@ -142,20 +144,93 @@ def _qwen3_5(transformers, text: dict, token_ids: dict, vision_hidden: int, patc
     return transformers.Qwen3_5ForConditionalGeneration(config)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a family's builder receives: the text config's common keys, the vision tokens' ids, the vision width and
+    patch side, and the M-RoPE split of the head."""
+
+    text: dict
+    token_ids: dict
+    vision_hidden: int
+    patch: int
+    head_dim: int
+    section: list[int]
+
+
+def _qwen2_5_vl(transformers, parts: Parts, moe: bool):
+    text = dict(parts.text)
+    _set_rope(text, ROPE_THETA, parts.section)
+    vision = dict(depth=2, hidden_size=parts.vision_hidden, intermediate_size=2 * parts.vision_hidden, num_heads=2,
+                  out_hidden_size=text["hidden_size"], fullatt_block_indexes=[1], window_size=112,
+                  patch_size=parts.patch)
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **parts.token_ids)
+    return (transformers.Qwen2_5_VLForConditionalGeneration(config), transformers.Qwen2VLImageProcessor(),
+            transformers.Qwen2VLVideoProcessor(), transformers.Qwen2_5_VLProcessor)
+
+
+def _qwen2_vl(transformers, parts: Parts, moe: bool):
+    text = dict(parts.text)
+    _set_rope(text, ROPE_THETA, parts.section)
+    vision = dict(depth=2, embed_dim=parts.vision_hidden, hidden_size=text["hidden_size"], mlp_ratio=2, num_heads=2,
+                  patch_size=parts.patch)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **parts.token_ids)
+    return (transformers.Qwen2VLForConditionalGeneration(config), transformers.Qwen2VLImageProcessor(),
+            transformers.Qwen2VLVideoProcessor(), transformers.Qwen2VLProcessor)
+
+
+def _qwen3_vl(transformers, parts: Parts, moe: bool):
+    text = dict(parts.text, head_dim=parts.head_dim)
+    _set_rope(text, ROPE_THETA, parts.section, mrope_interleaved=True)
+    vision = dict(depth=2, hidden_size=parts.vision_hidden, intermediate_size=2 * parts.vision_hidden, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=parts.patch, num_position_embeddings=2304,
+                  deepstack_visual_indexes=[1])
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **parts.token_ids)
+    return (transformers.Qwen3VLForConditionalGeneration(config), transformers.Qwen2VLImageProcessor(
+        patch_size=parts.patch), transformers.Qwen3VLVideoProcessor(), transformers.Qwen3VLProcessor)
+
+
+def _qwen3_5_parts(transformers, parts: Parts, moe: bool):
+    model = _qwen3_5(transformers, dict(parts.text), parts.token_ids, parts.vision_hidden, parts.patch, moe)
+    return (model, transformers.Qwen2VLImageProcessor(patch_size=parts.patch), transformers.Qwen3VLVideoProcessor(),
+            transformers.Qwen3VLProcessor)
+
+
+@dataclass(frozen=True)
+class Builder:
+    """How the tiny builder makes one family: its function, the transformers class it needs (to say which release
+    has it) and whether it has a mixture-of-experts variant."""
+
+    build: Callable[..., tuple]
+    needs: str
+    moe: bool = False
+
+
+# one per family whose registry entry says ``tiny`` (tests/unit/prep/test_tiny_model.py keeps the two equal)
+BUILDERS = {
+    "qwen2_5_vl": Builder(_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
+    "qwen2_vl": Builder(_qwen2_vl, "Qwen2VLForConditionalGeneration"),
+    "qwen3_vl": Builder(_qwen3_vl, "Qwen3VLForConditionalGeneration"),
+    "qwen3_5": Builder(_qwen3_5_parts, "Qwen3_5ForConditionalGeneration", moe=True),
+}
+
+
 def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool = False):
     """Random-weight model of ``SIZES[size]`` (4 heads, 2 KV heads, vision depth 2) and its processor; ``moe``: the
     family's mixture-of-experts variant."""
     import transformers
 
-    if family not in FAMILIES or not FAMILIES[family].tiny:
+    if family not in FAMILIES or not FAMILIES[family].tiny or family not in BUILDERS:
         raise ValueError(f"the tiny builder makes {', '.join(f for f in FAMILIES if FAMILIES[f].tiny)}, not {family!r}")
-    if moe and family != "qwen3_5":
-        raise ValueError(f"the tiny builder makes a mixture-of-experts model for qwen3_5 only, not {family!r}")
+    builder = BUILDERS[family]
+    if moe and not builder.moe:
+        raise ValueError(f"the tiny builder makes a mixture-of-experts model for "
+                         f"{', '.join(f for f, b in BUILDERS.items() if b.moe)} only, not {family!r}")
+    if not hasattr(transformers, builder.needs):
+        raise RuntimeError(f"transformers {transformers.__version__} has no {builder.needs}; install >= "
+                           f"{FAMILIES[family].since_transformers}")
     dims = SIZES[size]
-    patch = FAMILIES[family].factor // MERGE_SIZE  # the vision patch side
-    hidden, vision_hidden = dims["hidden"], dims["vision_hidden"]
+    hidden = dims["hidden"]
     head_dim = hidden // 4
-    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # t/h/w split of head_dim / 2, as Qwen's
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer),
@@ -176,42 +251,9 @@ def _model_and_processor(family: str, tokenizer, size: str = "tiny", moe: bool =
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    if family == "qwen2_5_vl":
-        _set_rope(text, ROPE_THETA, section)
-        vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                      out_hidden_size=hidden, fullatt_block_indexes=[1], window_size=112, patch_size=patch)
-        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
-        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-        image_processor = transformers.Qwen2VLImageProcessor()
-        video_processor = transformers.Qwen2VLVideoProcessor()
-        processor_cls = transformers.Qwen2_5_VLProcessor
-    elif family == "qwen2_vl":
-        _set_rope(text, ROPE_THETA, section)
-        vision = dict(depth=2, embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=2, num_heads=2, patch_size=patch)
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **token_ids)
-        model = transformers.Qwen2VLForConditionalGeneration(config)
-        image_processor = transformers.Qwen2VLImageProcessor()
-        video_processor = transformers.Qwen2VLVideoProcessor()
-        processor_cls = transformers.Qwen2VLProcessor
-    elif family == "qwen3_vl":
-        if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
-            raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3-VL; install >= 4.57")
-        text["head_dim"] = head_dim
-        _set_rope(text, ROPE_THETA, section, mrope_interleaved=True)
-        vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                      out_hidden_size=hidden, patch_size=patch, num_position_embeddings=2304, deepstack_visual_indexes=[1])
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
-        model = transformers.Qwen3VLForConditionalGeneration(config)
-        image_processor = transformers.Qwen2VLImageProcessor(patch_size=patch)
-        video_processor = transformers.Qwen3VLVideoProcessor()
-        processor_cls = transformers.Qwen3VLProcessor
-    elif family == "qwen3_5":
-        if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
-            raise RuntimeError(f"transformers {transformers.__version__} has no Qwen3.5; install >= 5.2")
-        model = _qwen3_5(transformers, text, token_ids, vision_hidden, patch, moe)
-        image_processor = transformers.Qwen2VLImageProcessor(patch_size=patch)
-        video_processor = transformers.Qwen3VLVideoProcessor()
-        processor_cls = transformers.Qwen3VLProcessor
+    parts = Parts(text, token_ids, dims["vision_hidden"], FAMILIES[family].factor // MERGE_SIZE, head_dim,
+                  [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16])  # t/h/w split of head_dim / 2, as Qwen's
+    model, image_processor, video_processor, processor_cls = builder.build(transformers, parts, moe)
     processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -9,7 +9,15 @@ from helpers import skip_without
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from llamafactory_qwenvl_patch.frame.families import FAMILIES
-from qwenvl_prep.demos.tiny_model import ROPE_THETA, build_tiny_model, build_tokenizer
+from qwenvl_prep.demos.tiny_model import BUILDERS, ROPE_THETA, build_tiny_model, build_tokenizer
+
+
+def test_the_builder_makes_exactly_the_families_the_registry_calls_tiny():
+    """The registry says which families ``tiny-model`` makes (its CLI choices); each has a builder, and no builder
+    makes a family the registry does not call tiny."""
+    assert set(BUILDERS) == {name for name, family in FAMILIES.items() if family.tiny}
+    with pytest.raises(ValueError, match="mixture-of-experts model for qwen3_5 only, not 'qwen2_vl'"):
+        build_tiny_model("unused", "qwen2_vl", moe=True)
 
 
 def test_every_digit_is_its_own_token():
