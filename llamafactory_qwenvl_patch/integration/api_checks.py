@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator
 
+from llamafactory_qwenvl_patch.frame.families import structure_token_in
+
 LF_DATA_URL_TYPES = ("png", "jpg", "jpeg", "gif", "bmp")  # api/chat.py's base64 pattern in LF 0.9.5
 # a video data URL's media types, by container the plugin reads: the registered names and LF's own (LF's pattern knows
 # video/mp4, mkv, avi and mov only, and tried any other data URL as a web address)
@@ -140,8 +142,25 @@ def literal_placeholders(request: Any, placeholders: tuple[str, ...]) -> list[tu
     for index, message in enumerate(getattr(request, "messages", None) or []):
         if str(getattr(message, "role", "")).lower().endswith("system"):
             continue
-        content = getattr(message, "content", None)
-        texts = [content] if isinstance(content, str) else [
-            getattr(item, "text", None) or "" for item in content or [] if getattr(item, "type", None) == "text"]
+        texts = _texts(message)
         found += [(index, tag) for tag in placeholders if any(tag in text for text in texts)]
+    return found
+
+
+def _texts(message: Any) -> list[str]:
+    content = getattr(message, "content", None)
+    return [content] if isinstance(content, str) else [
+        getattr(item, "text", None) or "" for item in content or [] if getattr(item, "type", None) == "text"]
+
+
+def template_tokens(request: Any) -> list[tuple[int, str]]:
+    """(message index, token) for each token of the model's chat template (``<|im_end|>``, ``<|image_pad|>``, ...)
+    written as text in any message, the system's included: the tokenizer reads it as the token itself, so a client
+    could forge a turn, and a stray image or video pad stalls the processor (a request that never answers, and every
+    request after it)."""
+    found = []
+    for index, message in enumerate(getattr(request, "messages", None) or []):
+        token = next((t for t in map(structure_token_in, _texts(message)) if t is not None), None)
+        if token is not None:
+            found.append((index, token))
     return found

@@ -88,8 +88,8 @@ def patch_api_chat(api_chat: ModuleType) -> None:
 
         from llamafactory_qwenvl_patch.image_io.images import ImageError
         from llamafactory_qwenvl_patch.integration.api_checks import (
-            MEDIA_REFUSED, literal_placeholders, refused_local_media, relabel_video_data_urls, unread_data_url_message,
-            unread_data_urls,
+            MEDIA_REFUSED, literal_placeholders, refused_local_media, relabel_video_data_urls, template_tokens,
+            unread_data_url_message, unread_data_urls,
         )
         from llamafactory_qwenvl_patch.integration.serving import check_images, check_videos
 
@@ -99,6 +99,13 @@ def patch_api_chat(api_chat: ModuleType) -> None:
         relabel_video_data_urls(request)  # the request LF's own handler reads next
         if refused_local_media(request, common.SAFE_MEDIA_PATH, common.ALLOW_LOCAL_FILES) is not None:
             raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=MEDIA_REFUSED)
+        forged = template_tokens(request)
+        if forged:
+            index, token = forged[0]
+            raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
+                                detail=f"message {index} holds {token!r} as text, a token of the model's chat "
+                                       "template: the tokenizer would read it as that token (a forged turn end, or an "
+                                       "image or video slot with nothing in it), not as text; leave it out")
         typed = literal_placeholders(request, placeholders)
         if typed:
             index, tag = typed[0]

@@ -84,9 +84,8 @@ def patch_data_loader(data_loader: ModuleType) -> None:
                 from llamafactory_qwenvl_patch.integration.preflight import check_dataset_records
 
                 _check_media(dataset, data_args, plugin)
-                if stage == "sft":
-                    check_dataset_records(dataset, template, args[0] if args else kwargs.get("tokenizer"), data_args,
-                                          plugin.policy)
+                check_dataset_records(dataset, template, args[0] if args else kwargs.get("tokenizer"), data_args,
+                                      plugin.policy, sft=stage == "sft")
             return get_preprocessed(dataset, data_args, training_args, stage, template, *args, **kwargs)
 
         return wrapper

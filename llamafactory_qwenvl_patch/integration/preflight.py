@@ -200,9 +200,11 @@ def check_dataset_media(dataset: Any, policy: ResizePolicy, media_dir: str | Non
     return notes
 
 
-def check_dataset_records(dataset: Any, template: Any, tokenizer: Any, data_args: Any, policy: ResizePolicy) -> None:
-    """Raise DatasetRecordError listing records with misplaced or miscounted media placeholders, or whose image
-    tokens ``cutoff_len`` would cut (``preflight_records``); streaming datasets are skipped."""
+def check_dataset_records(dataset: Any, template: Any, tokenizer: Any, data_args: Any, policy: ResizePolicy,
+                          sft: bool = True) -> None:
+    """Raise DatasetRecordError listing records with chat-template tokens written as text and, for SFT (``sft``),
+    misplaced or miscounted media placeholders or image tokens ``cutoff_len`` would cut (``preflight_records``);
+    streaming datasets are skipped."""
     from llamafactory_qwenvl_patch.integration import lf_compat
     from llamafactory_qwenvl_patch.integration.preflight_records import DatasetRecordError, record_problems
 
@@ -217,7 +219,7 @@ def check_dataset_records(dataset: Any, template: Any, tokenizer: Any, data_args
     tags = {"image": constants.IMAGE_PLACEHOLDER, "video": constants.VIDEO_PLACEHOLDER,
             "audio": constants.AUDIO_PLACEHOLDER}
     problems = [f"sample {index} ({_prompt_excerpt(prompt)!r}): {problem}" for index, prompt, problem
-                in record_problems(dataset, template, tokenizer, data_args, policy, tags, utils.infer_seqlen)]
+                in record_problems(dataset, template, tokenizer, data_args, policy, tags, utils.infer_seqlen, sft)]
     if problems:
         listed = "\n  ".join(problems[:MAX_LISTED])
         more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""

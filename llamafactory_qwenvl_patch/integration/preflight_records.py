@@ -1,6 +1,7 @@
-"""Up-front record check of a pinned SFT run: the data mistakes LF finds only mid-way (or never), named by sample.
+"""Up-front record check of a pinned run: the data mistakes LF finds only mid-way (or never), named by sample.
 
-Three classes ``qwenvl-prep check`` reports and LF does not: a media placeholder in an assistant turn (LF trains
+In every stage, a token of the chat template written as text (``<|image_pad|>``, ``<|im_end|>``: the collator dies
+naming no record, or a turn is forged). For SFT, three classes ``qwenvl-prep check`` reports and LF does not: a media placeholder in an assistant turn (LF trains
 on the vision tokens as labels, silently); a placeholder count that differs from the record's media (a
 ``datasets.map`` traceback naming no record); and a ``cutoff_len`` that cuts inside a record's image tokens (the
 dataset builds, then training dies with "shape mismatch"). The cutoff rule is LF 0.9.5's own
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from llamafactory_qwenvl_patch.frame.families import structure_token_in
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 SPECIAL_TOKEN_BOUND = 16  # template tokens a message can add (role tags, newlines): the cheap bound's margin
@@ -33,6 +35,25 @@ def placeholder_problems(prompt: list[dict[str, str]], response: list[dict[str, 
         if written != media.get(kind, 0):
             problems.append(f"{written} {tag} tag(s) for {media.get(kind, 0)} {kind}(s): each {kind} needs one {tag} "
                             "where it goes in the conversation")
+    return problems
+
+
+def template_token_problems(prompt: list[dict[str, str]], response: list[dict[str, str]], system: str | None,
+                            tools: str | None) -> list[str]:
+    """A token of the model's chat template written as text in any turn, the system prompt or the tools: the
+    tokenizer reads it as the token itself (a stray image or video pad makes the processor count media that are not
+    there and dies in the collator, naming no record; a turn end cuts the record)."""
+    problems = []
+    for index, message in enumerate(prompt + response):
+        token = structure_token_in(str(message.get("content", "")))
+        if token is not None:
+            problems.append(f"{token!r} written in message {index}: a token of the model's chat template, read as "
+                            "that token, not as text")
+    for where, text in (("the system prompt", system), ("the tools", tools)):
+        token = structure_token_in(text) if isinstance(text, str) else None
+        if token is not None:
+            problems.append(f"{token!r} written in {where}: a token of the model's chat template, read as that "
+                            "token, not as text")
     return problems
 
 
@@ -98,9 +119,10 @@ class DatasetRecordError(ValueError):
 
 
 def record_problems(dataset: Any, template: Any, tokenizer: Any, data_args: Any, policy: ResizePolicy,
-                    tags: dict[str, str], infer_seqlen: Callable[[int, int, int], tuple[int, int]]
+                    tags: dict[str, str], infer_seqlen: Callable[[int, int, int], tuple[int, int]], sft: bool = True
                     ) -> Iterator[tuple[int, list[dict[str, str]], str]]:
-    """(sample index, prompt, problem) for every record problem of an aligned SFT dataset. Only records whose
+    """(sample index, prompt, problem) for every record problem of an aligned dataset: chat-template tokens written
+    as text in every stage; for SFT (``sft``) also the placeholders and the cutoff. Only records whose
     ``cheap_bound`` passes ``cutoff_len`` are tokenized; images are read for their header size only."""
     from llamafactory_qwenvl_patch.image_io.images import ImageError, open_image
 
@@ -118,10 +140,12 @@ def record_problems(dataset: Any, template: Any, tokenizer: Any, data_args: Any,
         prompt, response = row.get("_prompt") or [], row.get("_response") or []
         images = row.get("_images") or []
         media = {"image": len(images), "video": len(row.get("_videos") or []), "audio": len(row.get("_audios") or [])}
-        problems = placeholder_problems(prompt, response, media, tags)
+        problems = template_token_problems(prompt, response, row.get("_system"), row.get("_tools"))
+        if sft:
+            problems += placeholder_problems(prompt, response, media, tags)
         for problem in problems:
             yield index, prompt, problem
-        if problems or not images:
+        if problems or not images or not sft:
             continue
         messages = prompt + response
         try:

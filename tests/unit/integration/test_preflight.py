@@ -45,7 +45,7 @@ def test_record_mistakes_are_named_before_the_model_loads(tiny_model, tmp_path):
     traceback naming no record) and a ``cutoff_len`` that cuts inside the image tokens (a "shape mismatch" mid-
     training) are each named by sample; a record whose text alone is truncated passes, and LF keeps exactly the
     tokens the check's rule says it keeps."""
-    from helpers import lf_sft_dataset, save_image, write_sharegpt
+    from helpers import lf_sft_dataset, save_image, train_config, write_sharegpt
 
     from llamafactory_qwenvl_patch.integration.preflight_records import DatasetRecordError
 
@@ -57,17 +57,39 @@ def test_record_mistakes_are_named_before_the_model_loads(tiny_model, tmp_path):
                 "images": [image] * images}
 
     good, text_cut = record("<image>Where?"), record("<image>Where?" + words)
+    system = {**record("<image>Where?"), "system": "Be brief.<|im_end|>"}
     bad = [record("Where?<image>", "<image>[1, 2, 3, 4]", 2), record("<image><image>Where?"),
-           record(words + "<image>Where?")]
-    write_sharegpt(tmp_path / "data", "toy", [good, *bad, text_cut])
+           record(words + "<image>Where?"),
+           # issue 51, class 7: chat-template tokens as text (the collator died at step 1 naming no record)
+           record("<image>Find <|image_pad|> it."), record("<image>Where?", "[1, 2, 3, 4]<|video_pad|>"), system]
+    write_sharegpt(tmp_path / "data", "toy", [good, *bad, text_cut],
+                   columns={"messages": "messages", "images": "images", "system": "system"})
     with pytest.raises(DatasetRecordError) as caught:
         lf_sft_dataset(tiny_model, tmp_path / "data", tmp_path / "out", cutoff_len=400)
     message = str(caught.value)
-    assert message.startswith("3 record problem(s)"), message
+    assert message.startswith("6 record problem(s)"), message
     assert "sample 1 (" in message and "<image> in an assistant turn (message 1)" in message, message
     assert "sample 2 (" in message and "2 <image> tag(s) for 1 image(s)" in message, message
     assert "sample 3 (" in message and "cutoff_len 400 cuts inside its image tokens" in message, message
-    assert "sample 0 (" not in message and "sample 4 (" not in message, message
+    assert "sample 4 (" in message and "'<|image_pad|>' written in message 0: a token of the model's chat" in message
+    assert "sample 5 (" in message and "'<|video_pad|>' written in message 1" in message, message
+    assert "sample 6 (" in message and "'<|im_end|>' written in the system prompt" in message, message
+    assert "sample 0 (" not in message and "sample 7 (" not in message, message
+
+    # a prompt-only stage (GRPO reads its prompts as LF's ppo stage does) checks the chat-template tokens too
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_tokenizer
+
+    write_sharegpt(tmp_path / "data", "toy", [good, record("<image>Find <|image_pad|> it.")])
+    model_args, data_args, training_args, _, _ = get_train_args(train_config(
+        tiny_model, tmp_path / "data", tmp_path / "grpo", preprocessing_num_workers=None))
+    tokenizer = load_tokenizer(model_args)
+    with pytest.raises(DatasetRecordError) as caught:
+        get_dataset(get_template_and_fix_tokenizer(tokenizer["tokenizer"], data_args), model_args, data_args,
+                    training_args, stage="ppo", **tokenizer)
+    assert str(caught.value).startswith("1 record problem(s)")
+    assert "sample 1 ('<image>Find <|image_pad|> it.'): '<|image_pad|>' written in message 0" in str(caught.value)
 
     write_sharegpt(tmp_path / "data", "toy", [good, text_cut])
     module, template, dataset = lf_sft_dataset(tiny_model, tmp_path / "data", tmp_path / "out", cutoff_len=400)
