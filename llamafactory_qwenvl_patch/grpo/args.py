@@ -418,3 +418,6 @@ def check_with_other_keys(finetuning_args: Any, model_args: Any, training_args: 
     if world % size:
         raise ValueError(f"grpo_vllm_tensor_parallel_size {size} must divide the number of training processes "
                          f"({world}): each group of {size} ranks shares one engine")
+    from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import check_vllm
+
+    check_vllm()

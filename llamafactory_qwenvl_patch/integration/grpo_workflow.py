@@ -3,7 +3,6 @@ loading and callbacks, with our GRPOTrainer."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections import deque
 from typing import Any
@@ -108,9 +107,6 @@ def _vllm_engine(model_args, data_args, training_args, finetuning_args, policy, 
                  model) -> Any:
     """The colocated vLLM engine, in the run's frame: the pinned policy, which ``qwenvl_patch: true`` gives (the
     parser refuses vLLM rollouts without it: ``grpo.args.check_with_other_keys``)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("grpo_rollout_backend: vllm needs vLLM 0.28: install it with `scripts/add_vllm.sh VENV` "
-                         "(see docs/grpo-vllm-scale.md)")
     from llamafactory_qwenvl_patch.grpo.generation.settings import vision_token_ids
     from llamafactory_qwenvl_patch.grpo.generation.vllm_engine import VLLMEngine, VLLMSettings
 
@@ -192,6 +188,7 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
     from llamafactory_qwenvl_patch.grpo.generation.settings import sampling_settings, vision_token_ids
     from llamafactory_qwenvl_patch.grpo.rewards.registry import load_rewards
     from llamafactory_qwenvl_patch.grpo.rollout.collate import GRPOCollator
+    from llamafactory_qwenvl_patch.grpo.trainer.prompt_order import check_prompt_count
     from llamafactory_qwenvl_patch.grpo.trainer.trainer import GRPOTrainer
     from llamafactory_qwenvl_patch.integration.grpo_meta import carrying_meta
 
@@ -212,6 +209,10 @@ def run_grpo(model_args, data_args, training_args, finetuning_args, generating_a
         eval_dataset = {name: _index(part) for name, part in eval_dataset.items()}
     elif eval_dataset is not None:
         eval_dataset = _index(eval_dataset)
+    if training_args.do_train and train_dataset is not None and hasattr(train_dataset, "__len__"):
+        check_prompt_count(len(train_dataset), training_args.per_device_train_batch_size
+                           * (finetuning_args.grpo_steps_per_generation or training_args.gradient_accumulation_steps),
+                           training_args.world_size)  # before the model loads
     with record_trainable_adapter_loads() as resumed:
         model = model_mod.load_model(tokenizer, model_args, finetuning_args, training_args.do_train)
     if resumed and finetuning_args.grpo_beta != 0:

@@ -102,6 +102,19 @@ def lora_run(setup, tiny_model):
 
 
 @pytest.mark.slow
+def test_a_generation_batch_the_data_cannot_fill_is_refused_before_the_model_loads(setup, tiny_model):
+    """Issue 51, class 9: four prompts and a generation batch of eight (batch 4 x grpo_steps_per_generation 2) was
+    found by the trainer's sampler, after the model loaded; the run stops once the dataset is read."""
+    root, data_dir = setup
+    config = grpo_config(tiny_model, data_dir, root / "too-few", root / "my_rewards.py", per_device_train_batch_size=4,
+                         grpo_steps_per_generation=2)
+    result = run_cli(["llamafactory-cli", "train"], config, root / "too-few-run")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "the training set has 4 prompts but one generation batch needs 8" in output
+    assert "trainable params" not in output  # LF's line once the model is loaded
+
+
+@pytest.mark.slow
 def test_lora_grpo_logs_metrics_weights_and_errors(lora_run):
     _, out, _ = lora_run
     steps = [row for row in read_log(out) if "loss" in row]

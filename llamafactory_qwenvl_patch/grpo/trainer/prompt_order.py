@@ -8,6 +8,14 @@ import torch
 from torch.utils.data import Sampler
 
 
+def check_prompt_count(num_prompts: int, per_rank: int, world_size: int) -> None:
+    """ValueError unless the training set fills one generation batch (``per_rank`` prompts on each of the ranks):
+    checked by the workflow as soon as the dataset is read, before the model loads, and by the sampler."""
+    if num_prompts < per_rank * world_size:
+        raise ValueError(f"the training set has {num_prompts} prompts but one generation batch needs "
+                         f"{per_rank * world_size} (per_device_train_batch_size x grpo_steps_per_generation x ranks)")
+
+
 class RolloutSampler(Sampler[int]):
     """Indices for a DataLoader whose batches are generation batches of ``per_rank`` prompts.
 
@@ -20,9 +28,7 @@ class RolloutSampler(Sampler[int]):
     def __init__(self, num_prompts: int, per_rank: int, world_size: int, repeats: int, shuffle: bool = True,
                  seed: int = 0) -> None:
         self.round = per_rank * world_size
-        if num_prompts < self.round:
-            raise ValueError(f"the training set has {num_prompts} prompts but one generation batch needs "
-                             f"{self.round} (per_device_train_batch_size x grpo_steps_per_generation x ranks)")
+        check_prompt_count(num_prompts, per_rank, world_size)
         self.num_prompts, self.repeats, self.shuffle, self.seed = num_prompts, repeats, shuffle, seed
         self.epoch = 0
 

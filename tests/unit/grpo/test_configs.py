@@ -184,3 +184,20 @@ def test_grpo_keys_that_contradict_other_classes_keys_stop_the_parse(tmp_path, v
         return
     with pytest.raises(ValueError, match=message):
         get_train_args(args)
+
+
+def test_vllm_requirements_stop_the_parse(tmp_path, monkeypatch):
+    """Issue 51, class 9: the engine's requirement of running in the training process was found when the engine
+    started, after the model loaded; the parser names it (and a missing or too old vLLM: the same check, read from
+    the package's metadata without importing vLLM)."""
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/add_vllm.sh)")
+    from llamafactory.hparams import get_train_args
+
+    args = {"model_name_or_path": str(tmp_path / "no-model"), "template": "qwen2_vl", "stage": "grpo",
+            "reward_funcs": "iou", "do_train": True, "output_dir": str(tmp_path / "out"), "dataset": "unused",
+            "qwenvl_patch": True, "grpo_rollout_backend": "vllm"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ValueError, match="unset VLLM_ENABLE_V1_MULTIPROCESSING \\(it is '1'\\) or set it to 0"):
+        get_train_args(args)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert get_train_args(args)[3].grpo_rollout_backend == "vllm"
