@@ -8,7 +8,7 @@ Pure functions over the request's parsed messages (objects with ``role``, ``cont
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from llamafactory_qwenvl_patch.frame.families import structure_token_in
 
@@ -68,10 +68,19 @@ def _encoding_problem(kind: str, parameters: list[str], data: str) -> str | None
     return None
 
 
-def unread_data_urls(request: Any) -> list[tuple[str, str]]:
-    """(kind, media type) of each data URL the pinned API does not decode: an image of a type LF's pattern does not
-    know (``data:image/webp``: LF then tries it as a web address and answers "Only HTTP/HTTPS URLs are allowed"), a
-    video of a container the plugin does not read, one not in base64 or empty (LF's pattern too), or a typeless one."""
+class UnreadDataUrl(NamedTuple):
+    """A data URL the pinned API does not decode: its content part's kind, its media type (``typeless``) and, for a
+    type it reads, what is wrong with its data (None: the type itself is not read)."""
+
+    kind: str
+    media_type: str
+    problem: str | None = None
+
+
+def unread_data_urls(request: Any) -> list[UnreadDataUrl]:
+    """Each data URL the pinned API does not decode: an image of a type LF's pattern does not know
+    (``data:image/webp``: LF then tries it as a web address and answers "Only HTTP/HTTPS URLs are allowed"), a video
+    of a container the plugin does not read, one not in base64 or empty (LF's pattern too), or a typeless one."""
     found = []
     for kind, url in _media_urls(request):
         if not url.startswith("data:") or kind not in ("image_url", "video_url"):
@@ -83,13 +92,16 @@ def unread_data_urls(request: Any) -> list[tuple[str, str]]:
             read = media_type.lower() in VIDEO_DATA_URL_TYPES
         problem = _encoding_problem(kind, parameters, data) if read else None
         if not read or problem:
-            shown = media_type or "typeless"
-            found.append((kind, shown if not read else f"{shown} ({problem})"))
+            found.append(UnreadDataUrl(kind, media_type or "typeless", problem))
     return found
 
 
-def unread_data_url_message(kind: str, media_type: str) -> str:
+def unread_data_url_message(kind: str, media_type: str, problem: str | None = None) -> str:
     """The 400's text for an ``unread_data_urls`` entry: what was sent and what is read."""
+    what = "an image" if kind == "image_url" else "a video"
+    if problem is not None:  # a type the API reads, its data not as it must be
+        return (f"{what} sent as a {media_type} data URL whose data is {problem}: send the file's bytes "
+                f"base64-encoded, as data:{media_type};base64,<data>")
     if kind == "image_url":
         return (f"an image sent as a {media_type} data URL: LLaMA-Factory's API reads base64 data URLs of "
                 f"{', '.join(LF_DATA_URL_TYPES)} only (it would try the URL as a web address); send it as base64 PNG "

@@ -126,6 +126,9 @@ def lf_path_problem(kind: str, path: Any, media_dir: str | None) -> str | None:
     try:
         mode = os.stat(meant).st_mode
     except (OSError, ValueError):
+        if os.path.islink(meant):  # a link that points nowhere: meant as the file, and LF would read another
+            return (f"{kind} {meant}: is a broken symbolic link (to {os.readlink(meant)}); LLaMA-Factory then reads "
+                    f"{path} relative to the working directory ({os.getcwd()}) instead")
         if os.path.lexists(path):
             return None  # LF reads the working directory's file, as it documents
         return f"{kind} {path}: file not found (in media_dir {media_dir} nor in the working directory {os.getcwd()})"

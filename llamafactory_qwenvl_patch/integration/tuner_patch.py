@@ -78,7 +78,7 @@ def _make_export(export_model: Callable) -> Callable:
             removed = discard(watch.staging)
             if isinstance(exc, ExportError):
                 raise ExportError(f"{exc} {removed}") from None
-            if isinstance(exc, OSError):  # a file that could not be written (a full disk, say)
+            if isinstance(exc, OSError) or _weights_unwritten(exc):  # a file not written (a full disk, say)
                 raise ExportError(f"export to {watch.staging.target} failed: {type(exc).__name__}: {exc}. "
                                   f"{removed}") from None
             from llamafactory.extras import logging as lf_logging
@@ -89,6 +89,15 @@ def _make_export(export_model: Callable) -> Callable:
             _EXPORTED.reset(token)
 
     return wrapper
+
+
+def _weights_unwritten(exc: BaseException) -> bool:
+    """safetensors' own error while writing the weights (its I/O error of a full disk is no OSError)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # an older safetensors: its errors are OSErrors
+        return False
+    return isinstance(exc, SafetensorError)
 
 
 def _finish(watch: ExportWatch, staging: Staging) -> None:

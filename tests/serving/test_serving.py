@@ -227,7 +227,9 @@ def test_unread_data_urls_are_named_by_their_type():
     registered name or LF's, relabelled for LF's pattern (which knew four names and tried a webm as a web address);
     anything else, and a data URL not in base64 or empty, is named. A video's other parameters (``codecs``) are
     RFC 2397's and are read; LF's image pattern takes ``;base64`` alone."""
-    from llamafactory_qwenvl_patch.integration.api_checks import relabel_video_data_urls, unread_data_urls
+    from llamafactory_qwenvl_patch.integration.api_checks import (
+        relabel_video_data_urls, unread_data_url_message, unread_data_urls,
+    )
 
     def request(*urls, kind="image_url"):
         items = [SimpleNamespace(type=kind, **{kind: SimpleNamespace(url=url)}) for url in urls]
@@ -236,12 +238,12 @@ def test_unread_data_urls_are_named_by_their_type():
     assert unread_data_urls(request("data:image/png;base64,AA", "data:image/jpeg;base64,AA", "https://x/a.webp")) == []
     assert unread_data_urls(request("data:image/webp;base64,AA", "data:;base64,AA", "data:image/png,AA",
                                     "data:image/png;base64,", "data:image/png;charset=x;base64,AA")) == [
-        ("image_url", "image/webp"), ("image_url", "typeless"), ("image_url", "image/png (not base64)"),
-        ("image_url", "image/png (empty)"),
-        ("image_url", "image/png (parameters charset=x;base64: LLaMA-Factory's pattern takes ';base64' alone)")]
+        ("image_url", "image/webp", None), ("image_url", "typeless", None), ("image_url", "image/png", "not base64"),
+        ("image_url", "image/png", "empty"),
+        ("image_url", "image/png", "parameters charset=x;base64: LLaMA-Factory's pattern takes ';base64' alone")]
     assert unread_data_urls(request("data:image/png;BASE64,AA", "data:image/png; base64,AA")) == [  # LF: a web address
-        ("image_url", "image/png (parameters BASE64: LLaMA-Factory's pattern takes ';base64' alone)"),
-        ("image_url", "image/png (parameters  base64: LLaMA-Factory's pattern takes ';base64' alone)")]
+        ("image_url", "image/png", "parameters BASE64: LLaMA-Factory's pattern takes ';base64' alone"),
+        ("image_url", "image/png", "parameters  base64: LLaMA-Factory's pattern takes ';base64' alone")]
     videos = request(*(f"data:video/{name};base64,AA" for name in (
         "webm", "x-matroska", "quicktime", "x-msvideo", "mp4", "mkv", "mov", "avi", "WebM", "webm;codecs=vp9",
         'mp4; codecs="avc1.42E01E"', "webm;codecs=vp8,opus")), kind="video_url")
@@ -250,7 +252,10 @@ def test_unread_data_urls_are_named_by_their_type():
     assert {item.video_url.url for item in videos.messages[0].content[:-1]} == {"data:video/mp4;base64,AA"}
     assert unread_data_urls(request("data:video/x-flv;base64,AA", "data:video/webm,AA", "data:video/webm;base64,",
                                     kind="video_url")) == [
-        ("video_url", "video/x-flv"), ("video_url", "video/webm (not base64)"), ("video_url", "video/webm (empty)")]
+        ("video_url", "video/x-flv", None), ("video_url", "video/webm", "not base64"),
+        ("video_url", "video/webm", "empty")]
+    message = unread_data_url_message(*unread_data_urls(request("data:video/mp4;base64,", kind="video_url"))[0])
+    assert message.startswith("a video sent as a video/mp4 data URL whose data is empty: send the file's bytes")
 
 
 def test_local_media_paths_are_read_by_resolved_containment_with_one_answer(tmp_path):

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "policy), that every image and video is readable, that boxes lie inside the frame (a video's inside its "
         "video frame, its spans and track times inside the clip), that image and video tokens fit cutoff_len, and "
         "audit how far stock LLaMA-Factory (without the plugin) would put the labels from what the model sees. A "
-        "video header whose length differs from its packets is a note. Exit 1 on any problem.",
+        "clip whose packets stop before the length its header states is a problem (truncated or corrupt). Exit 1 on "
+        "any problem.",
     )
     chk.add_argument("datasets", nargs="*", help="dataset_info names or files (default: the YAML's dataset list)")
     chk.add_argument("--yaml", required=True, metavar="TRAIN.yaml", help="the LLaMA-Factory training YAML")

@@ -51,11 +51,13 @@ def media(tmp_path, monkeypatch) -> Path:
     work = tmp_path / "work"
     work.mkdir()
     write_clip(work / "fifo.mp4", 2, 10, 96, 64)  # what LF reads instead of data/fifo.mp4
+    (data / "dangling.mp4").symlink_to("moved-away.mp4")  # a link that points nowhere ...
+    write_clip(work / "dangling.mp4", 2, 10, 96, 64)  # ... and what LF reads instead
     monkeypatch.chdir(work)
     return data
 
 
-CLIPS = ["good.mp4", "empty.mp4", "cut.webm", "garbage.mp4", "fifo.mp4", "phone.mp4"]
+CLIPS = ["good.mp4", "empty.mp4", "cut.webm", "garbage.mp4", "fifo.mp4", "phone.mp4", "dangling.mp4"]
 
 
 def lf_rows(data: Path, clips: list[str]) -> dict[str, list]:
@@ -76,18 +78,20 @@ def test_every_bad_clip_is_listed_with_its_sample(media):
     with pytest.raises(DatasetMediaError) as caught:
         check_dataset_media(dataset, POLICY, str(media), VIDEOS)
     message = str(caught.value)
-    assert message.startswith("3 video problem(s) in the training data"), message
+    assert message.startswith("4 video problem(s) in the training data"), message
     assert f"sample 1 ('<video>Clip 1?'): video {media / 'empty.mp4'}: is empty (0 bytes)" in message
     assert f"sample 2 ('<video>Clip 2?'): video {media / 'cut.webm'}: is truncated or corrupt" in message
     assert (f"sample 4 ('<video>Clip 4?'): video {media / 'fifo.mp4'}: is a FIFO, not a regular file; "
             "LLaMA-Factory then reads fifo.mp4 relative to the working directory") in message
+    assert (f"sample 6 ('<video>Clip 6?'): video {media / 'dangling.mp4'}: is a broken symbolic link (to "
+            "moved-away.mp4); LLaMA-Factory then reads dangling.mp4 relative to the working directory") in message
     assert "sample 0 " not in message and "sample 3 " not in message and "sample 5 " not in message
     assert "qwenvl_preflight_decode_videos: true also decodes" in message
 
     with pytest.raises(DatasetMediaError) as caught:  # the sampled frames decoded: the garbage clip too
         check_dataset_media(dataset, POLICY, str(media), VideoCheck(VIDEOS.policy, 2.0, decode=True))
     message = str(caught.value)
-    assert message.startswith("4 video problem(s)"), message
+    assert message.startswith("5 video problem(s)"), message
     assert f"sample 3 ('<video>Clip 3?'): video {media / 'garbage.mp4'}: cannot decode" in message
 
     notes = check_dataset_media(datasets.Dataset.from_dict(lf_rows(media, ["good.mp4", "phone.mp4"] * 2)), POLICY,
@@ -126,11 +130,11 @@ def test_a_clip_cut_in_its_index_and_an_unexpected_error_keep_the_list(media, mo
     with pytest.raises(DatasetMediaError) as caught:
         check_dataset_media(dataset, POLICY, str(media), VIDEOS)
     message = str(caught.value)
-    assert message.startswith("5 video problem(s)"), message
+    assert message.startswith("6 video problem(s)"), message
     assert (f"sample 0 ('<video>Clip 0?'): video {media / 'good.mp4'}: reading it raised AttributeError: 'NoneType' "
             "object has no attribute 'width' (at test_preflight_videos.py:") in message
-    assert f"sample 6 ('<video>Clip 6?'): video {media / 'index.mp4'}: is truncated or corrupt" in message
-    for sample, clip in ((1, "empty.mp4"), (2, "cut.webm"), (4, "fifo.mp4")):
+    assert f"sample 7 ('<video>Clip 7?'): video {media / 'index.mp4'}: is truncated or corrupt" in message
+    for sample, clip in ((1, "empty.mp4"), (2, "cut.webm"), (4, "fifo.mp4"), (6, "dangling.mp4")):
         assert f"sample {sample} ('<video>Clip {sample}?'): video {media / clip}: " in message, message
 
 @pytest.mark.slow
@@ -147,8 +151,8 @@ def test_lfs_pipeline_refuses_bad_clips_before_the_model_loads(tiny_model, media
         lf_sft_dataset(tiny_model, media, tmp_path / "out", dataset="clips", video_min_pixels=256,
                        video_max_pixels=4096, qwenvl_preflight_decode_videos=True)
     message = str(caught.value)
-    assert message.startswith("4 video problem(s)"), message
-    for sample, clip in ((1, "empty.mp4"), (2, "cut.webm"), (3, "garbage.mp4"), (4, "fifo.mp4")):
+    assert message.startswith("5 video problem(s)"), message
+    for sample, clip in ((1, "empty.mp4"), (2, "cut.webm"), (3, "garbage.mp4"), (4, "fifo.mp4"), (6, "dangling.mp4")):
         assert f"sample {sample} ('<video>Clip {sample}?'): video {media / clip}: " in message, message
 
     write_sharegpt(media, "clips", [records[0], records[5]], {"messages": "messages", "videos": "videos"})

@@ -170,7 +170,7 @@ def export_in_process(tiny_model: Path, out: Path) -> None:
                   "image_min_pixels": MIN, "image_max_pixels": MAX, "export_dir": str(out), "infer_dtype": "float32"})
 
 
-@pytest.mark.parametrize("failing", ["policy record", "portable rewrite"])
+@pytest.mark.parametrize("failing", ["policy record", "portable rewrite", "weights"])
 def test_a_failed_export_leaves_nothing_that_loads(tiny_model, tmp_path, monkeypatch, failing):
     """Issue 41, class 5: LF's ``export_model`` swallows a failed processor save ("Cannot save tokenizer", exit 0).
     Issue 51, class 11: the export then failed by name, but left the weights in export_dir, a folder transformers
@@ -190,6 +190,14 @@ def test_a_failed_export_leaves_nothing_that_loads(tiny_model, tmp_path, monkeyp
     out = tmp_path / "export"
     if failing == "policy record":
         monkeypatch.setattr(model_patch, "write_policy_record", full_disk)
+    elif failing == "weights":  # safetensors' own I/O error, which is no OSError (a traceback before)
+        import transformers.modeling_utils
+        from safetensors import SafetensorError
+
+        def full_disk_in_safetensors(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_in_safetensors)
     else:
         monkeypatch.setattr(portable, "_write_json", full_disk)
         out.mkdir()
@@ -200,10 +208,13 @@ def test_a_failed_export_leaves_nothing_that_loads(tiny_model, tmp_path, monkeyp
     if failing == "policy record":
         assert f"export to {out} is incomplete: it lacks qwenvl_policy.json" in message, message
         assert "which this export created, is gone" in message and not out.exists(), message
+    elif failing == "weights":
+        assert f"export to {out} failed: SafetensorError" in message, message
+        assert "which this export created, is gone" in message and not out.exists(), message
     else:
         assert f"export to {out} failed" in message and "is as it was, empty" in message, message
         assert list(out.iterdir()) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["export"] if failing != "policy record" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["export"] if failing == "portable rewrite" else [])
 
 
 def test_an_export_into_a_folder_with_files_is_refused_untouched(tiny_model, tmp_path, monkeypatch):
