@@ -125,12 +125,19 @@ def set_display_rotation(path: Path, degrees: int) -> Path:
     """An mp4 whose track header's display matrix turns its frames ``degrees`` clockwise, as phones write portrait
     clips (the stored frames stay landscape)."""
     import math
+
+    cos, sin = round(math.cos(math.radians(degrees))), round(math.sin(math.radians(degrees)))
+    return set_display_matrix(path, cos, sin, -sin, cos)
+
+
+def set_display_matrix(path: Path, a: int, b: int, c: int, d: int) -> Path:
+    """An mp4 whose track header's display matrix is [[a, b], [c, d]] (``-1, 0, 0, 1``: mirrored left to right, as a
+    selfie camera or an editor's flip writes it)."""
     import struct
 
     data = bytearray(path.read_bytes())
     matrix = data.index(b"tkhd") + 4 + 40  # after version/flags, times, track id, duration, layer, volume
-    cos, sin = round(math.cos(math.radians(degrees))), round(math.sin(math.radians(degrees)))
-    struct.pack_into(">9i", data, matrix, cos << 16, sin << 16, 0, -sin << 16, cos << 16, 0, 0, 0, 1 << 30)
+    struct.pack_into(">9i", data, matrix, a << 16, b << 16, 0, c << 16, d << 16, 0, 0, 0, 1 << 30)
     path.write_bytes(bytes(data))
     return path
 

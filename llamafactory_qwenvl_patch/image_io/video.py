@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from PIL import Image
 
@@ -173,15 +173,35 @@ def _probe_file(video: Any) -> Clip:
     return Clip(name, height, width, times, duration, pts=tuple(pts))
 
 
-def display_rotation(video: Any) -> int:
-    """Degrees clockwise a player turns a clip's stored frames to show it upright (a phone clip's display matrix:
-    0, 90, 180 or 270); training reads the stored frames. PyAV gives the matrix on decoded frames only, so the first
-    frame is decoded: one that does not decode is a VideoFileError (the clip would fail in training). Frame lists
-    have none: 0."""
+class DisplayMatrix(NamedTuple):
+    """How a player shows a clip's stored frames (its display matrix): turned ``degrees`` clockwise (0, 90, 180 or
+    270 for a phone clip), and whether it also mirrors them (a matrix of negative determinant: a front camera's
+    selfie clip, an editor's flip). Training reads the stored frames."""
+
+    degrees: int = 0
+    mirrored: bool = False
+
+    @property
+    def shown_as_stored(self) -> bool:
+        return not self.degrees and not self.mirrored
+
+    def in_words(self) -> str:
+        """What players do to the stored frames: 'turn it 90 degrees clockwise', or 'mirror it' (its turn, read as
+        if it had no mirror, means nothing then)."""
+        return "mirror it" if self.mirrored else f"turn it {self.degrees} degrees clockwise"
+
+
+def display_matrix(video: Any) -> DisplayMatrix:
+    """A clip's display matrix as players apply it. PyAV gives the matrix on decoded frames only, so the first frame
+    is decoded: one that does not decode is a VideoFileError (the clip would fail in training). Frame lists have
+    none. The turn is PyAV's reading of the matrix (``av_display_rotation_get``, which assumes no mirror); the
+    mirror is the sign of the matrix's 2 x 2 determinant."""
+    import struct
+
     import av
 
     if is_frame_list(video):
-        return 0
+        return DisplayMatrix()
     video = rewindable(video)
     name = describe(video)
     container = _open_container(video, name)
@@ -196,7 +216,12 @@ def display_rotation(video: Any) -> int:
         container.close()
     if frame is None:
         raise VideoFileError(f"video {name}: no frame decodes; the file is corrupt")
-    return round(-frame.rotation) % 360
+    mirrored = False
+    for side in frame.side_data:
+        if str(side.type).endswith("DISPLAYMATRIX") and len(bytes(side)) == 36:
+            a, b, _, c, d, _, _, _, _ = struct.unpack("=9i", bytes(side))  # 16.16 fixed point, native order
+            mirrored = a * d - b * c < 0
+    return DisplayMatrix(round(-frame.rotation) % 360, mirrored)
 
 
 def clip_name(video: Any) -> str:

@@ -174,7 +174,8 @@ def _problems(dataset: Any, policy: ResizePolicy, media_dir: str | None, videos:
             clips.values())))
     video_problems = [named(index, results[clip_key(video)].problem) for index, video in video_jobs
                       if results[clip_key(video)].problem]
-    notes = [rotation_note(clips[key], result.rotation) for key, result in results.items() if result.rotation]
+    notes = [rotation_note(clips[key], result.display) for key, result in results.items()
+             if not result.display.shown_as_stored]
     return image_problems, video_problems, notes
 
 

@@ -21,8 +21,9 @@ from llamafactory_qwenvl_patch.frame.policy import PolicyError
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError, describe
 from llamafactory_qwenvl_patch.image_io.video import (
+    DisplayMatrix,
     clip_name,
-    display_rotation,
+    display_matrix,
     is_frame_list,
     probe,
     read_clip,
@@ -42,10 +43,10 @@ class VideoCheck:
 
 @dataclass(frozen=True)
 class ClipResult:
-    """One clip's outcome: why it cannot be used (None: it can), and its display rotation."""
+    """One clip's outcome: why it cannot be used (None: it can), and how players show it (its display matrix)."""
 
     problem: str | None
-    rotation: int = 0
+    display: DisplayMatrix = DisplayMatrix()
 
 
 def check_clip(video: Any, check: VideoCheck, located: Callable[[Any], str | None]) -> ClipResult:
@@ -58,14 +59,14 @@ def check_clip(video: Any, check: VideoCheck, located: Callable[[Any], str | Non
     try:
         clip = probe(video, check.frame_list_fps)
         clip.plan(check.policy)
-        rotation = display_rotation(video)
+        display = display_matrix(video)
         if check.decode:
             read_clip(video, check.policy, check.frame_list_fps, clip=clip)
     except (ImageError, PolicyError) as exc:
         return ClipResult(str(exc))
     except Exception as exc:  # noqa: BLE001 - one clip's unforeseen error must not lose the other samples' list
         return ClipResult(unexpected_read_problem(clip_name(video), exc))
-    return ClipResult(None, rotation)
+    return ClipResult(None, display)
 
 
 def clip_key(video: Any) -> Any:
@@ -74,7 +75,9 @@ def clip_key(video: Any) -> Any:
     return tuple(describe(frame) for frame in video) if is_frame_list(video) else describe(video)
 
 
-def rotation_note(video: Any, degrees: int) -> str:
-    return (f"video {describe(video)}: stored rotated, players turn it {degrees} degrees clockwise (its display "
-            "matrix); training reads the stored frames, so its labels must be on them (qwenvl-prep convert "
-            "--video-rotation bake writes an upright copy)")
+def rotation_note(video: Any, display: DisplayMatrix) -> str:
+    how = "mirrored" if display.mirrored else "rotated"
+    fix = ("flip it yourself, or keep it as stored" if display.mirrored else
+           "qwenvl-prep convert --video-rotation bake writes an upright copy")
+    return (f"video {describe(video)}: stored {how}, players {display.in_words()} (its display matrix); training "
+            f"reads the stored frames, so its labels must be on them ({fix})")

@@ -17,7 +17,7 @@ from llamafactory_qwenvl_patch.image_io.images import ImageError
 from llamafactory_qwenvl_patch.image_io.video import (
     Clip,
     clip_name,
-    display_rotation,
+    display_matrix,
     probe,
     read_clip,
     unexpected_read_problem,
@@ -75,7 +75,7 @@ class VideoChecker:
         try:
             found: Clip | str = probe(video, self.list_fps)
             found.plan(self.policy)
-            degrees = display_rotation(video)
+            display = display_matrix(video)
             if self.full_decode:
                 read_clip(video, self.policy, self.list_fps, clip=found)
         except (ImageError, PolicyError) as exc:
@@ -85,11 +85,13 @@ class VideoChecker:
         else:
             if isinstance(video, str):
                 self._header_note(video, found, sample)
-            if degrees:
+            if not display.shown_as_stored:
+                how = "mirrored" if display.mirrored else "rotated"
+                fix = "flip the clip yourself" if display.mirrored else "convert with --video-rotation bake"
                 self.notes.append({"sample": sample, "video": video, "note": (
-                    f"it is stored rotated: players turn it {degrees} degrees clockwise (its display matrix), "
-                    "training reads the stored frames; right if its labels are on the stored frames (convert "
-                    "--video-rotation raw), else convert with --video-rotation bake")})
+                    f"it is stored {how}: players {display.in_words()} (its display matrix), training reads the "
+                    f"stored frames; right if its labels are on the stored frames (convert --video-rotation raw), "
+                    f"else {fix}")})
         if len(self._clips) > MAX_CACHED:
             self._clips.clear()
         self._clips[key] = found

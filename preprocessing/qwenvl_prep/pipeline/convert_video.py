@@ -13,7 +13,7 @@ from typing import Any, Callable
 from llamafactory_qwenvl_patch.frame.policy import PolicyError
 from llamafactory_qwenvl_patch.frame.stamp import Stamp
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.image_io.video import Clip, display_rotation, probe
+from llamafactory_qwenvl_patch.image_io.video import Clip, DisplayMatrix, display_matrix, probe
 from llamafactory_qwenvl_patch.scoring import json_text
 from qwenvl_prep.formats.records import RecordError
 from qwenvl_prep.formats.video_labels import LabelError, clip_problems, frame_interval, video_labels
@@ -22,7 +22,7 @@ from qwenvl_prep.pipeline.video_bake import bake_rotation
 ROTATION_MODES = ("error", "bake", "raw")
 BAKED_DIR = "video_baked"  # under the output's folder
 _clips: dict[Any, Clip] = {}
-_rotations: dict[str, int] = {}
+_rotations: dict[str, DisplayMatrix] = {}
 DURATION_SLACK_S, DURATION_SLACK_SHARE = 1.0, 0.05  # a declared duration this close to the clip's is the same clip
 
 
@@ -85,23 +85,32 @@ def upright(video: str | list[str], clip: Clip, mode: str, out_dir: str, target:
             ) -> tuple[str | list[str], Clip]:
     """The clip training should read and its probe, under ``--video-rotation``: a clip whose display matrix turns it
     is an error row (``error``), an upright copy under the output's folder (``bake``: labels are on the displayed
-    clip) or kept as stored (``raw``: labels are on the stored frames, as training reads them)."""
+    clip) or kept as stored (``raw``: labels are on the stored frames, as training reads them). A mirrored clip
+    (a selfie camera's, an editor's flip) is an error row under ``bake`` too: the copy is turned, never flipped."""
     if isinstance(video, list):
         return video, clip
-    degrees = _rotations.get(video)
-    if degrees is None:
+    display = _rotations.get(video)
+    if display is None:
         if len(_rotations) > 4096:
             _rotations.clear()
-        degrees = _rotations[video] = display_rotation(video)
-    if degrees == 0 or mode == "raw":
+        display = _rotations[video] = display_matrix(video)
+    if display.shown_as_stored or mode == "raw":
         return video, clip
+    how = "mirrored" if display.mirrored else "rotated"
     if mode == "error":
         raise RecordError(
-            f"video {video} is stored rotated: players turn it {degrees} degrees clockwise (its display matrix), "
-            "training reads the stored frames, so the model would see it turned and labels made on the displayed "
-            "clip would not match. Pass --video-rotation bake (write an upright copy; labels are on the displayed "
-            "clip) or --video-rotation raw (labels are on the stored frames)")
-    baked = bake_rotation(video, degrees, os.path.join(out_dir, BAKED_DIR))
+            f"video {video} is stored {how}: players {display.in_words()} (its display matrix), training reads the "
+            f"stored frames, so the model would see it {how} and labels made on the displayed clip would not match. "
+            + ("Flip the clip yourself (re-encode it with its display matrix applied), or pass --video-rotation raw "
+               "(labels are on the stored frames)" if display.mirrored else
+               "Pass --video-rotation bake (write an upright copy; labels are on the displayed clip) or "
+               "--video-rotation raw (labels are on the stored frames)"))
+    if display.mirrored:
+        raise RecordError(
+            f"video {video} is stored mirrored: players mirror it (its display matrix), and --video-rotation bake "
+            "writes turned copies, never flipped ones. Flip the clip yourself (re-encode it with its display matrix "
+            "applied), or pass --video-rotation raw (labels are on the stored frames)")
+    baked = bake_rotation(video, display.degrees, os.path.join(out_dir, BAKED_DIR))
     return baked, probe_clip(baked, target)
 
 

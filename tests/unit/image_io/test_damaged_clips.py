@@ -10,10 +10,10 @@ from fractions import Fraction
 import av
 import numpy as np
 import pytest
-from helpers import cut_file, set_display_rotation, write_clip
+from helpers import cut_file, set_display_matrix, set_display_rotation, write_clip
 
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.image_io.video import VideoFileError, display_rotation, probe, read_clip
+from llamafactory_qwenvl_patch.image_io.video import DisplayMatrix, VideoFileError, display_matrix, probe, read_clip
 
 FASTSTART = {"movflags": "faststart"}
 EVERY_FRAME = VideoPolicy(256, 4096, 28, 10.0, 128)  # a 10-fps clip's every frame sampled, up to 12.8 s
@@ -66,7 +66,7 @@ def test_a_clip_cut_anywhere_is_whole_or_named(tmp_path, name, seconds, options)
         cut.write_bytes(data[:size])
         try:
             clip = probe(cut, 2.0)
-            display_rotation(cut)
+            display_matrix(cut)
             read_clip(cut, EVERY_FRAME, 2.0, clip=clip)
         except VideoFileError as exc:
             assert f"video {cut}: " in str(exc), (size, exc)
@@ -134,10 +134,18 @@ def test_a_phone_clips_display_rotation_is_read(tmp_path, degrees):
     a player turns the stored frames clockwise; the packets and the stored size are the clip's."""
     plain = write_clip(tmp_path / "plain.mp4", 1, 10, 96, 64)
     turned = set_display_rotation(write_clip(tmp_path / "turned.mp4", 1, 10, 96, 64), degrees)
-    assert display_rotation(plain) == 0
-    assert display_rotation(turned) == degrees
+    assert display_matrix(plain) == DisplayMatrix(0, False)
+    assert display_matrix(turned) == DisplayMatrix(degrees, False)
     clip = probe(turned, 2.0)
     assert (clip.width, clip.height, len(clip.times)) == (96, 64, 10)
+
+
+@pytest.mark.parametrize("matrix", [(-1, 0, 0, 1), (1, 0, 0, -1), (0, 1, 1, 0)], ids=["left-right", "upside", "diag"])
+def test_a_mirrored_display_matrix_is_read_as_a_mirror(tmp_path, matrix):
+    """Issue 51, class 3: a matrix that flips (negative determinant) was read by its turn alone: a left-right mirror
+    as 180 degrees (a copy baked turned would put labels 48 px off), an upside-down one as no change at all."""
+    clip = set_display_matrix(write_clip(tmp_path / "flipped.mp4", 1, 10, 96, 64), *matrix)
+    assert display_matrix(clip).mirrored and display_matrix(clip).in_words() == "mirror it"
 
 
 def test_a_clip_whose_first_frame_is_garbage_is_named_when_its_rotation_is_read(tmp_path):
@@ -152,4 +160,4 @@ def test_a_clip_whose_first_frame_is_garbage_is_named_when_its_rotation_is_read(
     path.write_bytes(bytes(data))
     assert len(probe(path, 2.0).times) == 10
     with pytest.raises(VideoFileError, match="garbage.mp4: its first frame does not decode"):
-        display_rotation(path)
+        display_matrix(path)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import av
 import pytest
-from helpers import cut_file, set_display_rotation, write_clip
+from helpers import cut_file, set_display_matrix, set_display_rotation, write_clip
 
 from llamafactory_qwenvl_patch.frame.policy import convert_coords
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
-from llamafactory_qwenvl_patch.image_io.video import display_rotation, probe
+from llamafactory_qwenvl_patch.image_io.video import display_matrix, probe
 from qwenvl_prep.cli import main
 
 VIDEO_MIN, VIDEO_MAX = 256, 4096
@@ -111,6 +111,28 @@ def test_a_rotated_clip_is_refused_by_default_naming_the_flag(tmp_path, rotated,
     assert "--video-rotation bake" in errors[0]["error"] and "--video-rotation raw" in errors[0]["error"]
 
 
+def test_a_mirrored_clip_is_refused_unless_kept_as_stored(tmp_path, capsys):
+    """Issue 51, class 3: a left-right mirrored clip was read as turned 180 degrees (bake wrote a copy whose labels
+    sat 48 px off the displayed clip), an upside-down one as upright. Both are named as mirrored; bake refuses them
+    (it turns, it never flips); raw keeps them as stored, and check notes the mirror."""
+    media = tmp_path / "media"
+    media.mkdir()
+    for name, matrix in (("left_right.mp4", (-1, 0, 0, 1)), ("upside.mp4", (1, 0, 0, -1))):
+        set_display_matrix(write_clip(media / name, 2, 10, 96, 64), *matrix)
+    src = write_input(media, [sharegpt("left_right.mp4", TRACK), sharegpt("upside.mp4", TRACK)])
+    for mode, message in (("error", "is stored mirrored: players mirror it (its display matrix)"),
+                          ("bake", "--video-rotation bake writes turned copies, never flipped ones")):
+        code, _, errors = convert(capsys, src, tmp_path / "data" / "m.json", "--input-coords", "abs",
+                                  "--video-rotation", mode)
+        assert code == 1 and len(errors) == 2 and all(message in e["error"] for e in errors.values()), errors
+        assert "--video-rotation raw" in errors[0]["error"]
+    code, summary, _ = convert(capsys, src, tmp_path / "data" / "m.json", "--input-coords", "abs",
+                               "--video-rotation", "raw")
+    assert code == 0 and summary["written"] == 2
+    code, report = check(capsys, tmp_path, tmp_path / "data", "m")
+    assert code == 0 and sum("stored mirrored: players mirror it" in n["note"] for n in report["video_notes"]) == 2
+
+
 def convert_rotated(capsys, data: Path, rotated: Path, mode: str) -> tuple[dict, list[int]]:
     """(the converted record, its box) of the rotated clip's track under ``--video-rotation mode``; the user's clip
     is never modified."""
@@ -141,7 +163,7 @@ def test_bake_writes_an_upright_copy_at_the_same_times(tmp_path, rotated, capsys
     baked = data / record["videos"][0]
     assert record["videos"][0].startswith("video_baked/") and baked.suffix == ".mp4"
     source, copy = probe(rotated, 2.0), probe(baked, 2.0)
-    assert (copy.width, copy.height) == (64, 96) and display_rotation(baked) == 0
+    assert (copy.width, copy.height) == (64, 96) and display_matrix(baked).shown_as_stored
     assert copy.times == pytest.approx(source.times, abs=1e-3)
     with av.open(str(baked)) as container:  # the bar that grows from the left as stored grows from the top
         first = next(container.decode(video=0)).to_ndarray(format="rgb24")
