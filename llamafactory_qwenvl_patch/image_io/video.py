@@ -95,6 +95,10 @@ def _open_container(video: Any, name: str) -> Any:
 
 
 def _video_stream(container: Any, name: str) -> Any:
+    kind = getattr(container.format, "name", "") or ""
+    if kind.endswith("_pipe") or kind in ("image2", "image2pipe"):  # still-image demuxers: png_pipe, jpeg_pipe, ...
+        raise VideoFileError(f"video {name}: is a still image ({kind.removesuffix('_pipe')}), not a video: put it "
+                             "in 'images', or a list of frames in 'videos'")
     stream = next((s for s in container.streams if s.type == "video"), None)
     if stream is None and not container.streams:  # ffmpeg's mp4 muxer leaves out a stream that got no frame
         raise VideoFileError(f"video {name}: has no frames (the file lists no stream at all: a recording that "

@@ -161,3 +161,14 @@ def test_a_clip_whose_first_frame_is_garbage_is_named_when_its_rotation_is_read(
     assert len(probe(path, 2.0).times) == 10
     with pytest.raises(VideoFileError, match="garbage.mp4: its first frame does not decode"):
         display_matrix(path)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_still_image_named_as_a_clip_is_named(tmp_path, fmt):
+    """Issue 51, class 1: a PNG saved as ``.mp4`` probed as a 0-s clip of one frame and passed the pre-flight."""
+    from PIL import Image
+
+    path = tmp_path / "still.mp4"
+    Image.new("RGB", (64, 48), (20, 40, 60)).save(path, fmt)
+    with pytest.raises(VideoFileError, match=f"still.mp4: is a still image \\({fmt.lower()}\\), not a video"):
+        probe(path, 2.0)
