@@ -121,6 +121,21 @@ def cut_file(path: Path, out: Path, share: float = 0.5) -> Path:
     return out
 
 
+def garbage_frames(path: Path) -> Path:
+    """Frame data overwritten from the clip's middle on: the packets (and the first frames) are intact."""
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        packets = [(p.pos, p.size) for p in container.demux(container.streams.video[0]) if p.size]
+    data = bytearray(path.read_bytes())
+    noise = np.random.default_rng(0)
+    for start, size in packets[len(packets) // 2:]:
+        data[start + 4:start + size] = noise.integers(0, 256, size - 4, np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    return path
+
+
 def set_display_rotation(path: Path, degrees: int) -> Path:
     """An mp4 whose track header's display matrix turns its frames ``degrees`` clockwise, as phones write portrait
     clips (the stored frames stay landscape)."""

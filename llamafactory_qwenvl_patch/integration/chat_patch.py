@@ -118,7 +118,10 @@ def patch_api_chat(api_chat: ModuleType) -> None:
             # LF's own handler then reads whole (issue 41, item 1: a pinned server dropped every system prompt)
             _, _, _, images, videos, _ = api_chat._process_request(request.model_copy(deep=True))
             check_images(frame, images)
-            check_videos(_video_frame_of(chat_model), videos)
+            # a stream's status goes out before the model reads the clips: decode its sampled frames here, so a
+            # clip damaged past its packets is a 400 too (a request that is not streamed is answered 400 when the
+            # plugin's own decode fails: ``make``)
+            check_videos(_video_frame_of(chat_model), videos, decode=bool(getattr(request, "stream", False)))
         except ImageError as exc:
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
         except (UnidentifiedImageError, ValueError, OSError, DecompressionBombError) as exc:
@@ -127,8 +130,17 @@ def patch_api_chat(api_chat: ModuleType) -> None:
 
     def make(create: Callable) -> Callable:
         async def wrapper(request: Any, chat_model: Any) -> Any:
+            from llamafactory_qwenvl_patch.image_io.images import ImageError
+
             validate(request, chat_model)
-            return await create(request, chat_model)
+            try:
+                return await create(request, chat_model)
+            except ImageError as exc:  # a clip whose frames do not decode, found as the plugin reads it
+                if _frame_of(chat_model) is None:
+                    raise
+                from fastapi import HTTPException, status
+
+                raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST, detail=str(exc)) from None
 
         return wrapper
 

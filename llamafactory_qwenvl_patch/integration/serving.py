@@ -143,17 +143,21 @@ def check_images(frame: ServingFrame, images: Sequence[Any] | None) -> None:
             raise ImageError(f"image {index + 1} of the request: {exc}") from None
 
 
-def check_videos(video: tuple[Any, float] | None, videos: Sequence[Any] | None) -> None:
+def check_videos(video: tuple[Any, float] | None, videos: Sequence[Any] | None, decode: bool = False) -> None:
     """Every video must open and be sampled by the video policy (``(policy, frame-list rate)``): else a
-    ``VideoFileError`` (an ImageError) naming it. Probing reads packets only; nothing is decoded."""
+    ``VideoFileError`` (an ImageError) naming it. Probing reads packets only; ``decode`` also decodes the sampled
+    frames (a clip whose packets are whole but whose frame data is not)."""
     if video is None:
         return
-    from llamafactory_qwenvl_patch.image_io.video import VideoFileError, probe, rewindable
+    from llamafactory_qwenvl_patch.image_io.video import VideoFileError, probe, read_clip, rewindable
 
     policy, frame_list_fps = video
     for index, source in enumerate(videos or []):
         try:
-            probe(rewindable(source), frame_list_fps).plan(policy)
+            clip = probe(rewindable(source), frame_list_fps)
+            clip.plan(policy)
+            if decode:
+                read_clip(rewindable(source), policy, frame_list_fps, transform=lambda frame: None, clip=clip)
         except (VideoFileError, PolicyError) as exc:
             raise VideoFileError(f"video {index + 1} of the request: {exc}") from None
 

@@ -313,7 +313,7 @@ def test_video_requests_are_served_in_the_training_video_frame(servers, folders)
     exactly the policy's frame groups (the folder's recorded video policy, no key in the serving YAML); the plain
     folder's stock path gives another count."""
     import openai
-    from helpers import write_clip
+    from helpers import garbage_frames, write_clip
 
     from llamafactory_qwenvl_patch.frame.policy_record import folder_video_policy
     from llamafactory_qwenvl_patch.image_io.video import probe
@@ -349,6 +349,16 @@ def test_video_requests_are_served_in_the_training_video_frame(servers, folders)
     assert "video/x-flv data URL" in detail and "webm, mkv, mov, avi" in detail, detail
     assert tokens(servers["plain"], str(clip)) != text_only + expected
     assert "and its video policy" in servers["pinned"].logfile.read_text()
+    # issue 51, class 2 on the API: a clip whose packets are whole and whose frame data is not was a 500; it is a
+    # 400 naming it, answered or streamed (a stream's status is sent first: its clips are decoded before)
+    damaged = as_data_url(garbage_frames(write_clip(media / "damaged.mp4", 3, 10, 320, 180)), "video/mp4")
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            servers["pinned"].client.chat.completions.create(model="test", max_tokens=4, stream=stream, messages=[
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": damaged}},
+                                             {"type": "text", "text": PROMPT}]}])
+        assert "cannot decode" in caught.value.response.json()["detail"], stream
+    assert tokens(servers["pinned"], str(clip)) == text_only + expected  # still serving
 
 
 @pytest.mark.slow

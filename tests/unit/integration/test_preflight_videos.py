@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import av
-import numpy as np
 import pytest
-from helpers import cut_file, save_image, set_display_rotation, write_clip
+from helpers import cut_file, garbage_frames, save_image, set_display_rotation, write_clip
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
@@ -21,18 +19,6 @@ from llamafactory_qwenvl_patch.integration.preflight_videos import VideoCheck
 
 POLICY = ResizePolicy(3136, 200704)
 VIDEOS = VideoCheck(VideoPolicy(256, 4096, 28, 2.0, 16, "seconds"), 2.0)
-
-
-def garbage_after_first_second(path: Path) -> Path:
-    """Frame data overwritten from the clip's middle on: the packets (and the first frames) are intact."""
-    with av.open(str(path)) as container:
-        packets = [(p.pos, p.size) for p in container.demux(container.streams.video[0]) if p.size]
-    data = bytearray(path.read_bytes())
-    noise = np.random.default_rng(0)
-    for start, size in packets[len(packets) // 2:]:
-        data[start + 4:start + size] = noise.integers(0, 256, size - 4, np.uint8).tobytes()
-    path.write_bytes(bytes(data))
-    return path
 
 
 @pytest.fixture()
@@ -44,7 +30,7 @@ def media(tmp_path, monkeypatch) -> Path:
     write_clip(data / "good.mp4", 2, 10, 96, 64)
     (data / "empty.mp4").write_bytes(b"")
     cut_file(write_clip(tmp_path / "whole.webm", 2, 10, 96, 64, "libvpx"), data / "cut.webm")
-    garbage_after_first_second(write_clip(data / "garbage.mp4", 2, 10, 96, 64))
+    garbage_frames(write_clip(data / "garbage.mp4", 2, 10, 96, 64))
     os.mkfifo(data / "fifo.mp4")
     set_display_rotation(write_clip(data / "phone.mp4", 2, 10, 96, 64), 90)
     save_image(data / "a.jpg", 96, 64)
