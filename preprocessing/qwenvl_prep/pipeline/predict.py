@@ -22,6 +22,7 @@ from llamafactory_qwenvl_patch.frame.video import VideoPlan, VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import model_input_image
 from llamafactory_qwenvl_patch.image_io.processor_sizes import keep_processor_class_sizes
 from llamafactory_qwenvl_patch.model_files.experts import folder_experts_load_kwargs
+from llamafactory_qwenvl_patch.model_files.weights import weights_problems
 from llamafactory_qwenvl_patch.scoring.answers import AnswerError, parse_answer, parse_items
 from qwenvl_prep.formats.prompt_presets import PromptPreset
 
@@ -102,6 +103,23 @@ def answering_video(model_dir: str | Path, base: Path | None, policy: ResizePoli
     return found or (default, default.fps)
 
 
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))  # a Qwen tokenizer: either form loads
+
+
+def require_loadable(folder: Path, base: Path | None) -> None:
+    """ValueError naming every file problem a loader would stop on only after it started (transformers deep in its
+    loader, vLLM once its engine is up): weights cut short or missing shards (of the folder and of an adapter's
+    base), and no tokenizer files where the processor is read (transformers then asks for sentencepiece, which a
+    Qwen tokenizer does not use)."""
+    problems = weights_problems(folder) + (weights_problems(base) if base is not None else [])
+    tokens = processor_folder(folder)
+    if not any(all((tokens / name).is_file() for name in form) for form in TOKENIZER_FILES):
+        problems.append(f"{tokens}: has no tokenizer files (tokenizer.json, or vocab.json with merges.txt): copy them "
+                        "from the base model")
+    if problems:
+        raise ValueError(f"{folder} cannot be loaded: " + "; ".join(problems))
+
+
 def require_chat_template(processor: Any, folder: Path) -> None:
     """Every prompt is the processor's chat template applied (as training's template writes it): a folder without
     one is refused before any weights load or any output is made, not at the first batch."""
@@ -154,6 +172,7 @@ class FolderModel:
         keep_processor_class_sizes()  # a folder with only min/max_pixels must not change the next one's bounds
         self.model_dir = Path(model_dir)
         base = self.base = adapter_base(self.model_dir)
+        require_loadable(self.model_dir, base)
         self.processor = AutoProcessor.from_pretrained(processor_folder(self.model_dir))
         require_chat_template(self.processor, processor_folder(self.model_dir))
         self.processor.tokenizer.padding_side = "left"  # batched generation continues every prompt at its end
