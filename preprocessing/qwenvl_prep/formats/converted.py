@@ -43,9 +43,10 @@ class Sample:
 
 
 def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) -> DatasetRef:
-    """A dataset_info.json name in ``dataset_dir``, or a file path (stamp looked up beside it)."""
+    """A dataset_info.json name in ``dataset_dir``, or a file path (stamp looked up beside it). A name the registry
+    holds is its entry even where a file of that name lies in the working directory: LF reads the entry."""
     path = Path(name_or_path)
-    if path.is_file():
+    if path.is_file() and not _registered(name_or_path, dataset_dir):
         folder = path.parent
         for name, entry in read_dataset_info(folder).items():
             if isinstance(entry, dict) and entry.get("file_name") == path.name:
@@ -61,6 +62,13 @@ def resolve_dataset(name_or_path: str, dataset_dir: str | Path | None = None) ->
         raise ValueError(f"dataset {name_or_path!r} in {folder}/dataset_info.json names file_name "
                          f"{entry['file_name']!r}, which is {what}: qwenvl-prep reads a dataset stored in one file")
     return DatasetRef(name_or_path, path, folder, _stamp(entry, name_or_path, folder), entry)
+
+
+def _registered(name: str, dataset_dir: str | Path | None) -> bool:
+    try:
+        return isinstance(read_dataset_info(Path(dataset_dir or ".")).get(name), dict)
+    except (OSError, ValueError):  # an unreadable registry: the file is what was meant
+        return False
 
 
 def _stamp(entry: dict, name: str, folder: Path) -> Stamp | None:

@@ -173,3 +173,20 @@ def test_check_refuses_what_training_refuses(tmp_path, dataset, capsys):
     assert main(["check", "--yaml", str(write_yaml(tmp_path, dataset))]) == 2
     err = capsys.readouterr().err
     assert "file_name '.', which is a folder" in err and "Traceback" not in err
+
+
+def test_a_registered_name_is_its_entry_even_beside_a_same_named_file(tmp_path, monkeypatch):
+    """Issue 51's review: ``check --yaml`` read a file named like the YAML's dataset in the working directory
+    instead of the dataset_info.json entry LF trains on; the entry wins, and a path that is no name stays a file."""
+    import json
+
+    from qwenvl_prep.formats.converted import resolve_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text("[]")
+    (data / "dataset_info.json").write_text(json.dumps({"sg.jsonl": {"file_name": "train.json"}}))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sg.jsonl").write_text("{}\n")  # a stray file of the same name where check runs
+    assert resolve_dataset("sg.jsonl", data).path == data / "train.json"
+    assert resolve_dataset(str(tmp_path / "sg.jsonl"), data).path == tmp_path / "sg.jsonl"
