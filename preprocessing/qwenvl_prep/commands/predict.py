@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         frame_list_fps = ref.stamp.frame_list_fps if ref.stamp is not None else None  # the rate it was converted at
     elif args.images and args.prompt:
         jobs = [(image, args.prompt, None) for image in args.images]
+        warn_stored_turned([source for source, _, _ in jobs])
     else:
         raise ValueError("give --dataset FILE, or images (or videos) with --prompt")
     guard = Outputs([args.model_dir, *([args.dataset] if args.dataset else []),
@@ -183,6 +184,33 @@ def prompt_record(args: argparse.Namespace, jobs: list[Job], preset: PromptPrese
         return args.prompt
     systems = any(isinstance(prompt, Ask) for _, prompt, _ in jobs)
     return "the dataset's own prompts" + (", under their system prompts" if systems else "")
+
+
+def warn_stored_turned(sources: list[Any]) -> None:
+    """One warning when inputs given directly are stored rotated or mirrored (a photo's EXIF orientation, a phone
+    clip's display matrix): the model sees the stored pixels, as training reads them (LF does not apply either), so
+    the answers are in the stored pixels. A converted dataset was settled by convert's --exif / --video-rotation."""
+    from llamafactory_qwenvl_patch.image_io.images import ImageError
+    from llamafactory_qwenvl_patch.image_io.video import display_matrix
+    from qwenvl_prep.plumbing.imageinfo import read_info
+
+    turned = []
+    for source in sources:
+        if not isinstance(source, str) or "://" in source:
+            continue
+        try:
+            if is_video(source):
+                shown = display_matrix(source)
+                if not shown.shown_as_stored:
+                    turned.append(f"{source} (players {shown.in_words()})")
+            elif (orientation := read_info(source).orientation) != 1:
+                turned.append(f"{source} (EXIF orientation {orientation})")
+        except (ImageError, OSError, ValueError):
+            continue  # reading it for the answer names what is wrong
+    if turned:
+        print(f"warning: {len(turned)} input(s) are stored rotated or mirrored, first {turned[0]}: the model sees "
+              "the stored pixels, as training reads them, and answers in them (orig_size is the stored size); a box "
+              "drawn on the image as viewers show it would be turned", file=sys.stderr)
 
 
 def is_video(source: object) -> bool:

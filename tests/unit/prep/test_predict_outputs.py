@@ -173,3 +173,27 @@ def test_what_vllm_would_stop_on_is_found_in_the_folder(tiny_model, tmp_path):
     assert any("no weights" in line for line in engine_problems(model))
     (model / "config.json").unlink()
     assert any("config.json: missing" in line for line in engine_problems(model))
+
+
+def test_inputs_stored_rotated_are_named_once(tmp_path, capsys):
+    """Issue 51's review, class 3 in predict: a phone photo (EXIF orientation) or clip (display matrix) given
+    directly was answered in its stored pixels without a word; one warning now names how many and the first."""
+    from helpers import set_display_matrix, set_display_rotation, write_clip
+    from PIL import Image
+
+    from qwenvl_prep.commands.predict import warn_stored_turned
+
+    photo = Image.new("RGB", (80, 40))
+    exif = photo.getexif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise
+    photo.save(tmp_path / "phone.jpg", exif=exif)
+    Image.new("RGB", (80, 40)).save(tmp_path / "plain.jpg")
+    clips = [set_display_rotation(write_clip(tmp_path / "portrait.mp4", 1, 10, 96, 64), 90),
+             set_display_matrix(write_clip(tmp_path / "selfie.mp4", 1, 10, 96, 64), -1, 0, 0, 1)]
+    warn_stored_turned([str(tmp_path / "plain.jpg"), str(tmp_path / "phone.jpg"), *map(str, clips),
+                        str(tmp_path / "missing.jpg")])
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "3 input(s) are stored rotated or mirrored" in err
+    assert f"first {tmp_path / 'phone.jpg'} (EXIF orientation 6)" in err
+    warn_stored_turned([str(tmp_path / "plain.jpg")])
+    assert capsys.readouterr().err == ""
