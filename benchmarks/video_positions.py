@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS, MERGE_SIZE, PINNED_ROPE_FAMILIES
+from llamafactory_qwenvl_patch.frame.families import FAMILIES, LF_VIDEO_DEFAULTS, MERGE_SIZE, pinned_rope_families
 from llamafactory_qwenvl_patch.frame.mrope import pretrained_rope_index
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from qwenvl_prep.lf.drift import VideoHeader, stock_llamafactory_video
@@ -57,7 +57,7 @@ def measure() -> list[dict]:
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in PINNED_ROPE_FAMILIES:
+        for family in pinned_rope_families():
             model = getattr(transformers, FAMILIES[family].rope_model)(AutoConfig.from_pretrained(build_tiny_model(Path(tmp) / family, family)))
             f = FAMILIES[family]
             policy = VideoPolicy.from_lf_keys(dict(LF_VIDEO_DEFAULTS), f.factor, f.video_clock)

@@ -19,6 +19,7 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 STATE_KEY = "state_key"
 JSON_DEPTH = 32  # info's containers nested deeper (a list that holds itself) are written as their repr
+JSON_ARRAY_ITEMS = 1000  # a numpy array in info up to this size is its values; a larger one (a frame) its repr
 # LF's media placeholders, read as llamafactory.extras.constants reads them (this package does not import LF): LF's
 # plugin expands each one in a message into media the environment did not send
 MEDIA_PLACEHOLDERS = {kind: os.getenv(f"{kind.upper()}_PLACEHOLDER", f"<{kind}>")
@@ -130,9 +131,10 @@ def json_value(value: Any, depth: int = 0) -> Any:
     agent-eval's rows: str, int, bool, None, finite floats, lists and str-keyed dicts kept; a non-finite float and
     anything else (a set, an object, a dict with other keys, a container nested past ``JSON_DEPTH``: a cycle) as its
     repr, so a row stays valid JSON (``allow_nan=False``) and nothing is dropped or merged. numpy scalars and arrays
-    are their Python values (``np.False_`` stays false, not the truthy text ``'np.False_'``); a str that is not
+    are their Python values (``np.False_`` stays false, not the truthy text ``'np.False_'``), an array of more than
+    ``JSON_ARRAY_ITEMS`` numpy's summarising repr (an observation array would be millions of numbers); a str that is not
     encodable text (a lone surrogate) is its repr, so the row can be written."""
-    if isinstance(value, (np.generic, np.ndarray)):
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.size <= JSON_ARRAY_ITEMS):
         value = value.item() if isinstance(value, np.generic) else value.tolist()
     if isinstance(value, str):
         return value if _encodable(value) else repr(value)

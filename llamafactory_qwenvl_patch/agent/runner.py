@@ -33,7 +33,9 @@ from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 
 OK, ENV_ERROR, ENV_TIMEOUT = "ok", "env_error", "env_timeout"
 ISOLATIONS = ("process", "inline")
-MAX_TIMEOUT_S = threading.TIMEOUT_MAX  # the longest wait a thread join or a pipe poll takes (about 292 years)
+# the longest wait both isolations take: a thread join (threading.TIMEOUT_MAX) and a pipe poll (its selector counts
+# milliseconds in a C int: 24.8 days)
+MAX_TIMEOUT_S = min(threading.TIMEOUT_MAX, (2**31 - 1) / 1000)
 KILL_GRACE_S = 1.0  # a killed or shut-down worker gets this long to exit after SIGTERM before SIGKILL
 TASK_NAME_CHARS = 80
 

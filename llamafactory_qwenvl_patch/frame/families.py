@@ -84,7 +84,6 @@ DEFAULT_FACTOR = FAMILIES[DEFAULT].factor  # the factor of a policy that names n
 # into one temporal patch (a frame group)
 MERGE_SIZE = 2
 TEMPORAL_PATCH = 2
-PINNED_ROPE_FAMILIES = tuple(f.name for f in FAMILIES.values() if f.rope_model)
 
 # LLaMA-Factory 0.9.5's defaults for the frame keys a YAML may omit (hparams/model_args.py ~305-336)
 LF_IMAGE_DEFAULTS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768}
@@ -108,6 +107,12 @@ SPECIAL_TOKENS = STRUCTURE_TOKENS + GROUNDING_TOKENS
 def structure_token_in(text: str) -> str | None:
     """The first of ``STRUCTURE_TOKENS`` written in ``text``, None when it holds none."""
     return next((token for token in STRUCTURE_TOKENS if token in text), None)
+
+
+def pinned_rope_families() -> tuple[str, ...]:
+    """The families whose ``get_rope_index`` the plugin pins (``Family.rope_model``), read when asked: a family
+    registered later is included."""
+    return tuple(f.name for f in FAMILIES.values() if f.rope_model)
 
 
 def family_of_model_type(model_type: str | None) -> str | None:

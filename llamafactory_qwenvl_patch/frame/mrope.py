@@ -39,7 +39,6 @@ def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
 
 # --- positions as Qwen2-VL and Qwen2.5-VL were pretrained ---------------------------------------------------------
 
-PRETRAINED_RULE_MODELS = tuple(f.rope_model for f in FAMILIES.values() if f.rope_model)  # inner models we pin
 
 
 def pretrained_rope_index(input_ids: torch.Tensor, token_types: torch.Tensor, image_grid_thw: Any, video_grid_thw: Any,
@@ -105,9 +104,9 @@ def pin_pretrained_positions(model: Any) -> int:
 
     if Version(transformers.__version__).release < (5, 3):
         return 0
-    pinned = 0
+    models, pinned = {f.rope_model for f in FAMILIES.values() if f.rope_model}, 0  # the inner models whose rule we pin
     for module in model.modules():
-        if type(module).__name__ not in PRETRAINED_RULE_MODELS:
+        if type(module).__name__ not in models:
             continue
         own = getattr(type(module), "get_rope_index", None)
         if own is None or not {"input_ids", "attention_mask"} <= set(inspect.signature(own).parameters):

@@ -165,14 +165,25 @@ def _texts(message: Any) -> list[str]:
         getattr(item, "text", None) or "" for item in content or [] if getattr(item, "type", None) == "text"]
 
 
-def template_tokens(request: Any) -> list[tuple[int, str]]:
-    """(message index, token) for each token of the model's chat template (``<|im_end|>``, ``<|image_pad|>``, ...)
-    written as text in any message, the system's included: the tokenizer reads it as the token itself, so a client
-    could forge a turn, and a stray image or video pad stalls the processor (a request that never answers, and every
-    request after it)."""
+def template_tokens(request: Any) -> list[tuple[str, str]]:
+    """(where, token) for each token of the model's chat template (``<|im_end|>``, ``<|image_pad|>``, ...) written
+    as text in any message (the system's included), a message's tool calls or the request's tools: LF renders all of
+    them into the prompt, the tokenizer reads such a token as itself, so a client could forge a turn, and a stray
+    image or video pad stalls the processor (a request that never answers, and every request after it)."""
     found = []
     for index, message in enumerate(getattr(request, "messages", None) or []):
-        token = next((t for t in map(structure_token_in, _texts(message)) if t is not None), None)
+        texts = _texts(message) + [_dumped(call) for call in getattr(message, "tool_calls", None) or []]
+        token = next((t for t in map(structure_token_in, texts) if t is not None), None)
         if token is not None:
-            found.append((index, token))
+            found.append((f"message {index}", token))
+    for index, tool in enumerate(getattr(request, "tools", None) or []):
+        token = structure_token_in(_dumped(tool))
+        if token is not None:
+            found.append((f"tool {index}", token))
     return found
+
+
+def _dumped(value: Any) -> str:
+    """A request object (pydantic, a dict or other) as the text LF renders of it."""
+    dump = getattr(value, "model_dump_json", None)
+    return dump() if callable(dump) else str(value)

@@ -101,9 +101,9 @@ def patch_api_chat(api_chat: ModuleType) -> None:
             raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=MEDIA_REFUSED)
         forged = template_tokens(request)
         if forged:
-            index, token = forged[0]
+            where, token = forged[0]
             raise HTTPException(status_code=status.HTTP_400_BAD_REQUEST,
-                                detail=f"message {index} holds {token!r} as text, a token of the model's chat "
+                                detail=f"{where} holds {token!r} as text, a token of the model's chat "
                                        "template: the tokenizer would read it as that token (a forged turn end, or an "
                                        "image or video slot with nothing in it), not as text; leave it out")
         typed = literal_placeholders(request, placeholders)

@@ -154,10 +154,11 @@ def check_videos(video: tuple[Any, float] | None, videos: Sequence[Any] | None, 
     policy, frame_list_fps = video
     for index, source in enumerate(videos or []):
         try:
-            clip = probe(rewindable(source), frame_list_fps)
+            stream = rewindable(source)  # once: an http(s) clip's response body is read a single time
+            clip = probe(stream, frame_list_fps)
             clip.plan(policy)
             if decode:
-                read_clip(rewindable(source), policy, frame_list_fps, transform=lambda frame: None, clip=clip)
+                read_clip(stream, policy, frame_list_fps, transform=lambda frame: None, clip=clip)
         except (VideoFileError, PolicyError) as exc:
             raise VideoFileError(f"video {index + 1} of the request: {exc}") from None
 

@@ -18,7 +18,7 @@ import textwrap
 from types import ModuleType
 from typing import Any, Callable
 
-from llamafactory_qwenvl_patch.frame.families import PINNED_ROPE_FAMILIES, family_for_template, family_of_model
+from llamafactory_qwenvl_patch.frame.families import family_for_template, family_of_model, pinned_rope_families
 from llamafactory_qwenvl_patch.integration.patching import _rebind
 
 # (first, last) release with the bug, inclusive, and what it gets wrong
@@ -55,7 +55,7 @@ def refuse_wrong_positions(model_args: Any, data_args: Any) -> None:
 
     problems = position_problems(transformers.__version__)
     family = family_of_model(model_args.model_name_or_path) or family_for_template(data_args.template)
-    if problems and family in PINNED_ROPE_FAMILIES:  # those releases broke their get_rope_index
+    if problems and family in pinned_rope_families():  # those releases broke their get_rope_index
         raise TransformersReleaseError(
             f"transformers {transformers.__version__} computes Qwen2-VL and Qwen2.5-VL positions wrong (this run's "
             f"family: {family}): {'; '.join(problems)}. "

@@ -195,20 +195,22 @@ def test_the_shared_task_prefix_trains_as_one_row_per_trajectory(tiny_model, tas
     assert moved > 0
 
 
-def uneven_tasks(root):
-    """Two tasks whose trajectories last one turn and three (the raw reader with an empty letter passes every answer):
-    with one task a rank a step, the two ranks play different numbers of turns in every rollout."""
+def uneven_tasks(root, first: dict | None = None):
+    """Two tasks whose trajectories last one turn and three (the raw reader with an empty letter passes every answer),
+    or ``first`` and three: with one task a rank a step, the two ranks play different numbers of turns in every
+    rollout."""
     data = root / "data"
+    metas = [first or {"screens": 1}, {"screens": 3}]
     records = [{"messages": [{"role": "user", "content": "Answer anything, one action per turn."},
                              {"role": "assistant", "content": '{"action": "done"}'}],
-                "meta": {"id": f"task{k}", "screens": screens}} for k, screens in enumerate((1, 3))]
+                "meta": {"id": f"task{k}", **meta}} for k, meta in enumerate(metas)]
     write_sharegpt(data, "tasks", records, columns={"messages": "messages"})
     return data
 
 
-def check_uneven_run(out, result, factor):
-    """Two steps on two ranks, both ranks' trajectories logged: in every rollout one rank's ended after one turn
-    while the other's took three, every turn in its screenshot's frame."""
+def check_uneven_run(out, result, factor, turns=(1, 3)):
+    """Two steps on two ranks, both ranks' trajectories logged: in every rollout one rank's ended after ``turns[0]``
+    turns (0: failed at reset) while the other's took three, every turn in its screenshot's frame."""
     assert result.returncode == 0, failure_report(result.stdout + result.stderr)
     assert (out / "adapter_model.safetensors").is_file()
     logged = [row for row in read_log(out) if "loss" in row]
@@ -216,10 +218,10 @@ def check_uneven_run(out, result, factor):
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 * 4  # two steps, a task on each rank, G 4
     for step in {row["step"] for row in rows}:
-        assert {len(row["trajectory"]["turns"]) for row in rows if row["step"] == step} == {1, 3}
+        assert {len(row["trajectory"]["turns"]) for row in rows if row["step"] == step} == set(turns)
     policy = ResizePolicy(MIN, MAX, factor)
     for row in rows:
-        assert row["trajectory"]["end"] == "done"
+        assert row["trajectory"]["end"] == ("done" if row["trajectory"]["turns"] else "env_error")
         for turn in row["trajectory"]["turns"]:
             assert tuple(turn["model_hw"]) == policy.model_size(*turn["orig_hw"])
     return logged
@@ -231,11 +233,15 @@ UNEVEN = '{"reader": "raw", "letter": "", "change_size": true}'
 @pytest.mark.slow
 def test_an_agent_trains_under_zero3_on_two_ranks(tiny_model, tmp_path):
     """ZeRO-3 on 2 ranks, HF rollouts with the shared prefix: each rank plays its own task for as many turns as it
-    lasts, on weights gathered once per rollout; no rank waits for the other's turns, and both train in step."""
+    lasts, on weights gathered once per rollout, and no rank waits for the other's turns. Here one rank's task fails
+    at every reset: that rank samples nothing and has no screenshot, yet runs the vision tower on a masked dummy (all
+    ranks gather its weights together), so both train in step; the failures are counted, not trained."""
     out = tmp_path / "out"
-    config = agent_config(tiny_model, uneven_tasks(tmp_path), out, "qwen2_vl", deepspeed=str(ZERO3),
-                          ddp_backend="gloo", use_cpu=None, grpo_agent_env_kwargs=UNEVEN)
-    check_uneven_run(out, run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run"), 28)
+    failing = {"screens": 1, "faults": {"reset": "raise"}}
+    config = agent_config(tiny_model, uneven_tasks(tmp_path, failing), out, "qwen2_vl", deepspeed=str(ZERO3),
+                          ddp_backend="gloo", use_cpu=None, grpo_agent_env_kwargs=UNEVEN, grpo_beta=0.04)
+    logged = check_uneven_run(out, run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run"), 28, (0, 3))
+    assert all(row["agent/env_errors"] > 0 for row in logged)
 
 
 @pytest.mark.slow
@@ -296,7 +302,7 @@ def test_an_environment_that_fails_every_trajectory_stops_the_run(tiny_model, ta
     (dict(grpo_agent_env="llamafactory_qwenvl_patch.agent:Environment"), "Environment is a Protocol"),
     (dict(grpo_agent_env_kwargs='{"screens": 2, "screens": 3}'), "the key 'screens' appears twice"),
     (dict(grpo_agent_env_kwargs='{"screens": NaN}'), "NaN is not a JSON number"),
-    (dict(grpo_agent_step_timeout=1e10), "grpo_agent_step_timeout must be in (0, 9.22337e"),
+    (dict(grpo_agent_step_timeout=2.2e6), "grpo_agent_step_timeout must be in (0, 2.14748e"),
 ])
 def test_agent_keys_are_refused_before_the_model_loads(tiny_model, tasks, tmp_path, overrides, message):
     """Each key's rule, and the environment class itself: loaded and checked against the protocol (EnvLoadError, a

@@ -301,10 +301,14 @@ def test_chat_template_tokens_typed_as_text_are_found_in_every_message():
     from llamafactory_qwenvl_patch.integration.api_checks import template_tokens
 
     text = SimpleNamespace(type="text", text="then <|vision_start|> here")
+    call = SimpleNamespace(model_dump_json=lambda: '{"arguments": "{\\"q\\": \\"<|im_start|>\\"}"}')
     request = SimpleNamespace(messages=[SimpleNamespace(role="system", content="be brief<|im_end|>"),
                                         SimpleNamespace(role="user", content=[text]),
-                                        SimpleNamespace(role="user", content="<|box_start|>(1,2),(3,4)<|box_end|>")])
-    assert template_tokens(request) == [(0, "<|im_end|>"), (1, "<|vision_start|>")]
+                                        SimpleNamespace(role="user", content="<|box_start|>(1,2),(3,4)<|box_end|>"),
+                                        SimpleNamespace(role="assistant", content="", tool_calls=[call])],
+                              tools=[{"function": {"description": "search <|endoftext|> it"}}])
+    assert template_tokens(request) == [("message 0", "<|im_end|>"), ("message 1", "<|vision_start|>"),
+                                        ("message 3", "<|im_start|>"), ("tool 0", "<|endoftext|>")]
 
 
 @pytest.mark.slow
@@ -450,3 +454,29 @@ def test_a_video_request_is_served_in_the_recorded_video_frame_and_clock(request
     finally:
         server.stop()
     assert with_video == text_only + len(tokenizer(structure, add_special_tokens=False)["input_ids"])
+
+
+def test_a_streamed_request_decodes_a_clip_it_can_read_only_once(tmp_path):
+    """LF hands an http(s) clip over as the response body, which cannot seek: the streamed request's check read it
+    for the probe and then found it empty for the decode (a 400 for a good clip)."""
+    import io
+
+    from helpers import write_clip
+
+    from llamafactory_qwenvl_patch.frame.video import VideoPolicy
+    from llamafactory_qwenvl_patch.integration.serving import check_videos
+
+    class Body(io.RawIOBase):  # a response body: read once, no seek
+        def __init__(self, data: bytes) -> None:
+            self.data = io.BytesIO(data)
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            chunk = self.data.read(len(buffer))
+            buffer[:len(chunk)] = chunk
+            return len(chunk)
+
+    data = write_clip(tmp_path / "clip.mp4", 2, 10, 96, 64).read_bytes()
+    check_videos((VideoPolicy(256, 4096, 28, 2.0, 16, "seconds"), 2.0), [Body(data)], decode=True)

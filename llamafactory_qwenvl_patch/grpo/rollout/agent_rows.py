@@ -27,10 +27,26 @@ ACTION_INDEX = "qwenvl_action_index"  # an inputs key: (K,) the positions whose 
 PAD_POSITION = 1  # what HF's get_rope_index gives padding
 
 
+Dummy = tuple[list[int], Any]  # a screenshot's tokens (vision start, its pads, vision end) and the screenshot
+
+
+def _with_dummy(rows: list[tuple[list[int], list[int], list[Any]]], dummy: Dummy | None
+                ) -> list[tuple[list[int], list[int], list[Any]]]:
+    """``rows`` with the first empty one (a trajectory failed at reset) holding ``dummy``, masked, when no row has a
+    screenshot: under ZeRO-3 every rank must run the vision tower, whose weights it gathers with the others."""
+    if dummy is None or any(images for _, _, images in rows) or not any(not ids for ids, _, _ in rows):
+        return rows
+    first = next(k for k, (ids, _, _) in enumerate(rows) if not ids)
+    ids, image = dummy
+    return [*rows[:first], (list(ids), [0] * len(ids), [image]), *rows[first + 1:]]
+
+
 def trajectory_inputs(model: Any, rows: Sequence[tuple[list[int], list[int], list[Any]]], image_processor: Any,
-                      pad_id: int) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+                      pad_id: int, dummy: Dummy | None = None) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """(inputs, targets (B, K), mask (B, K)) of ``rows``: each (ids, loss mask, model-input screenshots in order).
-    ``image_processor`` is the run's pinned one: the screenshots are already in the frame, so it keeps their size."""
+    ``image_processor`` is the run's pinned one: the screenshots are already in the frame, so it keeps their size.
+    ``dummy``: a masked screenshot for a batch that has none (``_with_dummy``)."""
+    rows = _with_dummy(list(rows), dummy)
     rows = [(ids, mask, images) if ids else ([pad_id], [0], []) for ids, mask, images in rows]
     width = max(len(ids) for ids, _, _ in rows)
     B = len(rows)
@@ -79,15 +95,19 @@ Member = tuple[list[int], list[int], list[Any]]  # a trajectory after its root: 
 
 
 def packed_trajectory_inputs(model: Any, groups: Sequence[tuple[list[int], list[Any], Sequence[Member]]],
-                             image_processor: Any, pad_id: int, generations: int
+                             image_processor: Any, pad_id: int, generations: int, dummy: Dummy | None = None
                              ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets (B*G, K), mask (B*G, K), suffix index (K,)) of ``groups``: each (root ids, root screenshots,
     G members). One packed row a group (``shared_prefix.pack_group``): the root left-padded, then each member's
     suffix right-padded, the screenshots in that order; every token at the position of its trajectory's one-piece
     row (the root's own, each suffix's shifted past the root: ``suffix_positions``); logits kept at the K suffix
     places (the union over the batch) whose next token is an action token. A group with no root (every reset
-    failed) is one pad token and no member tokens, masked."""
+    failed) is one pad token and no member tokens, masked; with ``dummy``, when no group has a root, the first holds
+    the dummy screenshot as its root instead (``_with_dummy``)."""
     G = generations
+    groups = list(groups)
+    if dummy is not None and groups and not any(root for root, _, _ in groups):
+        groups[0] = (list(dummy[0]), [dummy[1]], [([], [], [])] * G)
     groups = [(root, images, members) if root else ([pad_id], [], [([], [], [])] * G) for root, images, members in groups]
     if any(len(members) != G for _, _, members in groups):
         raise RuntimeError(f"a packed group of trajectories does not hold {G} members; please report this")

@@ -66,14 +66,15 @@ class AgentMixin(AgentPlayMixin):
                 packed = [(*e.trajectory.rows(), list(e.trajectory.images)) if e.root is not None else ([], [], [])
                           for e in members]
                 groups.append(([], [], packed) if root is None else (list(root.ids), list(root.images), packed))
-            inputs, targets, mask, index = packed_trajectory_inputs(self.model, groups, image_processor, pad, G)
+            inputs, targets, mask, index = packed_trajectory_inputs(self.model, groups, image_processor, pad, G,
+                                                                    self._agent_dummy())
             width = inputs[shared_prefix.KWARG].completion_length
 
             def kept(values: list[list[float]]) -> torch.Tensor:
                 return suffix_values(values, width, index)
         else:
             rows = [([], [], []) if e.root is None else _row(e) for e in episodes]  # failed at reset: no loss
-            inputs, targets, mask = trajectory_inputs(self.model, rows, image_processor, pad)
+            inputs, targets, mask = trajectory_inputs(self.model, rows, image_processor, pad, self._agent_dummy())
             width, index = inputs["input_ids"].size(1), inputs[ACTION_INDEX]
             roots = [len(e.root.ids) if e.root is not None else 0 for e in episodes]
 
@@ -84,6 +85,21 @@ class AgentMixin(AgentPlayMixin):
         inputs = self._prepare_input(inputs)
         device = inputs["input_ids"].device
         return inputs, targets.to(device), mask.to(device), lambda values: kept(values).to(device)
+
+    def _agent_dummy(self) -> tuple[list[int], Any] | None:
+        """Under ZeRO-3 on several ranks: a blank screenshot in the pinned frame and its tokens, for a micro-batch
+        with no screenshot (every task of it failed at reset). The vision tower's weights are gathered by all ranks
+        together as each runs it, so a rank that skipped it would wait forever; it runs it on this, masked, as LF's
+        collator adds a fake image for the same reason."""
+        if not (self._zero3() and self.accelerator.num_processes > 1):
+            return None
+        from PIL import Image
+
+        policy, config = self.agent.policy, self.model.config
+        height, width = policy.model_size(policy.factor, policy.factor)
+        pads = [config.image_token_id] * policy.image_tokens(height, width)
+        return ([config.vision_start_token_id, *pads, config.vision_end_token_id],
+                Image.new("RGB", (width, height), (128, 128, 128)))
 
     # --- the rollout -----------------------------------------------------------------------------------------------
 

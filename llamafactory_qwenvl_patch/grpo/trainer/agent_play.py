@@ -28,6 +28,7 @@ from llamafactory_qwenvl_patch.grpo.generation.agent_episodes import (
     Task,
     run_episodes,
 )
+from llamafactory_qwenvl_patch.grpo.generation.zero3_hooks import start_of_forward_hook_removed
 from llamafactory_qwenvl_patch.grpo.rollout.meta import META_COLUMN, TASK_COLUMN, decode_meta
 from llamafactory_qwenvl_patch.grpo.rollout.tensors import decode_kept
 from llamafactory_qwenvl_patch.grpo.rollout.turns import TurnRenderer
@@ -128,7 +129,8 @@ class AgentPlayMixin:
         """What one rollout of tasks samples with, entered by every rank together (the number of rollouts is the same
         on every rank; within one, each rank plays its trajectories for as many turns as they last, so nothing in it
         may be a collective): the vLLM engine, its weights synced here once per optimiser step; else the model of
-        ``_generation_model``, whose ZeRO-3 gather is entered once for all the turns."""
+        ``_generation_model``, whose ZeRO-3 gather is entered once for all the turns, with DeepSpeed's
+        start-of-forward hook set aside (``generation.zero3_hooks``)."""
         if self.vllm is not None:
             if self.run_state.vllm_step != self.state.global_step:
                 self._sync_weights(model)
@@ -136,7 +138,11 @@ class AgentPlayMixin:
             yield model
             return
         with self._generation_model(model) as unwrapped:
-            yield unwrapped
+            if not self._zero3():
+                yield unwrapped
+                return
+            with start_of_forward_hook_removed(model):  # its collectives would pair the ranks' forwards wrongly
+                yield unwrapped
 
     def _agent_sampler(self, model: Any, meta: list[SampleMeta], greedy: bool = False) -> Sampler:
         """One action per row, on whole rows with all their screenshots: HF ``generate`` on the model of

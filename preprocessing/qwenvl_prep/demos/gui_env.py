@@ -7,8 +7,9 @@ pixels) opens the next screen; any other action leaves the screen as it is. Rewa
 last screen, 0 on every other step, so a trajectory's rewards sum to 1 exactly when it succeeds. The episode ends
 there, or on a ``done`` action. ``info["state_key"]`` is the index of the screen now shown (K once all are passed).
 
-The task (a record's ``meta``) may give ``screens`` (K, else the constructor's) and ``platform`` (``desktop``,
-``laptop``, ``phone``, ``tablet``; else drawn from the seed); the screens are a function of (task, seed) alone, so the
+The task (a record's ``meta``) may give ``screens`` (K, else the constructor's), ``platform`` (``desktop``,
+``laptop``, ``phone``, ``tablet``; else drawn from the seed) and ``faults`` (as the constructor's, for this task's
+episodes only: one task of a run can fail); the screens are a function of (task, seed) alone, so the
 G trajectories of a group start on one screen and a relaunch redraws the same tasks.
 
 Test switches (keyword arguments, JSON-able as ``grpo_agent_env_kwargs`` are): ``change_size`` (each next screen on
@@ -97,6 +98,18 @@ def _bad_image(fault: str, screen: TaskScreen) -> Any:
     return np.asarray(screen.image)  # not_image
 
 
+def _checked_faults(faults: Any) -> dict[str, str]:
+    if faults is None:
+        return {}
+    if not isinstance(faults, dict):
+        raise ValueError(f"faults must be an object of call: fault, got {faults!r}")
+    for call, fault in faults.items():
+        if not _CALL.fullmatch(str(call)) or fault not in FAULTS:
+            raise ValueError(f"fault {call!r}: {fault!r}: calls are reset, step1, step2, ..., close; faults are "
+                             f"{', '.join(FAULTS)}")
+    return dict(faults)
+
+
 class ClickThroughEnv:
     """K screens, each passed by pressing the control it names (see the module's docstring)."""
 
@@ -107,20 +120,19 @@ class ClickThroughEnv:
             raise ValueError(f"reader {reader!r} is not one of {', '.join(READERS)}")
         if not 1 <= controls <= MAX_CONTROLS:
             raise ValueError(f"controls must be 1 to {MAX_CONTROLS}, got {controls!r}")
-        for call, fault in (faults or {}).items():
-            if not _CALL.fullmatch(str(call)) or fault not in FAULTS:
-                raise ValueError(f"fault {call!r}: {fault!r}: calls are reset, step1, step2, ..., close; faults are "
-                                 f"{', '.join(FAULTS)}")
         self.screens, self.controls, self.change_size = _screen_count(screens), controls, change_size
-        self.reader, self.letter, self.faults = reader, letter, dict(faults or {})
+        self.reader, self.letter = reader, letter
+        self.run_faults = self.faults = _checked_faults(faults)  # the run's; an episode adds its task's own
         self.nondeterministic_reset, self.hang_seconds = nondeterministic_reset, hang_seconds
         self.task: dict = {}
         self.seed, self.count, self.index, self.steps, self.done = 0, 0, 0, 0, False
         self.screen: TaskScreen | None = None
 
     def reset(self, task: dict, seed: int) -> Observation:
+        task = dict(task or {})
+        self.faults = {**self.run_faults, **_checked_faults(task.get("faults"))}
         self._before("reset")
-        self.task, self.seed = dict(task or {}), seed
+        self.task, self.seed = task, seed
         self.count = _screen_count(self.task.get("screens", self.screens))
         self.index, self.steps, self.done = 0, 0, False
         observation = self._observe()

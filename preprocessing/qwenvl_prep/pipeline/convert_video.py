@@ -163,7 +163,7 @@ def clamp_span_ends(text: str, duration: float) -> tuple[str, list[str]]:
     clamped = []
     for item in value if isinstance(value, list) else [value]:
         span = item["span"]
-        if span[0].value < duration < span[1].value:
+        if span[0].value < float(end) and duration < span[1].value:  # a start past the floored end: left to check
             clamped.append(span[1].text)
             span[1] = json_text.Number(end)
     return (json_text.dumps(value, separators=(", ", ": ")) if clamped else text), clamped

