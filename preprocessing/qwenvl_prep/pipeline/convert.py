@@ -12,7 +12,7 @@ import itertools
 import json
 import os
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -36,6 +36,7 @@ from qwenvl_prep.pipeline.convert_video import ROTATION_MODES
 from qwenvl_prep.pipeline.dataset_info import SHAREGPT_ENTRY, check_dataset_name, merge_dataset_info
 from qwenvl_prep.plumbing.atomic import atomic_writer
 from qwenvl_prep.plumbing.outputs import check_output, require_regular_output
+from qwenvl_prep.plumbing.workers import abandon_pool
 
 INPUT_COORDS = {"abs": "orig", "rel1000": "rel1000", "rel1": "rel1"}
 EXIF_MODES = ("error", "bake", "raw")
@@ -175,8 +176,8 @@ def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Resul
     """Converted records in input order: in this process when there are no workers or a single chunk (a pool could
     not share one out), else in a pool that is closed and joined once every result is in. ``Pool.terminate``, which
     ``with Pool`` calls on leaving, takes the task queue's read lock for good while idle workers may still wait for
-    it (issue 33, class 11: a one-record convert hung there once in about 20 runs); it is left for errors and
-    signals."""
+    it (issue 33, class 11: a one-record convert hung there once in about 20 runs); errors and signals stop it with
+    ``abandon_pool``, since terminate can also wait forever there."""
     chunks = _chunks(_records(opts, stream), CHUNK)
     head = list(itertools.islice(chunks, 2))
     if opts.workers <= 1 or len(head) < 2:
@@ -184,11 +185,15 @@ def _results(opts: ConvertOptions, job: Job, stream: Iterable) -> Iterator[Resul
         for chunk in itertools.chain(head, chunks):
             yield from convert_chunk(chunk)
         return
-    with _pool_context().Pool(opts.workers, initializer=init_convert_worker, initargs=(job, os.getpid())) as pool:
+    pool = _pool_context().Pool(opts.workers, initializer=init_convert_worker, initargs=(job, os.getpid()))
+    try:
         for results in pool.imap(convert_chunk, itertools.chain(head, chunks)):
             yield from results
         pool.close()
         pool.join()
+    except BaseException:  # an error, a signal, or the caller stopped reading
+        abandon_pool(pool)
+        raise
 
 
 def _os_threads() -> int:
@@ -282,8 +287,10 @@ def _write_records(opts: ConvertOptions, job: Job, stream: Iterable, out: Any, s
     out.write("[\n" if as_array else "")
     first, errors = True, None
     kinds: dict[str, tuple[str, int]] = {}  # the first record with videos: their kind, its index
-    for result in tqdm(_results(opts, job, stream), desc="convert", unit=" rec",
-                       disable=None if opts.progress else True):
+    # closed as the stack unwinds: an error or a signal stops the pool now, not when (or whether) the suspended
+    # generator is collected, which may be after the pool's own finalizer ran at exit (``_results``)
+    results = stack.enter_context(closing(_results(opts, job, stream)))
+    for result in tqdm(results, desc="convert", unit=" rec", disable=None if opts.progress else True):
         stats["records"] += 1
         if result.error is None and result.video_kind is not None:
             kind, first_index = kinds.setdefault("first", (result.video_kind, result.index))

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import warnings
+from multiprocessing.pool import TERMINATE
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -57,3 +58,27 @@ def _die_with(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="qwenvl-prep-parent-watch", daemon=True).start()
+
+
+def abandon_pool(pool: Any) -> None:
+    """Stop a ``multiprocessing.Pool`` that a run leaves on an error or a signal, without ``Pool.terminate``, which
+    can wait forever: it takes the task queue's read lock, which an idle worker waiting for a task holds, and it joins
+    its task handler after sending the workers SIGTERM, while a worker that died writing a result holds the result
+    queue's lock, so the handler never puts its last message (issue 33's stress test, once in a few hundred stops).
+    The worker handler is stopped first (else it starts new workers for the killed ones), then the workers are killed
+    and reaped, and the pool's own finalizer (``terminate``, also run at exit) is cancelled; the task and result
+    handler threads are daemons: they end with the process (a process that goes on keeps them, idle)."""
+    names = ("_pool", "_terminate", "_worker_handler", "_change_notifier", "_state")
+    if not all(hasattr(pool, name) for name in names) or not callable(getattr(pool._terminate, "cancel", None)):
+        pool.terminate()  # another Python's Pool: its own stop, with its own risk
+        return
+    pool._terminate.cancel()
+    pool._state = TERMINATE
+    pool._worker_handler._state = TERMINATE
+    pool._change_notifier.put(None)  # wakes the worker handler, which then ends without starting a worker
+    pool._worker_handler.join(timeout=10)
+    for process in list(pool._pool):
+        if process.exitcode is None:
+            process.kill()
+    for process in list(pool._pool):
+        process.join(timeout=10)
