@@ -111,7 +111,9 @@ def test_two_ranks_share_one_tensor_parallel_engine(small_model, grpo_data):
 def test_two_ranks_share_one_tensor_parallel_engine_over_turns(small_model, tmp_path):
     """``grpo_vllm_tensor_parallel_size: 2`` on 2 ranks: one engine over both, whose every call both ranks join, so
     they take each turn together; the rank whose task ended after one turn joins the next two calls with no request,
-    and the engine samples the training model's distribution on both ranks' action tokens. Here, not among the agent
+    and the engine samples the training model's distribution on both ranks' action tokens (log-prob gap ~0,
+    importance weights ~1); every turn in its screenshot's frame, every action in its pixels (Qwen2.5-VL's vLLM agent
+    run: the single-rank ones are Qwen3-VL's and Qwen3.5's). Here, not among the agent
     runs: the two tensor-parallel runs must not overlap (vLLM's CPU engines under torchrun name their shared memory
     alike: the second fails with errno 17), and pytest-xdist runs a file's tests on one worker."""
     from helpers import run_ranks
@@ -123,4 +125,5 @@ def test_two_ranks_share_one_tensor_parallel_engine_over_turns(small_model, tmp_
     result = run_ranks(["llamafactory-cli", "train"], config, tmp_path / "run")
     for row in check_uneven_run(out, result, 28):
         assert row["vllm/logp_diff/mean"] < 1e-3 and abs(row["vllm/mismatch/kl"]) < 1e-3
+        assert 0.5 < row["vllm/is_weight/mean"] <= 3.0
     assert "tensor_parallel_size=2" in result.stdout + result.stderr  # vLLM's engine config
