@@ -115,3 +115,29 @@ def test_a_stop_caught_in_process_does_not_quiet_the_next_run():
               "with stop_signals():\n    thread = threading.Thread(target=fail)\n    thread.start()\n    thread.join()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "in the next run" in done.stderr, done.stderr[-2000:]
+
+
+def _sleep_forever(_):
+    import time
+
+    time.sleep(3600)
+
+
+def test_an_abandoned_pool_is_gone_at_once_and_starts_no_worker():
+    """``abandon_pool`` (convert's stop on an error or a signal, where ``Pool.terminate`` can wait forever): workers
+    busy on a task or idle on the task queue are killed and reaped, the worker handler starts none in their place,
+    and the pool's finalizer is cancelled, so exit does not run ``terminate`` after all."""
+    import multiprocessing
+    import time
+
+    from qwenvl_prep.plumbing.workers import abandon_pool
+
+    pool = multiprocessing.get_context("fork").Pool(3)
+    pool.map_async(_sleep_forever, [0])  # one worker busy for an hour, two waiting for a task
+    time.sleep(0.5)
+    workers = list(pool._pool)
+    begun = time.monotonic()
+    abandon_pool(pool)
+    assert time.monotonic() - begun < 10
+    assert all(w.exitcode is not None for w in workers) and not pool._worker_handler.is_alive()
+    assert all(w in workers for w in pool._pool) and not pool._terminate.still_active()
