@@ -100,6 +100,17 @@ def video_policy_of(model_args: Any, policy: ResizePolicy) -> VideoPolicy:
     return VideoPolicy.from_lf_keys(keys, policy.factor, family.video_clock)
 
 
+def image_cache_mb_of(model_args: Any) -> int:
+    """``qwenvl_image_cache_mb``: a whole number of megabytes from 0 (no store) to ``MAX_CACHE_MB``."""
+    from llamafactory_qwenvl_patch.image_io.image_cache import MAX_CACHE_MB
+
+    value = getattr(model_args, "qwenvl_image_cache_mb", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CACHE_MB:
+        raise ValueError(f"qwenvl_image_cache_mb must be a whole number of megabytes from 0 to {MAX_CACHE_MB}, "
+                         f"got {value!r}")
+    return value
+
+
 def frame_list_fps_of(model_args: Any, video: VideoPolicy) -> float:
     """``qwenvl_frame_list_fps`` (default ``video_fps``, what LF assumes), refused when it is no rate at all."""
     value = getattr(model_args, "qwenvl_frame_list_fps", None)
@@ -232,6 +243,7 @@ def patch_model_loader(loader: ModuleType) -> None:
                 processor.qwenvl_frame_list_fps = tokenizer.qwenvl_frame_list_fps = frame_list_fps_of(model_args,
                                                                                                       video)
                 module["tokenizer"].qwenvl_serving = _serving_frame(policy, model_args)
+                tokenizer.qwenvl_image_cache_mb = image_cache_mb_of(model_args)
                 watch = _EXPORTED.get()
                 if watch is not None and getattr(model_args, "export_dir", None):
                     watch.staging = stage(model_args.export_dir)  # LF reads export_dir only when it saves

@@ -50,6 +50,13 @@ def patch_parser(parser: ModuleType) -> None:
                       "damaged further in is named up front instead of failing at its batch (costs a decode of "
                       "every clip)."},
         )
+        qwenvl_image_cache_mb: int = field(
+            default=0,
+            metadata={"help": "Keep the model-input images (decoded, resized) of image files in memory up to this "
+                      "many megabytes a process (each dataloader worker has its own; set "
+                      "dataloader_persistent_workers: true to keep them across epochs), so an image drawn again in a "
+                      "later epoch is not decoded and resized again; the pixels are the same. 0 (the default): none."},
+        )
         qwenvl_answer_coords: str = field(
             default="model",
             metadata={"help": "Coordinates in chat/API answers: `model` (what the model says) or `original` (mapped "

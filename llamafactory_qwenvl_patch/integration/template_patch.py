@@ -26,7 +26,8 @@ def patch_template(template_module: ModuleType) -> None:
 
             pinned = copy(template)
             pinned.mm_plugin = pinned_plugin(template.mm_plugin, policy, tokenizer.qwenvl_video_policy,
-                                             tokenizer.qwenvl_frame_list_fps)
+                                             tokenizer.qwenvl_frame_list_fps,
+                                             getattr(tokenizer, "qwenvl_image_cache_mb", 0))
             return pinned
 
         return wrapper

@@ -136,7 +136,8 @@ def run_agent_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: in
     model = small_model(out / "model", family, policy, logs, seed)
     common = full_training(family, data, "agent_train", policy)
     sft_yaml = write_yaml(out / "sft.yaml", {**sft_stage(common, model, out / "sft", steps, gui.SFT_BATCH),
-                                             "dataloader_num_workers": 1, "disable_gradient_checkpointing": True})
+                                             "dataloader_num_workers": 1, "dataloader_persistent_workers": True,
+                                             "disable_gradient_checkpointing": True})
     convert_and_check({"train": raw / "train.json"}, data, "agent", sft_yaml, ["--input-coords", "abs"], logs)
     grpo_steps = GRPO_STEPS if learning else GRPO_SMOKE_STEPS
     register_tasks(data, "agent_tasks", task_records(f"s{seed}-train-", grpo_steps * GRPO_TASKS))

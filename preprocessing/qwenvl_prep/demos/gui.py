@@ -288,7 +288,8 @@ def run_gui_demo(out: Path, steps: int, family: str = DEFAULT_FAMILY, seed: int 
     model = small_model(out / "model", family, policy, logs, seed)
     common = full_training(family, data, "gui_train", policy)
     sft_yaml = write_yaml(out / "sft.yaml", {**sft_stage(common, model, out / "sft", steps, SFT_BATCH),
-                                             "dataloader_num_workers": 1, "disable_gradient_checkpointing": True})
+                                             "dataloader_num_workers": 1, "dataloader_persistent_workers": True,
+                                             "disable_gradient_checkpointing": True})
     converted = convert_and_check({split: raw / f"{split}.json" for split in ("train", "grpo", "eval")}, data, "gui",
                                   sft_yaml, ["--format", "screenspot", "--target", "point", "--prompt", PROMPT], logs)
     evaluated: dict[str, Any] = {}
