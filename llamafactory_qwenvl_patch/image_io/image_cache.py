@@ -12,6 +12,7 @@ from typing import Any, Callable
 from PIL import Image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.image_io.images import file_path
 
 MAX_CACHE_MB = 1 << 20  # 1 TiB: a bound on the key, not a recommendation
 
@@ -29,8 +30,8 @@ class ImageCache:
               ) -> Image.Image:
         """``make(source, policy)``, from the store when the same file was made under the same policy; a copy, so
         the caller may change it without touching the stored one."""
-        key = _file_key(source, policy)
-        if key is None or self.max_bytes <= 0:
+        key = _file_key(source, policy) if self.max_bytes > 0 else None
+        if key is None:
             return make(source, policy)
         stored = self._entries.get(key)
         if stored is not None:
@@ -54,17 +55,12 @@ def _nbytes(image: Image.Image) -> int:
 
 
 def _file_key(source: Any, policy: ResizePolicy) -> tuple | None:
-    """The identity of a file input (a path, a ``file://`` URL, or LF's ``{"path": ...}`` without bytes), or None."""
-    if isinstance(source, dict):
-        if source.get("bytes") is not None:
-            return None
-        source = source.get("path")
-    if isinstance(source, str) and source.startswith("file://"):
-        source = source[len("file://"):]
-    if not isinstance(source, (str, os.PathLike)):
+    """The identity of the file an input names (``images.file_path``) under ``policy``, or None."""
+    path = file_path(source)
+    if path is None:
         return None
     try:
-        st = os.stat(source)
+        st = os.stat(path)
     except (OSError, ValueError):
         return None  # the maker names what is wrong
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, policy.min_pixels, policy.max_pixels, policy.factor)

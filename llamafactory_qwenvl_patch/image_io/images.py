@@ -89,18 +89,29 @@ def open_image(source: Any) -> Image.Image:
         return _open(source, name)
 
 
+def file_path(source: Any) -> str | os.PathLike | None:
+    """The file an LF image input names (a path, a ``file://`` URL, or ``{"path": ...}`` without bytes), or None."""
+    if isinstance(source, dict):
+        if source.get("bytes") is not None:
+            return None
+        source = source.get("path")
+    if isinstance(source, str) and source.startswith("file://"):
+        source = source[len("file://"):]
+    return source if isinstance(source, (str, os.PathLike)) else None
+
+
 def _open(source: Any, name: str) -> Image.Image:
     try:
         if isinstance(source, Image.Image):
             return source
+        path = file_path(source)
+        if path is not None:
+            require_regular_file(path)
+            return Image.open(path)
         if isinstance(source, dict):
             source = source["bytes"] if source.get("bytes") is not None else source["path"]
         if isinstance(source, bytes):
             return Image.open(BytesIO(source))
-        if isinstance(source, str) and source.startswith("file://"):
-            source = source[len("file://"):]
-        if isinstance(source, (str, os.PathLike)):
-            require_regular_file(source)
         return Image.open(source)
     except FileNotFoundError:
         raise ImageError(f"image {name}: file not found") from None

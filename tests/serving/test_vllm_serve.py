@@ -250,9 +250,10 @@ def test_llamafactory_api_on_vllm_keeps_the_frame_and_maps_answers(exported):
 # Qwen3-VL and Qwen2-VL on vLLM 0.28: its server is the same code for every family (Qwen2.5-VL's run above), the
 # video chain serves Qwen3-VL's clip token for token (tests/cli/test_video_chain.py), predict's vLLM backend takes
 # both families' images at several sizes (tests/cli/test_predict_vllm.py), and LF's vLLM engine hands every family
-# the same plan (Qwen2.5-VL's run above), so they run here on the newest release only. Qwen3.5 is Qwen3-VL's image and video path class for
-# class on both releases (test_vllm_reads_qwen3_5_as_qwen3_vl): it runs here on the newest, for both; on 0.28 the
-# video chain's Qwen3-VL run serves that path, and the hybrid's engine runs in tests/unit/grpo/test_vllm_rollout.py.
+# the same plan (Qwen2.5-VL's run above), so they run here on the newest release only. Qwen3.5 is Qwen3-VL's image
+# and video path class for class on both releases (test_vllm_reads_qwen3_5_as_qwen3_vl): it runs here on the newest,
+# for both; on 0.28 the video chain's Qwen3-VL run serves that path, and the hybrid's engine runs in
+# tests/unit/grpo/test_vllm_rollout.py.
 @pytest.mark.parametrize("family, version", [("qwen3_5", "newest"), ("qwen2_vl", "newest")])
 def test_other_families_are_served_in_the_training_frame(request, family_export, tmp_path, family, version):
     """Qwen3.5 exports (patch 16, factor 32) and Qwen2-VL's (factor 28, 0-1000 boxes, the group index for a clock):

@@ -57,7 +57,7 @@ def test_a_changed_file_another_policy_or_no_file_is_made_anew(tmp_path):
     os.utime(path, ns=(1, 1))  # touched
     cache.image(path, POLICY, make)
     cache.image(path, ResizePolicy(16 * 28 * 28, 32 * 28 * 28, 28), make)
-    data = open(path, "rb").read()
+    data = (tmp_path / "a.jpg").read_bytes()
     cache.image({"bytes": data, "path": path}, POLICY, make)
     cache.image({"bytes": data, "path": path}, POLICY, make)
     assert len(made) == 6 and cache.hits == 0
