@@ -145,16 +145,31 @@ def decode(image: Image.Image, name: str) -> Image.Image:
     return image
 
 
+def _model_size(image: Image.Image, policy: ResizePolicy, name: str) -> tuple[int, int]:
+    try:
+        return policy.model_size(image.height, image.width)
+    except PolicyError as exc:
+        raise ImageError(f"image {name}: {exc}") from None
+
+
+def model_input_size(source: Any, policy: ResizePolicy) -> tuple[int, int]:
+    """(height, width) of the image ``model_input_image`` makes, from the header alone: counting an image's tokens
+    (LF's tokenization of a whole dataset) then decodes nothing."""
+    image = open_image(source)
+    try:
+        return _model_size(image, policy, describe(source))
+    finally:
+        if image is not source:
+            image.close()
+
+
 def model_input_image(source: Any, policy: ResizePolicy) -> Image.Image:
     """The RGB image the vision encoder sees: ``qwen_vl_utils.fetch_image`` with the policy's pinned bounds."""
     from qwen_vl_utils import fetch_image
 
     name = describe(source)
     image = decode(open_image(source), name)
-    try:
-        expected = policy.model_size(image.height, image.width)
-    except PolicyError as exc:
-        raise ImageError(f"image {name}: {exc}") from None
+    expected = _model_size(image, policy, name)
     out = fetch_image(
         {"image": image, "min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels},
         image_patch_size=policy.patch_size,

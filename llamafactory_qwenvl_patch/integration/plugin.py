@@ -14,7 +14,7 @@ from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.image_cache import process_cache
-from llamafactory_qwenvl_patch.image_io.images import model_input_image
+from llamafactory_qwenvl_patch.image_io.images import model_input_image, model_input_size
 from llamafactory_qwenvl_patch.integration import lf_compat
 from llamafactory_qwenvl_patch.integration.video_plugin import PinnedVideos, PinnedVideoStamps
 
@@ -38,6 +38,25 @@ class _PinnedStills:
     def _regularize_images(self, images: list[Any], **kwargs: Any) -> dict[str, Any]:
         policy, cache = self.policy, process_cache(self.qwenvl_image_cache_mb)
         return {"images": [cache.image(image, policy, model_input_image) for image in images]}
+
+    def _get_mm_token_metadata(self, images: list[Any], videos: list[Any], audios: list[Any], processor: Any
+                               ) -> dict[str, Any] | None:
+        """Token counts without pixels: LF 0.9.5 made every image's pixels (decoded, resized, normalised) to count
+        its tokens while tokenizing a dataset, then made them again in the collator. The grid now comes from the
+        header and the policy (``model_input_size``) wherever the image processor keeps a frame-sized image as it
+        is, which it does under its own bounds unless they are narrower than the policy's; otherwise from pixels."""
+        import torch
+
+        tokens = super()._get_mm_token_metadata([], videos, audios, processor)
+        if tokens is None or not images:
+            return tokens
+        sizes = [model_input_size(image, self.policy) for image in images]
+        patch, image_processor = self.policy.patch_size, processor.image_processor
+        patches = getattr(image_processor, "get_number_of_image_patches", None)
+        if patches is None or any(patches(h, w, {}) != (h // patch) * (w // patch) for h, w in sizes):
+            return {**tokens, "image_grid_thw": self._get_mm_inputs(images, [], [], processor)["image_grid_thw"]}
+        grid = [[1, h // patch, w // patch] for h, w in sizes]
+        return {**tokens, "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
 
 
 @dataclass

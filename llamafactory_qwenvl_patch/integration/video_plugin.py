@@ -111,7 +111,7 @@ class PinnedVideoStamps(PinnedVideos):
             return super().process_messages(messages, images, videos, audios, processor)
         self._validate_input(processor, images, videos, audios)
         self._validate_messages(messages, images, videos, audios)
-        image_grid_thw = self._get_mm_inputs(images, [], [], processor).get("image_grid_thw", []) if images else []
+        image_grid_thw = self._get_mm_token_metadata(images, [], [], processor)["image_grid_thw"] if images else []
         video_meta = self._get_video_token_metadata(videos, processor)
         image_merge = processor.image_processor.merge_size ** 2
         video_merge = processor.video_processor.merge_size ** 2
