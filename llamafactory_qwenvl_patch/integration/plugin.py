@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from llamafactory_qwenvl_patch.frame.families import DEFAULT_FACTOR
-from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy import PolicyError, ResizePolicy
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.image_cache import process_cache
 from llamafactory_qwenvl_patch.image_io.images import model_input_image, model_input_size
@@ -42,21 +42,29 @@ class _PinnedStills:
     def _get_mm_token_metadata(self, images: list[Any], videos: list[Any], audios: list[Any], processor: Any
                                ) -> dict[str, Any] | None:
         """Token counts without pixels: LF 0.9.5 made every image's pixels (decoded, resized, normalised) to count
-        its tokens while tokenizing a dataset, then made them again in the collator. The grid now comes from the
-        header and the policy (``model_input_size``) wherever the image processor keeps a frame-sized image as it
-        is, which it does under its own bounds unless they are narrower than the policy's; otherwise from pixels."""
+        its tokens while tokenizing a dataset, then made them again in the collator. Where the image processor
+        holds the policy's bounds (``pin_processor`` puts them there), it keeps a frame-sized image as it is, so the
+        grid is the frame's, from the header (``model_input_size``); with other bounds it comes from the pixels."""
         import torch
 
         tokens = super()._get_mm_token_metadata([], videos, audios, processor)
         if tokens is None or not images:
             return tokens
-        sizes = [model_input_size(image, self.policy) for image in images]
-        patch, image_processor = self.policy.patch_size, processor.image_processor
-        patches = getattr(image_processor, "get_number_of_image_patches", None)
-        if patches is None or any(patches(h, w, {}) != (h // patch) * (w // patch) for h, w in sizes):
+        if not self._keeps_the_frame(processor.image_processor):
             return {**tokens, "image_grid_thw": self._get_mm_inputs(images, [], [], processor)["image_grid_thw"]}
-        grid = [[1, h // patch, w // patch] for h, w in sizes]
+        patch = self.policy.patch_size
+        grid = [[1, h // patch, w // patch] for h, w in (model_input_size(image, self.policy) for image in images)]
         return {**tokens, "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
+
+    def _keeps_the_frame(self, image_processor: Any) -> bool:
+        """The processor's bounds are the policy's, in ``size`` and in the ``min_pixels`` / ``max_pixels`` that
+        transformers 4.57's processors resize with where set (``set_image_processor_bounds`` writes both)."""
+        try:
+            same = ResizePolicy.from_processor(image_processor) == self.policy
+        except (PolicyError, AttributeError, TypeError, ValueError):
+            return False
+        return same and all(getattr(image_processor, name, None) in (None, value) for name, value
+                            in (("min_pixels", self.policy.min_pixels), ("max_pixels", self.policy.max_pixels)))
 
 
 @dataclass

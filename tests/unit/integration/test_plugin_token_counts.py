@@ -1,7 +1,7 @@
 """The pinned plugins count an image's tokens from its header (what LF's tokenization of a dataset asks for), and the
 count is the one the pixels give in the collator: equal grids on odd sizes for both factors, for paths, bytes and
-in-memory images; nothing is decoded to count; and a processor whose own bounds would resize a frame-sized image
-is asked with pixels, as before."""
+in-memory images; nothing is decoded to count; and a processor whose bounds are not the policy's (it would resize a
+frame-sized image) is asked with pixels, as before."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from llamafactory_qwenvl_patch.frame.policy import ResizePolicy
+from llamafactory_qwenvl_patch.frame.policy_record import set_image_processor_bounds
 from llamafactory_qwenvl_patch.frame.video import VideoPolicy
 from llamafactory_qwenvl_patch.image_io.images import ImageError
 
@@ -25,7 +26,9 @@ def image_file(path, size, seed=0):
     return str(path)
 
 
-def plugin_and_processor(model, template, factor):
+def plugin_and_processor(model, template, factor, processor_policy="pinned"):
+    """The pinned plugin and the folder's processor, its bounds pinned to the policy as a run pins them
+    (``pin_processor``), or to ``processor_policy``, or left as the folder has them (None)."""
     from llamafactory.data.template import TEMPLATES
     from transformers import AutoProcessor
 
@@ -33,13 +36,18 @@ def plugin_and_processor(model, template, factor):
 
     policy = ResizePolicy(16 * factor * factor, 256 * factor * factor, factor)
     video = VideoPolicy(2048, 12288, factor, 2.0, 16, "seconds" if factor == 28 else "stamps")
-    return pinned_plugin(TEMPLATES[template].mm_plugin, policy, video, 2.0), AutoProcessor.from_pretrained(model)
+    processor = AutoProcessor.from_pretrained(model)
+    if processor_policy is not None:
+        set_image_processor_bounds(processor.image_processor,
+                                   policy if processor_policy == "pinned" else processor_policy)
+    return pinned_plugin(TEMPLATES[template].mm_plugin, policy, video, 2.0), processor
 
 
 @pytest.mark.parametrize("fixture, template, factor", [("tiny_model", "qwen2_vl", 28),
                                                        ("tiny_model_qwen3", "qwen3_vl_nothink", 32)])
-def test_header_counts_equal_the_pixels(tmp_path, request, fixture, template, factor):
-    plugin, processor = plugin_and_processor(request.getfixturevalue(fixture), template, factor)
+@pytest.mark.parametrize("bounds", ["pinned", None])
+def test_header_counts_equal_the_pixels(tmp_path, request, fixture, template, factor, bounds):
+    plugin, processor = plugin_and_processor(request.getfixturevalue(fixture), template, factor, bounds)
     paths = [image_file(tmp_path / f"{i}.jpg", size, i) for i, size in enumerate(SIZES)]
     images = [*paths, {"bytes": open(paths[0], "rb").read(), "path": None}, Image.open(paths[1]).convert("RGB")]
     counted = plugin._get_mm_token_metadata(images, [], [], processor)["image_grid_thw"]
@@ -53,7 +61,7 @@ def test_header_counts_equal_the_pixels(tmp_path, request, fixture, template, fa
 
 def test_nothing_is_decoded_to_count(tmp_path, tiny_model):
     """A file whose header is whole and whose pixels are cut is counted from the header; its pixels still fail,
-    naming it, where the collator makes them."""
+    naming it, where the collator makes them, and where the processor's bounds are the folder's own."""
     plugin, processor = plugin_and_processor(tiny_model, "qwen2_vl", 28)
     whole = open(image_file(tmp_path / "whole.jpg", (1170, 2532)), "rb").read()
     cut = tmp_path / "cut.jpg"
@@ -62,12 +70,14 @@ def test_nothing_is_decoded_to_count(tmp_path, tiny_model):
     assert grid.tolist() == [[1, *(side // 14 for side in plugin.policy.model_size(2532, 1170))]]
     with pytest.raises(ImageError, match="cut.jpg"):
         plugin._get_mm_inputs([str(cut)], [], [], processor)
+    unpinned, processor = plugin_and_processor(tiny_model, "qwen2_vl", 28, None)
+    with pytest.raises(ImageError, match="cut.jpg"):
+        unpinned._get_mm_token_metadata([str(cut)], [], [], processor)
 
 
 def test_a_processor_that_would_resize_is_asked_with_pixels(tmp_path, tiny_model):
     """Bounds narrower than the policy's: the processor shrinks the frame-sized image, and the count follows it."""
-    plugin, processor = plugin_and_processor(tiny_model, "qwen2_vl", 28)
-    processor.image_processor.size = {"shortest_edge": 4 * 28 * 28, "longest_edge": 32 * 28 * 28}
+    plugin, processor = plugin_and_processor(tiny_model, "qwen2_vl", 28, ResizePolicy(4 * 28 * 28, 32 * 28 * 28, 28))
     path = image_file(tmp_path / "big.jpg", (3840, 2160))
     counted = plugin._get_mm_token_metadata([path], [], [], processor)["image_grid_thw"]
     made = plugin._get_mm_inputs([path], [], [], processor)["image_grid_thw"]
