@@ -159,7 +159,7 @@ def model_input_size(source: Any, policy: ResizePolicy) -> tuple[int, int]:
     try:
         return _model_size(image, policy, describe(source))
     finally:
-        if image is not source:
+        if image is not source and not hasattr(source, "read"):  # a caller's stream stays open for its pixels
             image.close()
 
 

@@ -50,21 +50,28 @@ class _PinnedStills:
         tokens = super()._get_mm_token_metadata([], videos, audios, processor)
         if tokens is None or not images:
             return tokens
-        if not self._keeps_the_frame(processor.image_processor):
+        sizes = [model_input_size(image, self.policy) for image in images]
+        if not self._keeps_the_frames(processor.image_processor, sizes):
             return {**tokens, "image_grid_thw": self._get_mm_inputs(images, [], [], processor)["image_grid_thw"]}
         patch = self.policy.patch_size
-        grid = [[1, h // patch, w // patch] for h, w in (model_input_size(image, self.policy) for image in images)]
+        grid = [[1, h // patch, w // patch] for h, w in sizes]
         return {**tokens, "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
 
-    def _keeps_the_frame(self, image_processor: Any) -> bool:
-        """The processor's bounds are the policy's, in ``size`` and in the ``min_pixels`` / ``max_pixels`` that
-        transformers 4.57's processors resize with where set (``set_image_processor_bounds`` writes both)."""
+    def _keeps_the_frames(self, image_processor: Any, sizes: list[tuple[int, int]]) -> bool:
+        """The processor keeps each frame-sized image as it is: its bounds are the policy's (in ``size``, and in the
+        ``min_pixels`` / ``max_pixels`` that transformers 4.57's processors resize with where set), and under them
+        its own resize (``get_number_of_image_patches``) leaves the frame whole. A frame outside its own bounds
+        (``smart_resize`` rounds up past ``max_pixels`` when the bounds are close, as in the fields demo's first
+        curriculum stage at min = max) is resized a second time, so its tokens come from the pixels."""
         try:
             same = ResizePolicy.from_processor(image_processor) == self.policy
         except (PolicyError, AttributeError, TypeError, ValueError):
             return False
-        return same and all(getattr(image_processor, name, None) in (None, value) for name, value
-                            in (("min_pixels", self.policy.min_pixels), ("max_pixels", self.policy.max_pixels)))
+        patches, patch = getattr(image_processor, "get_number_of_image_patches", None), self.policy.patch_size
+        return (same and patches is not None
+                and all(getattr(image_processor, name, None) in (None, value) for name, value
+                        in (("min_pixels", self.policy.min_pixels), ("max_pixels", self.policy.max_pixels)))
+                and all(patches(h, w, {}) == (h // patch) * (w // patch) for h, w in sizes))
 
 
 @dataclass
