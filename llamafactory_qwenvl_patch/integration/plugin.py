@@ -42,9 +42,9 @@ class _PinnedStills:
     def _get_mm_token_metadata(self, images: list[Any], videos: list[Any], audios: list[Any], processor: Any
                                ) -> dict[str, Any] | None:
         """Token counts without pixels: LF 0.9.5 made every image's pixels (decoded, resized, normalised) to count
-        its tokens while tokenizing a dataset, then made them again in the collator. Where the image processor
-        holds the policy's bounds (``pin_processor`` puts them there), it keeps a frame-sized image as it is, so the
-        grid is the frame's, from the header (``model_input_size``); with other bounds it comes from the pixels."""
+        its tokens while tokenizing a dataset, then made them again in the collator. Where the image processor keeps
+        every frame-sized image as it is (``_keeps_the_frames``), the grid is the frame's, from the header
+        (``model_input_size``); otherwise it comes from the pixels."""
         import torch
 
         tokens = super()._get_mm_token_metadata([], videos, audios, processor)
